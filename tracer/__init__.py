@@ -1,0 +1,1 @@
+"""The ghostgpu node tracer: sources (bpf, procfs, nvml) -> node state -> classify -> sinks."""

@@ -1,0 +1,150 @@
+"""The tracer's one typed configuration: defaults < config file (TOML) < GHOSTGPU_* env < flags.
+
+Host paths are settings because in a pod they are host mounts (/host/proc, /host/sys, ...).
+A bad value raises ConfigError with one line naming the key and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+VENDOR_PREFIXES: dict[str, tuple[str, ...]] = {
+    # /dev/nvidia covers nvidia0..N, nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/...
+    "nvidia": ("/dev/nvidia",),
+    "amd": ("/dev/kfd", "/dev/dri/renderD"),
+    "ascend": ("/dev/davinci",),
+}
+
+DEFAULT_SYSTEM_ALLOWLIST = (
+    "nvidia-persistenced",
+    "nv-hostengine",
+    "dcgm-exporter",
+    "nvidia-device-plugin",
+    "gpu-feature-discovery",
+    "nvidia-smi",
+    "ghostgpu",
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line naming the key."""
+
+
+@dataclass
+class TracerConfig:
+    node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME") or socket.gethostname())
+    proc_root: str = "/proc"
+    sys_root: str = "/sys"
+    cgroup_root: str = "/sys/fs/cgroup"
+    vendors: list[str] = field(default_factory=lambda: ["nvidia"])
+    device_prefixes: list[str] = field(default_factory=list)  # empty: derived from vendors
+    scan_interval_s: float = 30.0
+    nvml_interval_s: float = 1.0
+    grace_s: float = 2.0
+    system_allowlist: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEM_ALLOWLIST))
+    reaper_comms: list[str] = field(default_factory=lambda: ["systemd", "init"])
+    bpf: str = "auto"  # auto | on | off
+    bpf_max_fds: int = 65536
+    bpf_ringbuf_pages: int = 64
+    ioctl_poll_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        if self.device_prefixes:
+            return tuple(self.device_prefixes)
+        out: list[str] = []
+        for vendor in self.vendors:
+            out.extend(VENDOR_PREFIXES[vendor])
+        return tuple(out)
+
+    def validate(self) -> None:
+        for vendor in self.vendors:
+            if vendor not in VENDOR_PREFIXES:
+                raise ConfigError(f"vendors: unknown vendor {vendor!r}; use one of {sorted(VENDOR_PREFIXES)}")
+        for prefix in self.device_prefixes:
+            if not prefix.startswith("/") or len(prefix) > 40:
+                raise ConfigError(f"device_prefixes: {prefix!r} must be an absolute path of at most 40 bytes")
+        if len(self.prefixes) > 8:
+            raise ConfigError("device_prefixes: at most 8 prefixes are supported by the BPF matcher")
+        for name in ("scan_interval_s", "nvml_interval_s", "ioctl_poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ConfigError(f"grace_s: must be >= 0 seconds, got {self.grace_s}")
+        if self.bpf not in ("auto", "on", "off"):
+            raise ConfigError(f"bpf: must be auto, on or off, got {self.bpf!r}")
+        if not 64 <= self.bpf_max_fds <= 1 << 22:
+            raise ConfigError(f"bpf_max_fds: must be between 64 and 4194304, got {self.bpf_max_fds}")
+        pages = self.bpf_ringbuf_pages
+        if pages <= 0 or pages & (pages - 1):
+            raise ConfigError(f"bpf_ringbuf_pages: must be a power of two, got {pages}")
+        if not self.node_name:
+            raise ConfigError("node_name: empty; set --node-name or GHOSTGPU_NODE_NAME")
+
+
+def _coerce(key: str, typ: Any, raw: Any) -> Any:
+    """Turn a file/env/flag value into the field's type, or say which key is wrong."""
+    try:
+        if typ is float:
+            return float(raw)
+        if typ is int:
+            if isinstance(raw, bool):
+                raise ValueError("a boolean is not a number")
+            return int(raw)
+        if typ is str:
+            if not isinstance(raw, str):
+                raise ValueError(f"expected a string, got {type(raw).__name__}")
+            return raw
+        if typ == list[str]:
+            if isinstance(raw, str):
+                return [part.strip() for part in raw.split(",") if part.strip()]
+            if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+                return list(raw)
+            raise ValueError("expected a list of strings or a comma-separated string")
+    except ValueError as exc:
+        raise ConfigError(f"{key}: bad value {raw!r} ({exc})") from None
+    raise ConfigError(f"{key}: unsupported type {typ}")
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> TracerConfig:
+    """Merge the config file, GHOSTGPU_* environment and flag overrides (None values are unset)."""
+    env = dict(os.environ) if env is None else env
+    hints = get_type_hints(TracerConfig)
+    names = {f.name for f in fields(TracerConfig)}
+    values: dict[str, Any] = {}
+    path = path or env.get("GHOSTGPU_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: file {path} not found; fix --config or GHOSTGPU_CONFIG") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
+        data = data.get("tracer", data)
+        for key, raw in data.items():
+            if key not in names:
+                raise ConfigError(f"{key}: unknown key in {path}; known keys: {', '.join(sorted(names))}")
+            values[key] = _coerce(key, hints[key], raw)
+    for name in names:
+        raw = env.get(f"GHOSTGPU_{name.upper()}")
+        if raw is not None:
+            values[name] = _coerce(f"GHOSTGPU_{name.upper()}", hints[name], raw)
+    for key, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        if key not in names:
+            raise ConfigError(f"{key}: unknown setting")
+        values[key] = _coerce(key, hints[key], raw)
+    return TracerConfig(**values)

@@ -1,0 +1,141 @@
+"""The one event model every source speaks, and the views the classifier reads.
+
+All timestamps are nanoseconds since boot (CLOCK_BOOTTIME): the clock of bpf_ktime_get_boot_ns()
+and of /proc/PID/stat start times, so kernel events, scans and process ages compare directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ghostgpu.model import DeviceRef
+
+
+def boot_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+class EventKind(str, Enum):
+    OPEN = "open"  # first fd of a process on a device
+    CLOSE = "close"  # last fd of a process on a device closed (mapped=True: a mapping still holds it)
+    MMAP = "mmap"  # first mapping of a device by a process
+    UNMAP = "unmap"  # procfs: the mapping that held a closed device is gone
+    FORK = "fork"  # a holder forked a new process (child_pid); the child inherits its fds
+    EXEC = "exec"  # a holder exec'd: close-on-exec fds are gone, rescan it
+    EXIT = "exit"  # the whole thread group of a holder is dead
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class HolderEvent:
+    """A state change of one process's hold on one device, from the kernel or from a scan."""
+
+    kind: EventKind
+    source: str  # "bpf" | "procfs"
+    ts_ns: int  # since boot
+    pid: int  # host tgid
+    tid: int = 0
+    fd: int = -1
+    device: DeviceRef | None = None
+    cgroup_id: int = 0  # cgroup v2 id from bpf_get_current_cgroup_id(); 0 when unknown
+    child_pid: int = 0  # FORK only
+    mapped: bool = False  # CLOSE: a mapping still holds the device
+
+
+@dataclass
+class ProcessInfo:
+    """Who a host PID is. Read from /proc once per process; start_ticks guards against PID reuse."""
+
+    pid: int
+    start_ticks: int | None = None  # /proc/PID/stat field 22, clock ticks since boot
+    ns_pid: int | None = None  # last field of NSpid: in /proc/PID/status
+    comm: str = ""
+    exe: str = ""
+    cmdline: str = ""
+    uid: int | None = None
+    ppid: int | None = None
+    state: str = ""  # one letter of /proc/PID/stat: R S D Z T ...
+    threads: int = 0  # live tasks under /proc/PID/task (a zombie leader keeps the group alive)
+    cgroup_path: str = ""
+    container_id: str = ""
+    pod_uid: str = ""
+    runtime: str = ""
+    parent_comm: str = ""
+    parent_container_id: str = ""
+    alive: bool = True  # False when it was gone before /proc could be read (identity from cgroup id)
+
+    @property
+    def leader_zombie(self) -> bool:
+        """The thread-group leader exited but other threads live on (and may hold the device)."""
+        return self.state == "Z" and self.threads > 1
+
+
+@dataclass
+class DeviceHold:
+    """How one process holds one device."""
+
+    device: DeviceRef
+    fds: set[int] = field(default_factory=set)
+    mapped: bool = False
+    first_seen_ns: int = 0
+    source: str = ""  # who saw it first: "bpf" | "procfs"
+    via_tasks: bool = False  # found under /proc/PID/task/*/fd because the leader is gone
+
+    @property
+    def held(self) -> bool:
+        return bool(self.fds) or self.mapped
+
+
+@dataclass
+class Holder:
+    process: ProcessInfo
+    holds: dict[str, DeviceHold] = field(default_factory=dict)  # by device path
+    ioctl_counts: dict[int, int] = field(default_factory=dict)  # ioctl request word -> count
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass(frozen=True)
+class NvmlProcess:
+    pid: int
+    used_gpu_memory_bytes: int | None  # None: NVML said "not available" (e.g. no permission, MIG)
+    kind: str = "compute"  # "compute" | "graphics"
+
+
+@dataclass(frozen=True)
+class NvmlGpu:
+    index: int
+    uuid: str
+    minor: int | None
+    name: str = ""
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    mig_mode: bool | None = None
+    processes: tuple[NvmlProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class NvmlView:
+    """What the driver reports. available=False means no driver, GPU or library: see error."""
+
+    available: bool
+    ts_ns: int = 0
+    driver_version: str = ""
+    gpus: tuple[NvmlGpu, ...] = ()
+    error: str = ""
+
+    def gpu_by_minor(self, minor: int) -> NvmlGpu | None:
+        for gpu in self.gpus:
+            if gpu.minor == minor:
+                return gpu
+        return None
+
+
+# What one /proc scan found: host PID -> device path -> how it is held (fds, mapping).
+ProcView = dict[int, dict[str, DeviceHold]]
