@@ -1,0 +1,293 @@
+"""The long-running node agent: sources -> node state -> classify -> sinks.
+
+One thread, one loop: wait on the BPF ring buffer (or the stop event when BPF is off), apply
+what arrived, and on their own clocks read NVML, rescan /proc, read ioctl counters and
+re-classify. Everything that changes goes to the sink as it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ghostgpu.model import Consumer
+from tracer import records
+from tracer.cgroup import CgroupIdResolver
+from tracer.classify import ClassifyConfig, classify, diff_consumers
+from tracer.config import TracerConfig
+from tracer.devices import DeviceCatalog
+from tracer.events import EventKind, HolderEvent, NvmlView, ProcessInfo, ProcView, boot_ns
+from tracer.nvml import NvmlSource
+from tracer.procfs import ProcScanner, parse_stat, read_process, ticks_to_boot_ns
+from tracer.sinks import Sink
+from tracer.state import NodeState
+
+log = logging.getLogger("ghostgpu.tracer")
+
+CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grace period ends
+
+
+class Tracer:
+    def __init__(self, cfg: TracerConfig, sink: Sink) -> None:
+        self.cfg = cfg
+        self.sink = sink
+        self.catalog = DeviceCatalog(cfg.prefixes, cfg.proc_root)
+        self.scanner = ProcScanner(self.catalog, cfg.proc_root)
+        self.cgroups = CgroupIdResolver(cfg.cgroup_root)
+        self.nvml_source = NvmlSource()
+        self.nvml = NvmlView(available=False, error="NVML not read yet")
+        self.state = NodeState(self._identify, exists=self._exists)
+        self.bpf: Any = None  # tracer.bpf_source.BpfSource when the kernel side runs
+        self.consumers: dict[Any, Consumer] = {}
+        self.nvml_first_listed: dict[tuple[str, int], int] = {}
+        self.ioctls: dict[int, dict[tuple[str, int], int]] = {}
+        self.stop_event = threading.Event()
+        self.own_pids = {os.getpid()}
+        self._due: dict[str, float] = {}
+        self._dirty = True
+        self._bpf_stats: dict[str, int] = {}
+
+    # --- identity -------------------------------------------------------------------------
+
+    def _identify(self, pid: int, cgroup_id: int) -> ProcessInfo | None:
+        info = read_process(pid, self.cfg.proc_root)
+        if info is None:
+            # Gone before we could read /proc (a 20 ms job): the kernel's cgroup id still says
+            # which container it ran in.
+            info = ProcessInfo(pid=pid, alive=False)
+        if not info.container_id and cgroup_id:
+            ident = self.cgroups.identity_for(cgroup_id)
+            if ident is not None:
+                info.cgroup_path = info.cgroup_path or ident.path
+                info.container_id, info.pod_uid, info.runtime = (
+                    ident.container_id, ident.pod_uid, ident.runtime)
+        return info
+
+    def _exists(self, pid: int) -> bool:
+        return os.path.exists(f"{self.cfg.proc_root}/{pid}")
+
+    def _start_ticks(self, pid: int) -> int | None:
+        try:
+            with open(f"{self.cfg.proc_root}/{pid}/stat") as f:
+                stat = parse_stat(f.read())
+        except OSError:
+            return None
+        return stat.start_ticks if stat else None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._start_bpf()
+        self._read_nvml()
+        if not self.nvml.available:
+            self._notice("nvml", f"{self.nvml.error}; classes that need NVML are reported as unknown")
+        # BPF is attached before the first scan, so nothing opened in between slips through;
+        # what both see is merged by the node state.
+        self._scan(initial=True)
+        self._classify()
+
+    def _start_bpf(self) -> None:
+        if self.cfg.bpf == "off":
+            self._notice("bpf", "BPF disabled by configuration; only /proc scans find holders")
+            return
+        from tracer.bpf_source import BpfSource, BpfUnavailable
+
+        source = BpfSource(
+            self.cfg.prefixes,
+            max_fds=self.cfg.bpf_max_fds,
+            ringbuf_pages=self.cfg.bpf_ringbuf_pages,
+            classify=self._device_ref,
+        )
+        try:
+            source.start()
+        except BpfUnavailable as exc:
+            if self.cfg.bpf == "on":
+                raise
+            self._notice("bpf", f"{exc}; running on /proc scans every {self.cfg.scan_interval_s:g} s only")
+            return
+        self.bpf = source
+
+    def _device_ref(self, path: str) -> Any:
+        ref = self.catalog.match(path)
+        if ref is None:  # the kernel matched a prefix, so it is a GPU device file all the same
+            from tracer.devices import classify_device_path
+
+            ref = classify_device_path(path)
+        return ref
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        if self.bpf is not None:
+            self.bpf.close()
+            self.bpf = None
+        self.nvml_source.close()
+
+    def run(self) -> None:
+        try:
+            self.start()
+            while not self.stop_event.is_set():
+                self.step()
+        finally:
+            self.close()
+
+    def _is_due(self, what: str, interval_s: float) -> bool:
+        now = time.monotonic()
+        if now >= self._due.get(what, 0.0):
+            self._due[what] = now + interval_s
+            return True
+        return False
+
+    def step(self, timeout_ms: int = 100) -> None:
+        if self.bpf is not None:
+            for ev in self.bpf.poll(timeout_ms):
+                self._handle(ev)
+        else:
+            self.stop_event.wait(timeout_ms / 1000)
+        if self._is_due("nvml", self.cfg.nvml_interval_s):
+            self._read_nvml()
+        if self._is_due("scan", self.cfg.scan_interval_s):
+            self._scan()
+        if self.bpf is not None and self._is_due("ioctl", self.cfg.ioctl_poll_interval_s):
+            self._read_ioctls()
+            self._report_bpf_stats()
+        if self._dirty or self._is_due("classify", CLASSIFY_INTERVAL_S):
+            self._classify()
+
+    # --- sources --------------------------------------------------------------------------
+
+    def _read_nvml(self) -> None:
+        view = self.nvml_source.read()
+        if view.available:
+            listed = {(gpu.uuid, p.pid) for gpu in view.gpus for p in gpu.processes}
+            for key in listed:
+                self.nvml_first_listed.setdefault(key, view.ts_ns)
+            for key in list(self.nvml_first_listed):
+                if key not in listed:
+                    del self.nvml_first_listed[key]
+        if view != self.nvml:
+            self._dirty = True
+        self.nvml = view
+
+    def _scan(self, initial: bool = False, pids: set[int] | None = None) -> None:
+        ts_ns = boot_ns()
+        view = self.scanner.scan(sorted(pids) if pids is not None else None)
+        events = self.state.reconcile(view, ts_ns, scanned_pids=pids)
+        for ev in events:
+            self._emit_event(ev, self.state.holders.get(ev.pid))
+        if initial:
+            # Holders found at start opened before we were watching: their grace period runs
+            # from the process start, not from our first look.
+            for holder in self.state.holders.values():
+                if holder.process.start_ticks is not None:
+                    started_ns = ticks_to_boot_ns(holder.process.start_ticks)
+                    for hold in holder.holds.values():
+                        hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
+        self._seed(view)
+        self._dirty = self._dirty or bool(events)
+
+    def _seed(self, view: ProcView) -> None:
+        if self.bpf is None:
+            return
+        for pid, holds in view.items():
+            fds = {fd: path for path, hold in holds.items() for fd in hold.fds}
+            mapped = [path for path, hold in holds.items() if hold.mapped]
+            self.bpf.seed(pid, fds, mapped)
+
+    def _read_ioctls(self) -> None:
+        self.ioctls = self.bpf.ioctl_counts()
+        for pid, counts in self.ioctls.items():
+            per_cmd: dict[int, int] = {}
+            for (_path, cmd), n in counts.items():
+                per_cmd[cmd] = per_cmd.get(cmd, 0) + n
+            self.state.set_ioctl_counts(pid, per_cmd)
+
+    def _report_bpf_stats(self) -> None:
+        stats = self.bpf.stats()
+        for name, value in stats.items():
+            before = self._bpf_stats.get(name, 0)
+            if value > before:
+                self._notice(f"bpf.{name}", f"{value - before} new ({value} in all): the kernel side lost "
+                             f"state; the next /proc scan reconciles")
+        self._bpf_stats = stats
+
+    # --- events ---------------------------------------------------------------------------
+
+    def _handle(self, ev: HolderEvent) -> None:
+        before = self.state.holders.get(ev.pid)
+        if ev.kind is EventKind.EXIT:
+            if before is None:
+                self.bpf.forget(ev.pid)
+                return
+            self._read_ioctls()
+            counts = self.ioctls.get(ev.pid, {})
+            self.state.apply(ev)
+            self._emit_event(ev, before, counts=counts)
+            self.bpf.forget(ev.pid)
+            self.ioctls.pop(ev.pid, None)
+            self._dirty = True
+            return
+        changes = self.state.apply(ev)
+        after = self.state.holders.get(ev.pid)
+        if ev.kind in (EventKind.FORK, EventKind.EXEC):
+            pid = ev.child_pid if ev.kind is EventKind.FORK else ev.pid
+            # The kernel cannot walk a process's fd table without reading kernel structs: read
+            # the child's (or the exec'd image's) fds from /proc and seed the kernel with them.
+            self._scan(pids={pid})
+            self._emit_event(ev, after or before)
+            self._dirty = True
+            return
+        if changes:
+            counts = self.ioctls.get(ev.pid, {}) if ev.kind is EventKind.CLOSE else None
+            self._emit_event(ev, after or before, counts=counts)
+            self._dirty = True
+
+    def _emit_event(self, ev: HolderEvent, holder: Any, counts: dict[tuple[str, int], int] | None = None,
+                    ) -> dict[str, Any]:
+        info = holder.process if holder is not None else None
+        devices = sorted(holder.holds) if holder is not None else []
+        if ev.device is not None and ev.device.path not in devices:
+            devices.append(ev.device.path)
+        rec = records.event_record(self.cfg.node_name, ev, info, devices, self.nvml)
+        if counts is not None:
+            kinds = {path: str(h.device.kind) for path, h in (holder.holds.items() if holder else ())}
+            rec["ioctls"] = records.ioctl_list(counts, kinds)
+        if ev.kind is EventKind.EXIT and holder is not None and holder.holds:
+            first = min(h.first_seen_ns for h in holder.holds.values())
+            rec["held_s"] = round(max(0, ev.ts_ns - first) / 1e9, 6)
+        self.sink.emit(rec)
+        return rec
+
+    # --- classification -------------------------------------------------------------------
+
+    def classify_config(self) -> ClassifyConfig:
+        return ClassifyConfig(
+            grace_ns=int(self.cfg.grace_s * 1e9),
+            system_allowlist=tuple(self.cfg.system_allowlist),
+            reaper_comms=tuple(self.cfg.reaper_comms),
+            own_pids=frozenset(self.own_pids),
+            nvml_first_listed=dict(self.nvml_first_listed),
+            boot_ns_of_ticks=ticks_to_boot_ns,
+        )
+
+    def current_consumers(self) -> list[Consumer]:
+        return classify(self.state.holders_snapshot(), self.nvml, boot_ns(), self.classify_config(),
+                        self.cfg.node_name, self._start_ticks)
+
+    def _classify(self) -> None:
+        self._dirty = False
+        new = self.current_consumers()
+        changed, resolved = diff_consumers(self.consumers, new)
+        for consumer in changed:
+            self.sink.emit(records.consumer_record("finding", consumer))
+        for consumer in resolved:
+            self.sink.emit(records.consumer_record("resolved", consumer))
+        self.consumers = {c.key: c for c in new}
+
+    def _notice(self, what: str, message: str) -> None:
+        log.warning("%s: %s", what, message)
+        self.sink.emit(records.notice_record(self.cfg.node_name, what, message))
