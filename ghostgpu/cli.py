@@ -72,9 +72,7 @@ def _install_signals(stop: Any) -> None:
 def cmd_snapshot(args: argparse.Namespace) -> int:
     from tracer.snapshot import render_table, take_snapshot
 
-    consumers, notices = take_snapshot(_config(args))
-    for notice in notices:
-        print(f"ghostgpu: {notice['what']}: {notice['message']}", file=sys.stderr)
+    consumers, _notices = take_snapshot(_config(args))  # notices were logged on stderr
     if args.output == "json":
         json.dump([c.to_json() for c in consumers], sys.stdout, indent=2, default=str)
         print()

@@ -80,6 +80,7 @@ class Tracer:
     # --- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._started_s = time.monotonic()
         self._start_bpf()
         self._read_nvml()
         if not self.nvml.available:
@@ -88,10 +89,14 @@ class Tracer:
         # what both see is merged by the node state.
         self._scan(initial=True)
         self._classify()
+        self.sink.emit({
+            "event": "ready", "ts": records.wall_ts(), "node": self.cfg.node_name,
+            "bpf": self.bpf is not None, "nvml": self.nvml.available,
+            "startup_s": round(time.monotonic() - self._started_s, 3), "holders": len(self.state.holders),
+        })
 
     def _start_bpf(self) -> None:
         if self.cfg.bpf == "off":
-            self._notice("bpf", "BPF disabled by configuration; only /proc scans find holders")
             return
         from tracer.bpf_source import BpfSource, BpfUnavailable
 
@@ -174,11 +179,21 @@ class Tracer:
         self.nvml = view
 
     def _scan(self, initial: bool = False, pids: set[int] | None = None) -> None:
+        if self.bpf is not None and pids is None:
+            # Apply what the kernel already reported before looking at /proc, so that a scan
+            # does not race the ring buffer for the same close or exit.
+            for ev in self.bpf.poll(0):
+                self._handle(ev)
         ts_ns = boot_ns()
+        before = dict(self.state.holders)
         view = self.scanner.scan(sorted(pids) if pids is not None else None)
         events = self.state.reconcile(view, ts_ns, scanned_pids=pids)
+        if events and self.bpf is not None:
+            self._read_ioctls()
         for ev in events:
-            self._emit_event(ev, self.state.holders.get(ev.pid))
+            holder = self.state.holders.get(ev.pid) or before.get(ev.pid)
+            counts = self.ioctls.get(ev.pid) if ev.kind in (EventKind.CLOSE, EventKind.EXIT) else None
+            self._emit_event(ev, holder, counts=counts)
         if initial:
             # Holders found at start opened before we were watching: their grace period runs
             # from the process start, not from our first look.
@@ -187,6 +202,7 @@ class Tracer:
                     started_ns = ticks_to_boot_ns(holder.process.start_ticks)
                     for hold in holder.holds.values():
                         hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
+            self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
         self._seed(view)
         self._dirty = self._dirty or bool(events)
 
@@ -242,7 +258,10 @@ class Tracer:
             self._dirty = True
             return
         if changes:
-            counts = self.ioctls.get(ev.pid, {}) if ev.kind is EventKind.CLOSE else None
+            counts = None
+            if ev.kind is EventKind.CLOSE and self.bpf is not None:
+                self._read_ioctls()  # the counts at the moment of the close, not a second ago
+                counts = self.ioctls.get(ev.pid, {})
             self._emit_event(ev, after or before, counts=counts)
             self._dirty = True
 
@@ -289,5 +308,6 @@ class Tracer:
         self.consumers = {c.key: c for c in new}
 
     def _notice(self, what: str, message: str) -> None:
-        log.warning("%s: %s", what, message)
+        if what != "nvml":  # the NVML source logs its own one line
+            log.warning("%s: %s", what, message)
         self.sink.emit(records.notice_record(self.cfg.node_name, what, message))

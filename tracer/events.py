@@ -105,7 +105,7 @@ class Holder:
 class NvmlProcess:
     pid: int
     used_gpu_memory_bytes: int | None  # None: NVML said "not available" (e.g. no permission, MIG)
-    kind: str = "compute"  # "compute" | "graphics"
+    kind: str = "compute"  # "compute" | "graphics" | "compute+graphics" (one entry per PID)
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,8 @@ class NvmlGpu:
     memory_used_bytes: int | None = None
     mig_mode: bool | None = None
     processes: tuple[NvmlProcess, ...] = ()
+    # False: NVML failed to list this GPU's processes (GPU lost, ...): absence is not evidence.
+    processes_known: bool = True
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ static void copy_str(char *dst, size_t size, const char *src, int underscores_to
 }
 
 static void parse_gpu(struct fake_state *st, char *rest) {
-    char *tok = strtok(rest, " \t\n");
+    char *save = NULL, *tok = strtok_r(rest, " \t\n", &save);
     if (!tok) return;
     unsigned int idx = (unsigned int)strtoul(tok, NULL, 0);
     if (idx >= MAX_GPUS) return;
@@ -105,7 +105,7 @@ static void parse_gpu(struct fake_state *st, char *rest) {
     g->minor = idx;
     g->fail_code = NVML_ERROR_GPU_IS_LOST;
     st->ngpus++;
-    while ((tok = strtok(NULL, " \t\n")) != NULL) {
+    while ((tok = strtok_r(NULL, " \t\n", &save)) != NULL) {
         char *val = strchr(tok, '=');
         if (!val) continue;
         *val++ = '\0';
@@ -123,8 +123,8 @@ static void parse_gpu(struct fake_state *st, char *rest) {
 }
 
 static void parse_proc(struct fake_state *st, char *rest) {
-    char *gpu = strtok(rest, " \t\n"), *pid = strtok(NULL, " \t\n");
-    char *mem = strtok(NULL, " \t\n"), *kind = strtok(NULL, " \t\n");
+    char *save = NULL, *gpu = strtok_r(rest, " \t\n", &save), *pid = strtok_r(NULL, " \t\n", &save);
+    char *mem = strtok_r(NULL, " \t\n", &save), *kind = strtok_r(NULL, " \t\n", &save);
     if (!gpu || !pid || !mem || !kind || st->nprocs >= MAX_PROCS) return;
     struct fake_proc *p = &st->procs[st->nprocs++];
     p->gpu = (unsigned int)strtoul(gpu, NULL, 0);
@@ -133,7 +133,7 @@ static void parse_proc(struct fake_state *st, char *rest) {
     p->graphics = strcmp(kind, "graphics") == 0;
     p->gi = p->ci = NOT_AVAILABLE_U32; /* what NVML reports outside MIG mode */
     char *tok;
-    while ((tok = strtok(NULL, " \t\n")) != NULL) {
+    while ((tok = strtok_r(NULL, " \t\n", &save)) != NULL) {
         if (strncmp(tok, "gi=", 3) == 0) p->gi = (unsigned int)strtoul(tok + 3, NULL, 0);
         else if (strncmp(tok, "ci=", 3) == 0) p->ci = (unsigned int)strtoul(tok + 3, NULL, 0);
     }
@@ -147,15 +147,15 @@ static int load(struct fake_state *st) {
     const char *path = getenv("FAKE_NVML_CONFIG");
     FILE *f = path ? fopen(path, "r") : NULL;
     if (!f) return 0;
-    char line[512];
+    char line[512], arg[80];
     while (fgets(line, sizeof(line), f)) {
-        char *key = strtok(line, " \t\n"), *rest = strtok(NULL, "\n");
+        char *save = NULL, *key = strtok_r(line, " \t\n", &save), *rest = strtok_r(NULL, "\n", &save);
         if (!key || key[0] == '#') continue;
-        char *arg = rest ? strtok(rest, " \t") : NULL;
-        if (strcmp(key, "driver") == 0 && arg) copy_str(st->driver, sizeof(st->driver), arg, 0);
-        else if (strcmp(key, "nvml_version") == 0 && arg)
+        int has_arg = rest && sscanf(rest, "%79s", arg) == 1;
+        if (strcmp(key, "driver") == 0 && has_arg) copy_str(st->driver, sizeof(st->driver), arg, 0);
+        else if (strcmp(key, "nvml_version") == 0 && has_arg)
             copy_str(st->nvml_version, sizeof(st->nvml_version), arg, 0);
-        else if (strcmp(key, "fail_init") == 0 && arg) st->fail_init = parse_code(arg);
+        else if (strcmp(key, "fail_init") == 0 && has_arg) st->fail_init = parse_code(arg);
         else if (strcmp(key, "no_v3") == 0) st->no_v3 = 1;
         else if (strcmp(key, "gpu") == 0 && rest) parse_gpu(st, rest);
         else if (strcmp(key, "proc") == 0 && rest) parse_proc(st, rest);
@@ -323,8 +323,10 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, pci_info_t *pci) {
     if (ret) return ret;
     memset(pci, 0, sizeof(*pci));
     snprintf(pci->busId, sizeof(pci->busId), "%s", g->pci);
-    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%s", g->pci);
     sscanf(g->pci, "%x:%x:%x", &pci->domain, &pci->bus, &pci->device);
+    /* The legacy field keeps the old 4-digit domain format. */
+    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%04X:%02X:%02X.0", pci->domain & 0xFFFFU,
+             pci->bus & 0xFFU, pci->device & 0xFFU);
     return NVML_SUCCESS;
 }
 

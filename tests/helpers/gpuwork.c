@@ -37,10 +37,11 @@ static int fds[MAX_FDS];
 static int nfds;
 static unsigned char ioctl_buf[4096]; /* zeroed arg; _IOC_SIZE of any ioctl fits in 14 bits */
 
-static const struct { const char *name; int nargs; } STEPS[] = {
-    {"open", 1}, {"ioctl", 3}, {"mmap", 1}, {"close", 1}, {"dup", 1}, {"sleep", 1},
-    {"ready", 0}, {"wait", 0}, {"fork", 0}, {"thread-hold", 0}, {"sendfd", 2},
-    {"recvfd", 1}, {"exit", 1},
+/* args: one letter per argument, 'p' a path, 'i' an integer (decimal or 0x hex) */
+static const struct { const char *name; const char *args; } STEPS[] = {
+    {"open", "p"}, {"ioctl", "iii"}, {"mmap", "i"}, {"close", "i"}, {"dup", "i"}, {"sleep", "i"},
+    {"ready", ""}, {"wait", ""}, {"fork", ""}, {"thread-hold", ""}, {"sendfd", "pi"},
+    {"recvfd", "p"}, {"exit", "i"},
 };
 
 static void sleep_ms(long ms) {
@@ -149,8 +150,8 @@ static int recv_fd(const char *path) {
     return fd;
 }
 
-/* Checks names and argument counts of the whole script so that a typo fails before any step
- * has side effects. Returns 0 or exits 2. */
+/* Checks names and arguments of the whole script so that a typo fails before any step has
+ * side effects: returns, or prints one script-error line and exits 2. */
 static void check_script(int argc, char **argv) {
     for (int i = 0; i < argc;) {
         size_t k = 0;
@@ -159,11 +160,21 @@ static void check_script(int argc, char **argv) {
             printf("script-error unknown step '%s'\n", argv[i]);
             exit(2);
         }
-        if (i + 1 + STEPS[k].nargs > argc) {
-            printf("script-error step '%s' needs %d argument(s)\n", argv[i], STEPS[k].nargs);
+        int nargs = (int)strlen(STEPS[k].args);
+        if (i + 1 + nargs > argc) {
+            printf("script-error step '%s' needs %d argument(s)\n", argv[i], nargs);
             exit(2);
         }
-        i += 1 + STEPS[k].nargs;
+        for (int a = 0; a < nargs; a++) {
+            char *end;
+            const char *arg = argv[i + 1 + a];
+            (void)strtoul(arg, &end, 0);
+            if (STEPS[k].args[a] == 'i' && (*arg == '\0' || *end != '\0')) {
+                printf("script-error step '%s': '%s' is not an integer\n", argv[i], arg);
+                exit(2);
+            }
+        }
+        i += 1 + nargs;
         if (strcmp(STEPS[k].name, "thread-hold") == 0 && i < argc) {
             printf("script-error thread-hold must be the last step\n");
             exit(2);
@@ -243,8 +254,11 @@ static void shim_die(const char *what) {
 /* Container init, still on the host side of the mount namespace: joins the container's
  * cgroups, gets a private /dev with the requested nodes and a /proc of its PID namespace, then
  * execs gpuwork with the script so that gpuwork is PID 1 there. */
-static void container_init(const char *self, char **cgroups, int ncg, char **devs, int ndev,
-                           char **script, int nscript) {
+static void container_init(int go_fd, const char *self, char **cgroups, int ncg, char **devs,
+                           int ndev, char **script) {
+    char go;
+    if (read(go_fd, &go, 1) != 1) shim_die("sync"); /* the shim has announced our PID */
+    close(go_fd);
     for (int k = 0; k < ncg; k++) {
         int fd = open(cgroups[k], O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1) shim_die(cgroups[k]);
@@ -279,13 +293,14 @@ static void container_init(const char *self, char **cgroups, int ncg, char **dev
         shim_die("mount-proc");
     script[-1] = (char *)"gpuwork";
     execv(self, script - 1);
-    (void)nscript;
     shim_die("exec");
 }
 
 /* --shim [--comm NAME] [--cgroup PROCS_FILE]... [--dev NAME:MAJ:MIN]... -- STEP...
  * The shim stays on the host (its cgroups, its namespaces), like containerd-shim: it only
- * forks the container init into a new PID namespace and waits for it. */
+ * forks the container init into a new PID namespace, prints "shim-init <host pid>", and
+ * waits for it, exiting with its status. Setup failures print "shim-error <what> <errno>"
+ * on stderr and exit 3. */
 static int shim_main(int argc, char **argv) {
     char *cgroups[64], *devs[64];
     int ncg = 0, ndev = 0, i = 2;
@@ -305,9 +320,21 @@ static int shim_main(int argc, char **argv) {
     self[n] = '\0';
     prctl(PR_SET_NAME, comm, 0, 0, 0);
     if (unshare(CLONE_NEWPID) < 0) shim_die("unshare-pid");
+    int sync[2];
+    if (pipe2(sync, O_CLOEXEC) < 0) shim_die("pipe");
     pid_t child = fork();
     if (child < 0) shim_die("fork");
-    if (child == 0) container_init(self, cgroups, ncg, devs, ndev, argv + i + 1, argc - i - 1);
+    if (child == 0) {
+        close(sync[1]);
+        container_init(sync[0], self, cgroups, ncg, devs, ndev, argv + i + 1);
+    }
+    /* First line on stdout, before the init may print anything: the init's host PID, which
+     * nothing inside the container can tell (getpid() there is 1). */
+    char line[64];
+    int len = snprintf(line, sizeof(line), "shim-init %d\n", (int)child);
+    if (write(1, line, (size_t)len) != len || write(sync[1], "g", 1) != 1) shim_die("announce");
+    close(sync[1]);
+    close(sync[0]);
     int status = 0;
     while (waitpid(child, &status, 0) < 0 && errno == EINTR) {}
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);

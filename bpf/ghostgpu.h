@@ -1,0 +1,488 @@
+/* ghostgpu kernel side: shared event struct, map keys, maps, constants and the prefix matcher.
+ *
+ * Compiled by bcc as ONE program together with open.bpf.c, fd.bpf.c, ioctl.bpf.c and sched.bpf.c.
+ * tracer/bpf_source.py concatenates the files (with #line markers) instead of #include-ing them:
+ * bcc 0.26 rewrites map calls (m.lookup()) and TRACEPOINT_PROBE argument structs only in its main
+ * file, so an #include'd program fails to load ("unknown opcode 8d").
+ *
+ * Rule for every file: read ONLY tracepoint arguments and helper results, never kernel structs
+ * (no task_struct, no CO-RE). The kernel headers here are Debian 6.1 ones used for a 6.18 kernel;
+ * that mismatch is harmless only while no struct layout is read.
+ *
+ * Constants come in as -D cflags built by tracer/bpf_source.py:build_cflags(). The defaults below
+ * only make the header self-contained for an editor or a syntax check.
+ *
+ * No atomic fetch: bcc 0.26 cannot pass -mcpu=v3 to LLVM, so "__sync_fetch_and_add" with its
+ * result used fails ("Invalid usage of the XADD return value"). Counters are therefore bumped with
+ * a plain XADD and read back; the rare races that leaves are called out where they matter.
+ */
+#ifndef GHOSTGPU_H
+#define GHOSTGPU_H
+
+#ifndef GG_PATH_LEN
+#define GG_PATH_LEN 48
+#endif
+#ifndef GG_NPREFIX
+#define GG_NPREFIX 1
+#define GG_PREFIX0 "/dev/nvidia"
+#endif
+#ifndef GG_COMMON_LEN /* "/dev/" read as a little-endian u64, and the mask of its 5 bytes */
+#define GG_COMMON_PREFIX "/dev/"
+#define GG_COMMON_LEN 5
+#define GG_COMMON_U64 0x2f7665642fULL
+#define GG_COMMON_MASK 0xffffffffffULL
+#endif
+#ifndef GG_MAX_FDS
+#define GG_MAX_FDS 65536
+#endif
+#ifndef GG_MAX_HOLDS
+#define GG_MAX_HOLDS 16384
+#endif
+#ifndef GG_MAX_PROCS
+#define GG_MAX_PROCS 8192
+#endif
+#ifndef GG_MAX_IOCTLS
+#define GG_MAX_IOCTLS 131072
+#endif
+#ifndef GG_MAX_DEVS
+#define GG_MAX_DEVS 4096
+#endif
+#ifndef GG_MAX_PENDING
+#define GG_MAX_PENDING 4096
+#endif
+#ifndef GG_RINGBUF_PAGES
+#define GG_RINGBUF_PAGES 64
+#endif
+#ifndef GG_ID_SLOTS /* byte-flag slots of 4096 ids: pid_max / 4096, rounded up */
+#define GG_ID_SLOTS 8
+#endif
+
+_Static_assert(sizeof(GG_COMMON_PREFIX) - 1 == GG_COMMON_LEN, "GG_COMMON_LEN must match GG_COMMON_PREFIX");
+_Static_assert(GG_COMMON_LEN >= 1 && GG_COMMON_LEN <= 7, "common prefix must fit the 8-byte probe");
+
+/* Event kinds and flags: tracer/bpf_source.py mirrors these numbers. */
+#define GG_EV_OPEN 1
+#define GG_EV_CLOSE 2
+#define GG_EV_MMAP 3
+#define GG_EV_FORK 4
+#define GG_EV_EXEC 5
+#define GG_EV_EXIT 6
+
+#define GG_FLAG_MAPPED 1u      /* CLOSE: the device is still mapped */
+#define GG_FLAG_LEADER_ONLY 2u /* EXIT without group_dead: only the leader is known to be gone */
+
+#define GG_FD_SEEDED 1u /* fds value flag: inserted by user space from a /proc scan */
+#define GG_FD_DUP 2u    /* fds value flag: made by dup/dup2/dup3/fcntl(F_DUPFD*) */
+
+#define GG_SLOW_SETTLE 0 /* gg_settle in fd.bpf.c */
+#define GG_SLOW_OPEN 1   /* gg_open_match in open.bpf.c */
+
+#define GG_OP_OPEN 1
+#define GG_OP_DUP 2
+
+/* Kernel ids stay below this; user space interns devices found by /proc scans from here up. */
+#define GG_USER_ID_BASE 0x80000000u
+
+/* stats slots: tracer/bpf_source.py STAT_NAMES mirrors this order. */
+#define GG_STAT_RINGBUF_DROPS 0
+#define GG_STAT_FDS_FULL 1
+#define GG_STAT_HOLDS_FULL 2
+#define GG_STAT_PROCS_FULL 3
+#define GG_STAT_IOCTLS_FULL 4
+#define GG_STAT_DEV_IDS_FULL 5
+#define GG_STAT_PENDING_FULL 6
+#define GG_STAT_FORKING_FULL 7
+#define GG_STAT_MAX 8
+
+#define GG_CLONE_THREAD 0x00010000ULL /* include/uapi/linux/sched.h, stable ABI */
+#define GG_MAP_ANONYMOUS 0x20UL       /* x86_64 and arm64 value (asm-generic/mman-common.h) */
+#define GG_F_DUPFD 0
+#define GG_F_DUPFD_CLOEXEC 1030
+
+/* 48 bytes, no implicit padding: decoded by struct format "=QQIIIiIIII" in bpf_source.py. */
+struct gg_event {
+    u64 ts_ns;     /* bpf_ktime_get_boot_ns(): CLOCK_BOOTTIME, like /proc start times */
+    u64 cgroup_id; /* cgroup v2 id of the task that caused the event */
+    u32 kind;
+    u32 tgid;
+    u32 tid;
+    s32 fd;
+    u32 dev_id;
+    u32 child_pid;
+    u32 flags;
+    u32 pad;
+};
+
+struct gg_path_key {
+    char path[GG_PATH_LEN]; /* zero padded so equal paths are equal keys */
+};
+struct gg_fd_key {
+    u32 tgid;
+    s32 fd;
+};
+struct gg_fd_val {
+    u32 dev_id;
+    u32 flags;
+};
+struct gg_hold_key {
+    u32 tgid;
+    u32 dev_id;
+};
+struct gg_hold_val {
+    u32 nfds;
+    u32 mapped;
+};
+struct gg_pending {
+    u32 dev_id;
+    s32 fd; /* dup2/dup3: the target fd; -1 otherwise */
+    u32 op;
+    s32 nr; /* syscall number of the enter: an exit only settles its own syscall's entry */
+};
+struct gg_scratch {
+    u64 filename; /* GG_SLOW_OPEN: user pointer to the path */
+    s64 ret;      /* GG_SLOW_SETTLE: the syscall's return value */
+    s32 nr;       /* both: the syscall number */
+    u32 pad;
+};
+struct gg_ioctl_key {
+    u32 tgid;
+    s32 fd;
+    u32 dev_id;
+    u32 cmd;
+};
+/* Byte flags per pid (holder_bytes by tgid, pending_bytes by tid): one byte each, so two CPUs
+ * flagging neighbouring ids never lose each other's store (a u64 bitmap would need atomic OR,
+ * which needs -mcpu=v3 as well). Sized from pid_max at load; an id beyond answers "maybe". */
+struct gg_byte_slot {
+    u8 b[4096];
+};
+
+BPF_HASH(dev_ids, struct gg_path_key, u32, GG_MAX_DEVS);
+BPF_PERCPU_ARRAY(dev_seq, u32, 1);
+BPF_HASH(fds, struct gg_fd_key, struct gg_fd_val, GG_MAX_FDS);
+BPF_HASH(holds, struct gg_hold_key, struct gg_hold_val, GG_MAX_HOLDS);
+BPF_HASH(procs, u32, u32, GG_MAX_PROCS);
+BPF_HASH(pending, u32, struct gg_pending, GG_MAX_PENDING);
+BPF_HASH(forking, u32, u32, GG_MAX_PENDING);
+BPF_HASH(ioctls, struct gg_ioctl_key, u64, GG_MAX_IOCTLS);
+BPF_PERCPU_ARRAY(stats, u64, GG_STAT_MAX);
+/* Mappable so user space (seed/forget) can store single bytes: writing a whole 4 KiB slot with
+ * bpf_map_update_elem could undo a kernel store to a neighbouring tgid made meanwhile. */
+BPF_F_TABLE("array", u32, struct gg_byte_slot, holder_bytes, GG_ID_SLOTS, BPF_F_MMAPABLE);
+BPF_ARRAY(pending_bytes, struct gg_byte_slot, GG_ID_SLOTS);
+/* Entries in `pending`, node-wide: almost always 0, which lets every open/dup/fcntl exit return
+ * after one inlined array load, before even a helper call. */
+BPF_ARRAY(pending_count, u64, 1);
+BPF_RINGBUF_OUTPUT(events, GG_RINGBUF_PAGES);
+/* Slow paths reached by tail call (slots filled by bpf_source.py, same order as GG_SLOW_*), and
+ * the per-CPU scratch that carries their arguments: a program and the one it tail-calls run on
+ * the same CPU without interruption by another program of ours. */
+BPF_PROG_ARRAY(slow, 2);
+BPF_PERCPU_ARRAY(scratch, struct gg_scratch, 1);
+
+static __always_inline void gg_stat(u32 slot)
+{
+    u64 *v = stats.lookup(&slot);
+    if (v)
+        *v += 1; /* per-CPU slot: no other CPU writes it */
+}
+
+/* The hot-path filter: may this tgid hold a GPU fd? An array lookup (inlined by the verifier)
+ * and a byte load are far cheaper than a hash miss in fds, which every ioctl/close/mmap of every
+ * process would otherwise pay. A tgid beyond the array answers yes, falling back to the hash. */
+static __always_inline bool gg_maybe_holder(u32 tgid)
+{
+#ifdef GG_NO_HOLDER_FILTER /* bench/bench_syscall_cost.py measures the filter's worth */
+    return true;
+#endif
+    u32 slot = tgid >> 12;
+    struct gg_byte_slot *s = holder_bytes.lookup(&slot);
+    if (!s)
+        return true;
+    return s->b[tgid & 4095] != 0;
+}
+
+static __always_inline void gg_set_holder(u32 tgid, u8 on)
+{
+    u32 slot = tgid >> 12;
+    struct gg_byte_slot *s = holder_bytes.lookup(&slot);
+    if (s)
+        s->b[tgid & 4095] = on;
+}
+
+/* Same filter for the exit side of open/dup: has this thread left something in pending? Only the
+ * thread itself sets and clears its byte, so there is no race on it. */
+static __always_inline bool gg_maybe_pending(u32 tid)
+{
+#ifdef GG_NO_HOLDER_FILTER
+    return true;
+#endif
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (!s)
+        return true;
+    return s->b[tid & 4095] != 0;
+}
+
+static __always_inline bool gg_any_pending(void)
+{
+#ifdef GG_NO_HOLDER_FILTER
+    return true;
+#endif
+    u32 zero = 0;
+    u64 *count = pending_count.lookup(&zero);
+    return !count || *count != 0;
+}
+
+static __always_inline void gg_set_pending(u32 tid, struct gg_pending *p)
+{
+    bool fresh = pending.lookup(&tid) == NULL;
+    if (pending.update(&tid, p) != 0) {
+        gg_stat(GG_STAT_PENDING_FULL);
+        return;
+    }
+    u32 zero = 0;
+    u64 *count = pending_count.lookup(&zero);
+    if (count && fresh)
+        __sync_fetch_and_add(count, 1); /* a full barrier: the exit of this thread sees it */
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (s)
+        s->b[tid & 4095] = 1;
+}
+
+/* Take this thread's pending entry if it belongs to syscall nr; false when there is none. */
+static __always_inline bool gg_take_pending(u32 tid, s32 nr, struct gg_pending *out)
+{
+    if (!gg_maybe_pending(tid))
+        return false;
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (s)
+        s->b[tid & 4095] = 0;
+    struct gg_pending *p = pending.lookup(&tid);
+    if (!p)
+        return false;
+    *out = *p;
+    if (pending.delete(&tid) == 0) {
+        u32 zero = 0;
+        u64 *count = pending_count.lookup(&zero);
+        if (count)
+            __sync_fetch_and_add(count, (u64)-1);
+    }
+    return out->nr == nr;
+}
+
+static __always_inline void gg_emit(u32 kind, u32 tgid, u32 tid, s32 fd, u32 dev_id, u32 child_pid,
+                                    u32 flags)
+{
+    struct gg_event *e = events.ringbuf_reserve(sizeof(struct gg_event));
+    if (!e) {
+        gg_stat(GG_STAT_RINGBUF_DROPS);
+        return;
+    }
+    e->ts_ns = bpf_ktime_get_boot_ns();
+    e->cgroup_id = bpf_get_current_cgroup_id();
+    e->kind = kind;
+    e->tgid = tgid;
+    e->tid = tid;
+    e->fd = fd;
+    e->dev_id = dev_id;
+    e->child_pid = child_pid;
+    e->flags = flags;
+    e->pad = 0;
+    events.ringbuf_submit(e, 0);
+}
+
+/* Prefix compare against a string literal: after unrolling every prefix[i] is a constant, so no
+ * read-only data section is referenced (bcc cannot load one). */
+static __always_inline bool gg_prefix_eq(const char *buf, const char *prefix, u32 len)
+{
+#pragma unroll
+    for (u32 i = 0; i < GG_PATH_LEN; i++) {
+        if (i >= len)
+            return true;
+        if (buf[i] != prefix[i])
+            return false;
+    }
+    return true;
+}
+
+#define GG_PREFIX_IS(buf, lit) gg_prefix_eq((buf), lit, sizeof(lit) - 1)
+
+static __always_inline bool gg_match_prefixes(const char *buf)
+{
+#if GG_NPREFIX > 0
+    if (GG_PREFIX_IS(buf, GG_PREFIX0))
+        return true;
+#endif
+#if GG_NPREFIX > 1
+    if (GG_PREFIX_IS(buf, GG_PREFIX1))
+        return true;
+#endif
+#if GG_NPREFIX > 2
+    if (GG_PREFIX_IS(buf, GG_PREFIX2))
+        return true;
+#endif
+#if GG_NPREFIX > 3
+    if (GG_PREFIX_IS(buf, GG_PREFIX3))
+        return true;
+#endif
+#if GG_NPREFIX > 4
+    if (GG_PREFIX_IS(buf, GG_PREFIX4))
+        return true;
+#endif
+#if GG_NPREFIX > 5
+    if (GG_PREFIX_IS(buf, GG_PREFIX5))
+        return true;
+#endif
+#if GG_NPREFIX > 6
+    if (GG_PREFIX_IS(buf, GG_PREFIX6))
+        return true;
+#endif
+#if GG_NPREFIX > 7
+    if (GG_PREFIX_IS(buf, GG_PREFIX7))
+        return true;
+#endif
+    return false;
+}
+
+/* Id of a device path, interning it on first sight. Ids come from a per-CPU counter,
+ * (cpu + 1) << 20 | n, because a shared atomic counter needs fetch-and-add (see top). Two CPUs
+ * interning the same new path race on the NOEXIST insert; the loser adopts the winner's id. */
+static __always_inline u32 gg_intern(struct gg_path_key *key)
+{
+    u32 *known = dev_ids.lookup(key);
+    if (known)
+        return *known;
+    u32 zero = 0;
+    u32 *seq = dev_seq.lookup(&zero);
+    if (!seq)
+        return 0;
+    u32 n = *seq + 1;
+    u32 cpu = bpf_get_smp_processor_id();
+    if (n >= (1u << 20) || cpu >= 2047)
+        return 0; /* id space of this CPU spent: the /proc scan still sees the device */
+    *seq = n;
+    u32 id = ((cpu + 1) << 20) | n;
+    if (dev_ids.insert(key, &id) == 0)
+        return id;
+    known = dev_ids.lookup(key);
+    if (known)
+        return *known;
+    gg_stat(GG_STAT_DEV_IDS_FULL);
+    return 0;
+}
+
+/* procs[tgid] += delta (the number of devices the tgid holds). The entry stays at 0 until EXIT:
+ * a process that held a device once keeps its ioctl counters until it dies, so user space must
+ * hear of its death to read them and forget it (and a reused pid must not inherit them). For the
+ * same reason the holder byte is only cleared at EXIT or forget(): clearing it at 0 would race
+ * another thread of the process taking a new device. Plain XADD: no fetch needed. */
+static __always_inline void gg_procs_add(u32 tgid, s32 delta)
+{
+    u32 *count = procs.lookup(&tgid);
+    if (!count && delta > 0) {
+        u32 init = (u32)delta;
+        if (procs.insert(&tgid, &init) == 0) {
+            gg_set_holder(tgid, 1);
+            return;
+        }
+        count = procs.lookup(&tgid); /* another thread inserted it first */
+        if (!count) {
+            gg_stat(GG_STAT_PROCS_FULL);
+            return;
+        }
+    }
+    if (!count || (delta < 0 && *count == 0))
+        return;
+    __sync_fetch_and_add(count, (u32)delta);
+    if (delta > 0)
+        gg_set_holder(tgid, 1);
+}
+
+/* One fd of tgid stopped referring to dev_id: update holds and emit CLOSE on the last one. */
+static __always_inline void gg_drop_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id)
+{
+    struct gg_hold_key hk = {.tgid = tgid, .dev_id = dev_id};
+    struct gg_hold_val *h = holds.lookup(&hk);
+    if (!h || h->nfds == 0)
+        return;
+    __sync_fetch_and_add(&h->nfds, (u32)-1);
+    if (h->nfds != 0)
+        return;
+    if (h->mapped) {
+        /* The mapping still pins the device: keep the hold so EXIT is still seen. */
+        gg_emit(GG_EV_CLOSE, tgid, tid, fd, dev_id, 0, GG_FLAG_MAPPED);
+        return;
+    }
+    /* Two threads closing the last two fds at once both read 0: only the delete winner reports. */
+    if (holds.delete(&hk) != 0)
+        return;
+    gg_procs_add(tgid, -1);
+    gg_emit(GG_EV_CLOSE, tgid, tid, fd, dev_id, 0, 0);
+}
+
+/* fd of tgid now refers to dev_id (0: to something that is not a GPU device). Accounts for a
+ * stale entry first: an fd number reused after a close we never saw (close_range, an exec that
+ * dropped close-on-exec fds, dup2 onto a GPU fd). */
+static __always_inline void gg_set_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id, u32 flags)
+{
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
+    struct gg_fd_val *old = fds.lookup(&fk);
+    if (old) {
+        u32 old_dev = old->dev_id;
+        if (old_dev == dev_id)
+            return; /* already counted */
+        if (fds.delete(&fk) == 0)
+            gg_drop_fd(tgid, tid, fd, old_dev);
+    }
+    if (dev_id == 0)
+        return;
+    struct gg_fd_val fv = {.dev_id = dev_id, .flags = flags};
+    if (fds.update(&fk, &fv) != 0) {
+        gg_stat(GG_STAT_FDS_FULL);
+        return;
+    }
+    struct gg_hold_key hk = {.tgid = tgid, .dev_id = dev_id};
+    struct gg_hold_val *h = holds.lookup(&hk);
+    if (h) {
+        __sync_fetch_and_add(&h->nfds, 1);
+        if (h->nfds == 1) /* re-opened while still mapped */
+            gg_emit(GG_EV_OPEN, tgid, tid, fd, dev_id, 0, 0);
+        return;
+    }
+    struct gg_hold_val nh = {.nfds = 1, .mapped = 0};
+    if (holds.insert(&hk, &nh) != 0) {
+        h = holds.lookup(&hk);
+        if (h) { /* another thread created it first and reported OPEN */
+            __sync_fetch_and_add(&h->nfds, 1);
+            return;
+        }
+        gg_stat(GG_STAT_HOLDS_FULL);
+        fds.delete(&fk);
+        return;
+    }
+    gg_procs_add(tgid, 1);
+    gg_emit(GG_EV_OPEN, tgid, tid, fd, dev_id, 0, 0);
+}
+
+/* Shared by the open and dup exits: almost always one inlined load and out. Otherwise hand over
+ * to gg_settle (fd.bpf.c) by tail call with the syscall's result in `scratch`: the heavy fd-table
+ * code then exists once instead of inlined into seven exit programs (bcc's compile time, most of
+ * tracer start-up, went from ~1.5 s to ~1.0 s). */
+static __always_inline int gg_fd_exit(void *ctx, long ret, s32 nr)
+{
+    if (!gg_any_pending())
+        return 0;
+    u32 zero = 0;
+    struct gg_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return 0;
+    s->ret = ret;
+    s->nr = nr;
+    slow.call(ctx, GG_SLOW_SETTLE);
+    return 0; /* reached only if the slot is empty (the instant between attach and fill) */
+}
+
+#endif /* GHOSTGPU_H */

@@ -1,0 +1,62 @@
+/* ioctl.bpf.c: count ioctls on GPU fds (no event) and notice the first mapping of a device.
+ *
+ * Hot path: ioctl and mmap are among the busiest syscalls of a node (terminals, sockets, malloc's
+ * large blocks). A process that holds no GPU device pays one inlined array load and a byte test
+ * (gg_maybe_holder); only a holder pays the fds hash lookup.
+ */
+
+TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = (u32)(id >> 32);
+    if (!gg_maybe_holder(tgid))
+        return 0;
+    s32 fd = (s32)args->fd;
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
+    struct gg_fd_val *fv = fds.lookup(&fk);
+    if (!fv)
+        return 0;
+    /* The request word is 32 bits in the ioctl ABI; the tracepoint widens it to 64. */
+    struct gg_ioctl_key ik = {.tgid = tgid, .fd = fd, .dev_id = fv->dev_id, .cmd = (u32)args->cmd};
+    u64 *count = ioctls.lookup(&ik);
+    if (count) {
+        __sync_fetch_and_add(count, 1);
+        return 0;
+    }
+    u64 one = 1;
+    if (ioctls.insert(&ik, &one) != 0) {
+        count = ioctls.lookup(&ik); /* another thread inserted it first */
+        if (count)
+            __sync_fetch_and_add(count, 1);
+        else
+            gg_stat(GG_STAT_IOCTLS_FULL);
+    }
+    return 0;
+}
+
+/* Counted at enter, so a failing mmap of a GPU fd still reports MMAP; the /proc scan's UNMAP
+ * corrects it. Doing it at exit would add a pending round trip to every file mmap on the node. */
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    /* MAP_ANONYMOUS ignores fd (callers pass -1, some pass 0): reject before any map access. */
+    s32 fd = (s32)args->fd;
+    if (fd < 0 || (args->flags & GG_MAP_ANONYMOUS))
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = (u32)(id >> 32);
+    if (!gg_maybe_holder(tgid))
+        return 0;
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
+    struct gg_fd_val *fv = fds.lookup(&fk);
+    if (!fv)
+        return 0;
+    u32 dev_id = fv->dev_id;
+    struct gg_hold_key hk = {.tgid = tgid, .dev_id = dev_id};
+    struct gg_hold_val *h = holds.lookup(&hk);
+    if (!h || h->mapped)
+        return 0;
+    /* Plain store: two threads mapping at once may both report MMAP, which is harmless. */
+    h->mapped = 1;
+    gg_emit(GG_EV_MMAP, tgid, (u32)id, fd, dev_id, 0, 0);
+    return 0;
+}

@@ -1,0 +1,81 @@
+/* open.bpf.c: openat/openat2 of a GPU device path -> fds/holds/procs, OPEN on a tgid's first fd.
+ *
+ * Hot path (every open on the node): one 8-byte user read and a masked compare on enter, one byte
+ * load (pending_bytes) on exit. Only absolute paths are matched: openat(dirfd, "nvidia0") relative to an open
+ * /dev, symlinks such as /dev/char/195:0, or a device bind-mounted elsewhere are missed here; the
+ * periodic /proc scan finds those fds and seeds them (BpfSource.seed) so they are tracked after.
+ * glibc and musl route open(2) through openat; open(2) itself (x86_64 only, used by static or
+ * raw-syscall binaries) is hooked where the tracepoint exists.
+ */
+
+/* The enter side's slow path, by tail call once the first bytes matched (one copy of the
+ * prefix compare and interning instead of one per open flavour). */
+int gg_open_match(void *ctx)
+{
+    u32 zero = 0;
+    struct gg_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return 0;
+    struct gg_path_key key = {};
+    if (bpf_probe_read_user_str(key.path, sizeof(key.path), (const char *)s->filename) <= 0)
+        return 0;
+    if (!gg_match_prefixes(key.path))
+        return 0;
+    u32 dev_id = gg_intern(&key);
+    if (dev_id == 0)
+        return 0;
+    struct gg_pending p = {.dev_id = dev_id, .fd = -1, .op = GG_OP_OPEN, .nr = s->nr};
+    gg_set_pending((u32)bpf_get_current_pid_tgid(), &p);
+    return 0;
+}
+
+static __always_inline int gg_open_enter(void *ctx, const char *filename, s32 nr)
+{
+    u64 head = 0;
+    long n = bpf_probe_read_user_str(&head, sizeof(head), filename);
+    /* n counts the NUL; a string shorter than the common prefix cannot match any prefix. */
+    if (n < GG_COMMON_LEN + 1 || (head & GG_COMMON_MASK) != GG_COMMON_U64)
+        return 0;
+    u32 zero = 0;
+    struct gg_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return 0;
+    s->filename = (u64)filename;
+    s->nr = nr;
+    slow.call(ctx, GG_SLOW_OPEN);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+    return gg_open_enter(args, args->filename, args->__syscall_nr);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+    return gg_fd_exit(args, args->ret, args->__syscall_nr);
+}
+
+#ifdef GG_HAVE_SYS_OPENAT2 /* openat2 exists since Linux 5.6 */
+TRACEPOINT_PROBE(syscalls, sys_enter_openat2)
+{
+    return gg_open_enter(args, args->filename, args->__syscall_nr);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat2)
+{
+    return gg_fd_exit(args, args->ret, args->__syscall_nr);
+}
+#endif
+
+#ifdef GG_HAVE_SYS_OPEN /* x86_64 has open(2); arm64 and other newer ABIs only have openat */
+TRACEPOINT_PROBE(syscalls, sys_enter_open)
+{
+    return gg_open_enter(args, args->filename, args->__syscall_nr);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_open)
+{
+    return gg_fd_exit(args, args->ret, args->__syscall_nr);
+}
+#endif

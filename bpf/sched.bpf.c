@@ -1,0 +1,94 @@
+/* sched.bpf.c: lifecycle of holders: FORK (a new process, not a thread), EXEC, EXIT.
+ *
+ * "Holder" here is any tgid with a procs entry: FORK and EXEC need a device held now (count > 0);
+ * EXIT is reported for every entry, including a process that has released all its devices,
+ * because its ioctl counters wait for that EXIT (see gg_procs_add).
+ *
+ * Every fork, exec and thread exit on the node passes here; a non-holder pays one hash miss in
+ * procs (fork/exec/exit are three orders of magnitude rarer than ioctl).
+ */
+
+/* task_newtask runs in the parent and carries clone_flags; sched_process_fork has no flags and
+ * telling a thread from a process there would need task_struct. So: note here, report there. */
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    if (args->clone_flags & GG_CLONE_THREAD)
+        return 0; /* a thread shares the fd table: nothing new to track */
+    u32 tgid = (u32)(bpf_get_current_pid_tgid() >> 32);
+    u32 *held = procs.lookup(&tgid);
+    if (!held || *held == 0) /* 0: held devices once, holds none now (kept for EXIT) */
+        return 0;
+    u32 child = (u32)args->pid;
+    if (forking.update(&child, &tgid) != 0)
+        gg_stat(GG_STAT_FORKING_FULL);
+    return 0;
+}
+
+/* Emitting here rather than at task_newtask means a clone that fails after task_newtask (e.g. on
+ * a cgroup pids limit) reports nothing; its forking entry is overwritten when the pid is reused. */
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    u32 child = (u32)args->child_pid;
+    u32 *parent = forking.lookup(&child);
+    if (!parent)
+        return 0;
+    u32 parent_tgid = *parent;
+    forking.delete(&child);
+    u64 id = bpf_get_current_pid_tgid();
+    if (parent_tgid != (u32)(id >> 32))
+        return 0; /* stale entry from a clone that failed, the pid since reused by someone else */
+    /* Mark the child a holder at once so its exit is seen even before user space seeds its fd
+     * table; the count is the parent's until seed() sets the child's own. */
+    u32 *count = procs.lookup(&parent_tgid);
+    u32 inherited = count ? *count : 1;
+    if (procs.update(&child, &inherited) != 0)
+        gg_stat(GG_STAT_PROCS_FULL);
+    else
+        gg_set_holder(child, 1);
+    gg_emit(GG_EV_FORK, parent_tgid, (u32)id, -1, 0, child, 0);
+    return 0;
+}
+
+/* Close-on-exec fds vanish without close() and the old mappings with the old mm, so the tgid's
+ * fds entries are stale: the new image's loader reuses fd 3 for libc and would "mmap" and
+ * "close" the GPU device. Clearing the holder byte mutes them; user space rereads
+ * /proc/<tgid>/fd and reseeds (BpfSource.forget + seed), which sets it again. Until then a new
+ * GPU open by the new image is tracked but may not report OPEN (its hold entry is stale too). */
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = (u32)(id >> 32);
+    u32 *held = procs.lookup(&tgid);
+    if (!held || *held == 0)
+        return 0;
+    gg_set_holder(tgid, 0);
+    gg_emit(GG_EV_EXEC, tgid, (u32)id, -1, 0, 0, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = (u32)(id >> 32);
+#ifdef GG_HAVE_GROUP_DEAD
+    /* group_dead is true for the last thread of the group to exit. Older kernels' format lacks
+     * the field (the Debian 6.1 headers used to build here predate it); 6.18 has it. */
+    if (!args->group_dead)
+        return 0;
+    if (!procs.lookup(&tgid))
+        return 0;
+    /* fds/holds/ioctls stay until user space has read the final counts (BpfSource.forget). */
+    procs.delete(&tgid);
+    gg_set_holder(tgid, 0);
+    gg_emit(GG_EV_EXIT, tgid, (u32)id, -1, 0, 0, 0);
+#else
+    /* Older kernels: no group_dead and no way to count live threads without task_struct. The
+     * leader's exit is reported with LEADER_ONLY; user space checks /proc/<tgid>/task. */
+    if ((u32)id != tgid)
+        return 0;
+    if (!procs.lookup(&tgid))
+        return 0;
+    gg_emit(GG_EV_EXIT, tgid, (u32)id, -1, 0, 0, GG_FLAG_LEADER_ONLY);
+#endif
+    return 0;
+}

@@ -1,0 +1,43 @@
+"""Fixtures for integration tests that run the real tracer against planted consumers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_root
+from tests.helpers.fakenvml import FakeGpu, FakeNvml
+
+GPU0_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000000"
+
+
+def _bpf_ready() -> str | None:
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        return "bcc is not installed (apt-get install python3-bpfcc; scripts/bootstrap.sh install)"
+    if not os.path.exists("/sys/kernel/tracing/events/syscalls"):
+        return "tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)"
+    return None
+
+
+@pytest.fixture
+def root_bpf() -> None:
+    require_root()
+    reason = _bpf_ready()
+    if reason:
+        pytest.skip(reason)
+    if not shutil.which("gcc"):
+        pytest.skip("gcc is needed to build the test workload and the fake NVML")
+
+
+@pytest.fixture
+def fake_nvml(tmp_path: Path) -> Iterator[FakeNvml]:
+    """One GPU (index 0, minor 0) whose driver lists no process until a test says so."""
+    nvml = FakeNvml(tmp_path / "nvml.conf", gpus=[FakeGpu(index=0, uuid=GPU0_UUID, minor=0)])
+    nvml.write()
+    yield nvml

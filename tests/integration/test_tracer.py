@@ -1,0 +1,276 @@
+"""The real tracer (`ghostgpu tracer`, BPF + /proc + fake NVML) against planted consumers.
+
+Each test plants a consumer in a fake container (own PID and mount namespaces, private /dev with
+real character device nodes, kubepods cgroup path in every hierarchy) or on the host, and asserts
+the exact class and identity the tracer reports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.container import FakeContainer
+from tests.helpers.fakenvml import FakeNvml, FakeProc
+from tests.helpers.tracer_proc import TracerProcess
+from tests.helpers.workload import build_gpuwork, run_host
+from tests.integration.conftest import GPU0_UUID
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
+
+FAST = ["--grace-s", "0.5"]
+
+
+def finding(pid: int, cls: str | None = None):  # noqa: ANN201
+    def pred(r: dict[str, Any]) -> bool:
+        return r.get("event") == "finding" and r.get("pid") == pid and (cls is None or r.get("class") == cls)
+
+    return pred
+
+
+def event(kind: str, **match: Any):  # noqa: ANN201
+    def pred(r: dict[str, Any]) -> bool:
+        return r.get("event") == kind and all(r.get(k) == v for k, v in match.items())
+
+    return pred
+
+
+def assert_identity(rec: dict[str, Any], c: FakeContainer, host_pid: int, ns_pid: int) -> None:
+    assert rec["pid"] == host_pid
+    assert rec["ns_pid"] == ns_pid
+    assert rec["container_id"] == c.container_id
+    assert rec["pod_uid"] == c.pod_uid
+    assert rec["runtime"] == "containerd"
+    assert rec["comm"] == "gpuwork"
+    assert rec["node"] == "test-node"
+
+
+def test_hidden_consumer_in_a_container(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidiactl", "open", "/dev/nvidia0", "ready", "wait"])
+        p.wait_ready()
+        opened = tracer.wait_for(event("open", pid=p.host_pid, device="/dev/nvidia0"), what="open event")
+        assert opened["source"] == "bpf"
+        assert_identity(opened, c, p.host_pid, 1)
+        rec = tracer.wait_for(finding(p.host_pid, "hidden"), what="hidden finding")
+        assert_identity(rec, c, p.host_pid, 1)
+        assert rec["gpu"] == 0 and rec["gpu_uuid"] == GPU0_UUID
+        assert set(rec["devices"]) == {"/dev/nvidia0", "/dev/nvidiactl"}
+        assert "NVML" in rec["reason"]
+        p.release()
+        tracer.wait_for(event("exit", pid=p.host_pid), what="exit event")
+        tracer.wait_for(event("resolved", pid=p.host_pid), what="resolved finding")
+
+
+def test_container_pid_is_translated_to_the_host_pid(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        # The init forks; the child (PID 2 in the container) opens the GPU.
+        p = c.run(["fork", "open", "/dev/nvidia0", "ready", "wait"])
+        ready = p.wait_ready()
+        assert ready.pid == 2
+        assert p.host_pid != 2
+        rec = tracer.wait_for(finding(p.host_pid, "hidden"), what="hidden finding of the forked child")
+        assert_identity(rec, c, p.host_pid, 2)
+
+
+def test_ghost_pid_listed_by_nvml(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    ghost_pid = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+    fake_nvml.update(procs=[FakeProc(gpu=0, pid=ghost_pid, used_bytes=3 << 30)])
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer:
+        rec = tracer.wait_for(finding(ghost_pid, "ghost"), what="ghost finding")
+        assert rec["gpu"] == 0 and rec["gpu_uuid"] == GPU0_UUID
+        assert rec["gpu_memory_bytes"] == 3 << 30
+        assert "does not exist" in rec["reason"] or "no such process" in rec["reason"]
+
+
+def test_zombie_leader_holding_through_threads(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with FakeContainer() as c:
+        p = c.run(["open", "/dev/nvidia0", "ready", "thread-hold"])
+        p.wait_ready()
+        host_pid = p.host_pid
+        wait_until(lambda: proc_state(host_pid) == "Z", "leader to become a zombie")
+        with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer:
+            rec = tracer.wait_for(finding(host_pid, "orphaned"), what="orphaned zombie leader")
+            assert_identity(rec, c, host_pid, 1)
+            assert "zombie" in rec["reason"]
+            assert rec["devices"] == ["/dev/nvidia0"]
+
+
+def test_process_reparented_after_its_shim_died(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST + ["--scan-interval-s", "0.5"], fake_nvml.env()) as tracer, \
+            FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "ready", "wait"])
+        p.wait_ready()
+        host_pid = p.host_pid
+        tracer.wait_for(finding(host_pid, "hidden"), what="hidden before the shim dies")
+        p.kill_shim()
+        rec = tracer.wait_for(finding(host_pid, "orphaned"), what="orphaned after the shim died")
+        assert_identity(rec, c, host_pid, 1)
+        assert "reparent" in rec["reason"]
+
+
+def test_mapped_then_closed_still_holds(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    devices = {"nvidia0": (1, 5), "nvidiactl": (1, 3)}
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer(devices=devices) as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "mmap", "0", "close", "0", "ready", "wait"])
+        p.wait_ready()
+        tracer.wait_for(event("mmap", pid=p.host_pid, device="/dev/nvidia0"), what="mmap event")
+        closed = tracer.wait_for(event("close", pid=p.host_pid, device="/dev/nvidia0"), what="close event")
+        assert closed.get("mapped") is True
+        rec = tracer.wait_for(finding(p.host_pid, "hidden"), what="hidden through the mapping")
+        assert rec["mapped"] is True and rec["fds"] == []
+    # The same hold found by a /proc scan alone (no open was seen).
+    with FakeContainer(devices=devices) as c:
+        p = c.run(["open", "/dev/nvidia0", "mmap", "0", "close", "0", "ready", "wait"])
+        p.wait_ready()
+        (tmp_path / "scan").mkdir()
+        with TracerProcess(tmp_path / "scan", FAST, fake_nvml.env()) as tracer:
+            rec = tracer.wait_for(finding(p.host_pid, "hidden"), what="hidden mapping found by the scan")
+            assert rec["mapped"] is True and rec["devices"] == ["/dev/nvidia0"]
+
+
+def test_holder_from_before_the_tracer_started(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with FakeContainer() as c:
+        p = c.run(["open", "/dev/nvidia0", "ready", "wait", "ioctl", "0", "0xc020462a", "4", "close", "0",
+                   "wait"])
+        p.wait_ready()
+        with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer:
+            opened = tracer.wait_for(event("open", pid=p.host_pid), what="open found by the first scan")
+            assert opened["source"] == "procfs"
+            rec = tracer.wait_for(finding(p.host_pid, "hidden"), what="hidden")
+            assert_identity(rec, c, p.host_pid, 1)
+            # The scan seeded the kernel table: later ioctls are counted and the close is traced.
+            p.release()
+            closed = tracer.wait_for(event("close", pid=p.host_pid, source="bpf"), what="traced close")
+            assert counts(closed) == {"0xc020462a": 4}
+
+
+def test_fork_child_inherits_the_fd(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "fork", "ready", "wait"])
+        p.wait_ready()
+        child = p.host_pid
+        parent = p.init_pid
+        forked = tracer.wait_for(event("fork", pid=parent), what="fork event")
+        assert forked["child_pid"] == child
+        rec = tracer.wait_for(finding(child, "hidden"), what="hidden child")
+        assert_identity(rec, c, child, 2)
+        assert rec["devices"] == ["/dev/nvidia0"]
+
+
+def test_fd_passed_over_a_unix_socket(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    sock = str(tmp_path / "pass.sock")
+    args = FAST + ["--scan-interval-s", "0.5"]
+    with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer, FakeContainer() as a, \
+            FakeContainer() as b:
+        tracer.wait_ready()
+        receiver = b.run(["recvfd", sock, "ready", "wait"])
+        wait_until(lambda: os.path.exists(sock), "the receiver's socket")
+        sender = a.run(["open", "/dev/nvidia0", "sendfd", sock, "0", "ready", "wait"])
+        sender.wait_ready()
+        receiver.wait_ready()
+        # The receiver never opened anything: only the /proc scan can find it.
+        rec = tracer.wait_for(finding(receiver.host_pid, "hidden"), what="receiver found by the scan")
+        assert rec["container_id"] == b.container_id
+        assert rec["devices"] == ["/dev/nvidia0"]
+        tracer.wait_for(event("close", pid=sender.host_pid), what="sender's close")
+
+
+def test_short_lived_consumer_is_caught_with_its_container(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "sleep", "20", "exit", "0"])
+        host_pid = p.init_pid
+        assert p.wait_exit(5.0) == 0
+        opened = tracer.wait_for(event("open", pid=host_pid), what="open of the short-lived consumer")
+        exited = tracer.wait_for(event("exit", pid=host_pid), what="exit of the short-lived consumer")
+        for rec in (opened, exited):
+            assert rec["container_id"] == c.container_id
+            assert rec["pod_uid"] == c.pod_uid
+            assert rec["device" if rec is opened else "devices"] in ("/dev/nvidia0", ["/dev/nvidia0"])
+        assert exited["comm"] == "gpuwork"
+        assert 0.015 <= exited["held_s"] < 5
+
+
+def test_ioctl_counts_per_request(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "ioctl", "0", "0xc020462a", "7", "ioctl", "0", "0xc00846d6", "3",
+                   "ioctl", "0", "0xc01046d3", "1", "close", "0", "ready", "wait"])
+        p.wait_ready()
+        closed = tracer.wait_for(event("close", pid=p.host_pid), what="close with ioctl counts")
+        assert counts(closed) == {"0xc020462a": 7, "0xc00846d6": 3, "0xc01046d3": 1}
+        names = {r["cmd"]: r["name"] for r in closed["ioctls"]}
+        assert names["0xc020462a"].startswith("NV_ESC_RM_CONTROL")
+        assert names["0xc00846d6"].startswith("NV_ESC_SYS_PARAMS")
+
+
+def test_visible_consumer_is_not_flagged(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with FakeContainer() as c:
+        p = c.run(["open", "/dev/nvidia0", "ready", "wait"])
+        p.wait_ready()
+        fake_nvml.update(procs=[FakeProc(gpu=0, pid=p.host_pid, used_bytes=1 << 30)])
+        with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer:
+            rec = tracer.wait_for(finding(p.host_pid, "visible"), what="visible finding")
+            assert rec["gpu_memory_bytes"] == 1 << 30
+            assert_identity(rec, c, p.host_pid, 1)
+            p.release()
+            tracer.wait_for(event("exit", pid=p.host_pid), what="exit")
+            flagged = tracer.matching(lambda r: r.get("pid") == p.host_pid and r.get("class") == "hidden")
+            assert flagged == []
+
+
+def test_allowlisted_daemon_is_system_and_host_holder_unattributed(
+        tmp_path: Path, fake_nvml: FakeNvml, request: pytest.FixtureRequest) -> None:
+    # BPF matches at most 48 bytes of a path: keep the planted device path short.
+    devdir = Path(tempfile.mkdtemp(prefix="gg", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(devdir, ignore_errors=True))
+    os.mknod(devdir / "nvidia0", 0o20666, os.makedev(1, 3))
+    daemon = tmp_path / "nvidia-persistenced"
+    shutil.copy(build_gpuwork(), daemon)
+    args = FAST + ["--device-prefix", "/dev/nvidia", "--device-prefix", f"{devdir}/nvidia"]
+    with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer:
+        tracer.wait_ready()
+        with run_host(["open", f"{devdir}/nvidia0", "ready", "wait"], executable=str(daemon)) as d, \
+                run_host(["open", f"{devdir}/nvidia0", "ready", "wait"]) as h:
+            d.wait_ready()
+            h.wait_ready()
+            sysrec = tracer.wait_for(finding(d.pid, "system"), what="system daemon")
+            assert sysrec["comm"] == "nvidia-persiste"  # the kernel keeps 15 characters
+            hostrec = tracer.wait_for(finding(h.pid, "unattributed"), what="unattributed host holder")
+            assert hostrec["container_id"] == "" and hostrec["gpu"] == 0
+
+
+def counts(rec: dict[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in rec.get("ioctls", []):
+        out[row["cmd"]] = out.get(row["cmd"], 0) + row["count"]
+    return out
+
+
+def proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def wait_until(cond, what: str, timeout_s: float = 5.0) -> None:  # noqa: ANN001
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)  # poll interval of a deadline loop

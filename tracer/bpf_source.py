@@ -1,0 +1,405 @@
+"""The BPF source: loads bpf/*.bpf.c with bcc, turns ring-buffer records into HolderEvents.
+
+The only module that imports bcc (lazily, in start()). The pure parts (cflags, the event decoder,
+format and capability checks) are module functions so unit tests need neither root nor bcc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import re
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ghostgpu.model import DeviceRef
+from tracer.events import EventKind, HolderEvent, boot_ns
+
+BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+BPF_FILES = ("ghostgpu.h", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c", "sched.bpf.c")
+PATH_LEN = 48
+USER_ID_BASE = 0x80000000  # kernel ids stay below (ghostgpu.h GG_USER_ID_BASE)
+PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for /proc/sys/kernel/pid_max on 64-bit
+MAX_PREFIXES = 8
+EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
+# ghostgpu.h GG_EV_*, GG_FLAG_*, GG_FD_SEEDED and the GG_STAT_* slot order.
+KINDS = dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, EventKind.FORK, EventKind.EXEC,
+                        EventKind.EXIT), start=1))
+FLAG_MAPPED, FLAG_LEADER_ONLY, FD_SEEDED = 1, 2, 1
+STAT_NAMES = ("ringbuf_drops", "fds_full", "holds_full", "procs_full", "ioctls_full", "dev_ids_full",
+              "pending_full", "forking_full")
+SLOW_PATHS = (b"gg_settle", b"gg_open_match")
+# Syscall tracepoints that not every ABI has: openat2 since 5.6, open and dup2 on x86_64 only.
+OPTIONAL_SYSCALLS = ("openat2", "open", "dup2")
+KHEADERS = "/sys/kernel/kheaders.tar.xz"
+TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/_.-:")
+_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+
+
+class BpfUnavailable(RuntimeError):
+    """BPF cannot be used here; the message is one line naming what is missing and what to do."""
+
+
+class RawEvent(NamedTuple):  # struct gg_event without its padding
+    ts_ns: int
+    cgroup_id: int
+    kind: int
+    tgid: int
+    tid: int
+    fd: int
+    dev_id: int
+    child_pid: int
+    flags: int
+
+
+def common_prefix(prefixes: Iterable[str]) -> str:
+    """The leading bytes all prefixes share, at most 7 (the kernel probes 8 bytes, NUL included)."""
+    # Byte-wise on purpose (not os.path.commonpath): "/dev/nvidia" and "/dev/kfd" share "/dev/".
+    return os.path.commonprefix(list(prefixes))[:7]  # noqa: RUF071
+
+
+def prefix_word(prefix: str) -> tuple[int, int]:
+    """(value, mask) of `prefix` read as a native-endian u64, as the kernel compares it."""
+    raw = prefix.encode()
+    if not 1 <= len(raw) <= 7:
+        raise ValueError(f"common prefix {prefix!r} must be 1 to 7 bytes")
+    mask = int.from_bytes(b"\xff" * len(raw) + b"\0" * (8 - len(raw)), sys.byteorder)
+    return int.from_bytes(raw.ljust(8, b"\0"), sys.byteorder), mask
+
+
+def map_sizes(max_fds: int) -> dict[str, int]:
+    """Every map is bounded by the one fd budget: a CUDA process holds ~4 devices with ~30 fds."""
+    return {"GG_MAX_FDS": max_fds, "GG_MAX_HOLDS": max(256, max_fds // 4),
+            "GG_MAX_PROCS": max(128, max_fds // 8), "GG_MAX_IOCTLS": max(1024, max_fds * 2),
+            "GG_MAX_DEVS": 4096, "GG_MAX_PENDING": 4096}
+
+
+def build_cflags(
+    prefixes: tuple[str, ...], *, max_fds: int = 65536, ringbuf_pages: int = 64,
+    pid_max: int = PID_MAX_LIMIT, have_group_dead: bool = True, syscalls: Iterable[str] = (),
+    bpf_dir: Path = BPF_DIR, holder_filter: bool = True,
+) -> list[str]:
+    """The -D/-I flags that configure bpf/*.bpf.c. Constants are never spliced into the text."""
+    if not 1 <= len(prefixes) <= MAX_PREFIXES:
+        raise ValueError(f"need 1 to {MAX_PREFIXES} device prefixes, got {len(prefixes)}")
+    for prefix in prefixes:
+        if not prefix.startswith("/") or len(prefix) > PATH_LEN - 8 or not set(prefix) <= _PREFIX_CHARS:
+            raise ValueError(f"device prefix {prefix!r}: an absolute path of at most 40 plain characters")
+    common = common_prefix(prefixes)
+    value, mask = prefix_word(common)
+    flags = [f"-I{bpf_dir}", f"-DGG_PATH_LEN={PATH_LEN}", f"-DGG_NPREFIX={len(prefixes)}"]
+    flags += [f'-DGG_PREFIX{i}="{prefix}"' for i, prefix in enumerate(prefixes)]
+    flags += [f'-DGG_COMMON_PREFIX="{common}"', f"-DGG_COMMON_LEN={len(common.encode())}",
+              f"-DGG_COMMON_U64={value:#x}ULL", f"-DGG_COMMON_MASK={mask:#x}ULL",
+              f"-DGG_RINGBUF_PAGES={ringbuf_pages}",
+              f"-DGG_ID_SLOTS={max(1, -(-min(pid_max, PID_MAX_LIMIT) // 4096))}"]
+    flags += [f"-D{name}={size}" for name, size in map_sizes(max_fds).items()]
+    if have_group_dead:
+        flags.append("-DGG_HAVE_GROUP_DEAD=1")
+    flags += [f"-DGG_HAVE_SYS_{name.upper()}=1" for name in sorted(set(syscalls))]
+    if not holder_filter:
+        flags.append("-DGG_NO_HOLDER_FILTER=1")
+    return flags
+
+
+def program_text(bpf_dir: Path = BPF_DIR) -> str:
+    """The files as one text: bcc 0.26 rewrites map calls only in its main file, so they cannot be
+    #include'd; #line keeps compiler messages pointing at the real file and line."""
+    parts = [f'#line 1 "{bpf_dir / name}"\n{(bpf_dir / name).read_text()}' for name in BPF_FILES]
+    return "\n".join(parts)
+
+
+def unpack_event(data: bytes) -> RawEvent | None:
+    return RawEvent(*EVENT.unpack_from(data)[:9]) if len(data) >= EVENT.size else None
+
+
+def decode_event(
+    data: bytes, dev_paths: Mapping[int, str], classify: Callable[[str], DeviceRef] = DeviceRef
+) -> HolderEvent | None:
+    """One ring-buffer record -> HolderEvent; None for a short record or an unknown kind.
+    An id missing from dev_paths (or id 0: FORK/EXEC/EXIT) gives device=None."""
+    raw = unpack_event(data)
+    if raw is None or raw.kind not in KINDS:
+        return None
+    path = dev_paths.get(raw.dev_id) if raw.dev_id else None
+    return HolderEvent(
+        kind=KINDS[raw.kind], source="bpf", ts_ns=raw.ts_ns, pid=raw.tgid, tid=raw.tid, fd=raw.fd,
+        device=classify(path) if path is not None else None, cgroup_id=raw.cgroup_id,
+        child_pid=raw.child_pid, mapped=bool(raw.flags & FLAG_MAPPED),
+    )
+
+
+def group_dead(stat_text: str) -> bool:
+    """From /proc/<tgid>/stat ("" once reaped): no live task is left in the thread group. A zombie
+    leader counts itself in num_threads (field 20) until the last other thread is gone."""
+    fields = stat_text.rpartition(")")[2].split()
+    if len(fields) < 18 or not fields[17].isdigit():
+        return True
+    return fields[0] in ("Z", "X") and int(fields[17]) <= 1
+
+
+def format_has_field(format_text: str, field: str) -> bool:
+    """Whether a tracepoint format file (events/<group>/<name>/format) declares `field`."""
+    return re.search(rf"^\s*field:[^;]*[\s*]{re.escape(field)}(\[\d*\])?;", format_text, re.M) is not None
+
+
+def has_caps(cap_eff_hex: str) -> bool:
+    """CapEff from /proc/self/status allows loading tracing BPF: CAP_SYS_ADMIN, or BPF+PERFMON."""
+    caps = int(cap_eff_hex, 16)
+    return bool(caps >> _CAP_SYS_ADMIN & 1) or bool(caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1)
+
+
+def find_tracefs() -> str | None:
+    return next((p for p in TRACEFS_CANDIDATES if os.path.isdir(f"{p}/events/syscalls")), None)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:  # gone (a process exited mid-read) or not there on this kernel
+        return ""
+
+
+class BpfSource:
+    """Kernel-side tracking of GPU device holders; see bpf/ghostgpu.h for the maps."""
+
+    def __init__(
+        self, prefixes: tuple[str, ...], max_fds: int = 65536, ringbuf_pages: int = 64,
+        bpf_dir: Path | None = None, classify: Callable[[str], DeviceRef] = DeviceRef,
+        proc_root: str = "/proc", holder_filter: bool = True,
+    ) -> None:
+        self.prefixes, self.max_fds, self.ringbuf_pages = tuple(prefixes), max_fds, ringbuf_pages
+        self.bpf_dir, self.classify, self.proc_root = bpf_dir or BPF_DIR, classify, proc_root
+        self.holder_filter = holder_filter  # False only to measure the filter (bench)
+        self.start_s: float | None = None  # how long start() took (compile + load + attach)
+        self.have_group_dead = False
+        self._bpf: Any = None
+        self._records: list[bytes] = []
+        self._dev_paths: dict[int, str] = {}
+        self._next_user_id = USER_ID_BASE
+        self._leader_exits: dict[int, HolderEvent] = {}  # tgid -> EXIT waiting for the group to die
+        self._holder_map: mmap.mmap | None = None
+
+    def _preflight(self) -> tuple[Any, str]:
+        try:
+            import bcc
+        except ImportError:
+            raise BpfUnavailable("bcc is not installed: apt-get install python3-bpfcc") from None
+        caps = [ln.split()[1] for ln in _read("/proc/self/status").splitlines() if ln.startswith("CapEff:")]
+        if os.geteuid() != 0 and not (caps and has_caps(caps[0])):
+            raise BpfUnavailable("not root and no CAP_BPF+CAP_PERFMON: run the tracer as root (privileged)")
+        tracefs = find_tracefs()
+        if tracefs is None:
+            raise BpfUnavailable("tracefs is not mounted: mount -t tracefs tracefs /sys/kernel/tracing")
+        release = os.uname().release  # bcc takes /lib/modules/<release>/build or CONFIG_IKHEADERS
+        if not any(Path(p).exists() for p in (f"/lib/modules/{release}/build/include", KHEADERS)):
+            raise BpfUnavailable(f"kernel headers missing for {release}: run scripts/bootstrap.sh install")
+        return bcc, tracefs
+
+    def start(self) -> None:
+        """Compile, load and attach every program. Raises BpfUnavailable with one clear line."""
+        if self._bpf is not None:
+            return
+        t0 = time.monotonic()
+        bcc, tracefs = self._preflight()
+        exit_format = _read(f"{tracefs}/events/sched/sched_process_exit/format")
+        self.have_group_dead = format_has_field(exit_format, "group_dead")
+        present = [n for n in OPTIONAL_SYSCALLS if os.path.isdir(f"{tracefs}/events/syscalls/sys_enter_{n}")]
+        pid_max = int(_read("/proc/sys/kernel/pid_max").strip() or PID_MAX_LIMIT)
+        cflags = build_cflags(
+            self.prefixes, max_fds=self.max_fds, ringbuf_pages=self.ringbuf_pages, pid_max=pid_max,
+            have_group_dead=self.have_group_dead, syscalls=present, bpf_dir=self.bpf_dir,
+            holder_filter=self.holder_filter,
+        )
+        try:
+            self._bpf = bcc.BPF(text=program_text(self.bpf_dir).encode(), cflags=cflags)
+        except Exception as exc:  # bcc raises bare Exception; the compiler's detail went to stderr
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise BpfUnavailable(f"loading the ghostgpu BPF programs failed ({detail}); see stderr") from None
+        try:
+            for slot, name in enumerate(SLOW_PATHS):  # tail-call targets, ghostgpu.h GG_SLOW_*
+                self._bpf[b"slow"][ctypes.c_int(slot)] = ctypes.c_int(self._bpf.load_func(name, bcc.BPF.TRACEPOINT).fd)
+            self._bpf[b"events"].open_ring_buffer(self._on_record)
+            holder = self._bpf[b"holder_bytes"]  # one byte per tgid, see gg_maybe_holder()
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            self._holder_map = mmap.mmap(holder.map_fd, len(holder) * 4096, mmap.MAP_SHARED, prot)
+        except Exception as exc:
+            self.close()
+            raise BpfUnavailable(f"setting up the ghostgpu BPF maps failed: {exc}") from None
+        self.start_s = time.monotonic() - t0
+
+    def close(self) -> None:
+        """Detach and unload everything; safe to call twice."""
+        if self._holder_map is not None:
+            self._holder_map.close()
+            self._holder_map = None
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None
+
+    def _on_record(self, _ctx: Any, data: Any, size: int) -> int:
+        self._records.append(ctypes.string_at(data, size))
+        return 0
+
+    def fileno(self) -> int:
+        """An epoll fd that turns readable when events wait (for the agent's selector); -1 if none."""
+        manager = getattr(self._bpf, "_ringbuf_manager", None)  # libbpf's struct ring_buffer *
+        try:
+            libbpf = ctypes.CDLL("libbpf.so.1")  # the libbpf that bcc 0.26's libbcc links
+        except OSError:
+            return -1
+        libbpf.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
+        return int(libbpf.ring_buffer__epoll_fd(manager)) if manager else -1
+
+    def poll(self, timeout_ms: int) -> list[HolderEvent]:
+        """Wait up to timeout_ms for ring-buffer records and return them as events, in order."""
+        if self._bpf is None:
+            return []
+        self._bpf.ring_buffer_poll(timeout_ms)
+        records, self._records = self._records, []
+        events: list[HolderEvent] = []
+        for data in records:
+            raw = unpack_event(data)
+            if raw and raw.dev_id and raw.dev_id not in self._dev_paths:
+                self._refresh_dev_paths()
+            event = decode_event(data, self._dev_paths, self.classify)
+            if raw is None or event is None:
+                continue
+            if raw.flags & FLAG_LEADER_ONLY:
+                self._leader_exits[raw.tgid] = event  # reported once the whole group is gone
+                continue
+            events.append(event)
+        events.extend(self._settle_leader_exits())
+        return events
+
+    def _settle_leader_exits(self) -> list[HolderEvent]:
+        """Kernels without group_dead: the leader's EXIT becomes EXIT once no live task is left."""
+        done: list[HolderEvent] = []
+        for tgid, event in list(self._leader_exits.items()):
+            if group_dead(_read(f"{self.proc_root}/{tgid}/stat")):
+                del self._leader_exits[tgid]
+                done.append(replace(event, ts_ns=boot_ns()))
+        return done
+
+    def _refresh_dev_paths(self) -> None:
+        for key, value in self._bpf[b"dev_ids"].items():
+            self._dev_paths[int(value.value)] = bytes(key.path).split(b"\0", 1)[0].decode(errors="replace")
+
+    def _intern(self, path: str) -> int | None:
+        raw = path.encode()
+        if self._bpf is None or not raw or len(raw) >= PATH_LEN:
+            return None
+        from bcc.libbcc import lib
+
+        table = self._bpf[b"dev_ids"]
+        key = table.Key()
+        key.path = raw
+        found = table.get(key)
+        if found is not None:
+            return int(found.value)
+        dev_id = self._next_user_id
+        value = table.Leaf(dev_id)
+        if lib.bpf_update_elem(table.map_fd, ctypes.byref(key), ctypes.byref(value), 1) != 0:  # NOEXIST
+            found = table.get(key)  # the kernel interned it meanwhile, or the map is full
+            return int(found.value) if found is not None else None
+        self._next_user_id += 1
+        self._dev_paths[dev_id] = path
+        return dev_id
+
+    def _set_holder_byte(self, pid: int, on: bool) -> None:
+        if self._holder_map is not None and 0 <= pid < len(self._holder_map):
+            self._holder_map[pid] = 1 if on else 0
+
+    def seed(self, pid: int, fds: Mapping[int, str], mapped_paths: Iterable[str] = ()) -> None:
+        """Tell the kernel about holds found in /proc (opened before the tracer started, inherited
+        over fork, received over a socket). Idempotent: a known (fd, device) is not counted twice.
+        A concurrent open/close by the process itself may race this; the next scan corrects it."""
+        if self._bpf is None:
+            return
+        fd_t, hold_t, procs_t = self._bpf[b"fds"], self._bpf[b"holds"], self._bpf[b"procs"]
+        for fd, path in fds.items():
+            dev_id = self._intern(path)
+            if dev_id is None:
+                continue
+            key = fd_t.Key(pid, fd)
+            old = fd_t.get(key)
+            if old is not None and old.dev_id == dev_id:
+                continue
+            if old is not None:  # the fd now names another device: release the old hold
+                self._bump_hold(pid, old.dev_id, nfds=-1, mapped=False)
+            try:
+                fd_t[key] = fd_t.Leaf(dev_id, FD_SEEDED)
+            except Exception:  # map full: the /proc scan still knows the hold
+                continue
+            self._bump_hold(pid, dev_id, nfds=1, mapped=False)
+        for path in mapped_paths:
+            dev_id = self._intern(path)
+            if dev_id is not None:
+                self._bump_hold(pid, dev_id, nfds=0, mapped=True)
+        self._refresh_dev_paths()
+        held = sum(1 for dev_id in self._dev_paths if hold_t.get(hold_t.Key(pid, dev_id)) is not None)
+        if held:
+            procs_t[procs_t.Key(pid)] = procs_t.Leaf(held)
+            self._set_holder_byte(pid, True)
+
+    def _bump_hold(self, pid: int, dev_id: int, nfds: int, mapped: bool) -> None:
+        table = self._bpf[b"holds"]
+        key = table.Key(pid, dev_id)
+        old = table.get(key)
+        count, mapped = max(0, (old.nfds if old else 0) + nfds), mapped or bool(old and old.mapped)
+        if count == 0 and not mapped:
+            table.pop(key, None)
+            return
+        with contextlib.suppress(Exception):  # map full: the /proc scan still knows the hold
+            table[key] = table.Leaf(count, int(mapped))
+
+    def _entries(self, name: bytes) -> list[tuple[Any, Any]]:
+        table = self._bpf[name]
+        try:
+            return list(table.items_lookup_batch())
+        except Exception:  # batch ops need Linux 5.6; fall back to key-by-key iteration
+            return list(table.items())
+
+    def ioctl_counts(self, pid: int | None = None) -> dict[int, dict[tuple[str, int], int]]:
+        """pid -> (device path, ioctl request word) -> count, summed over the pid's fds."""
+        out: dict[int, dict[tuple[str, int], int]] = {}
+        if self._bpf is None:
+            return out
+        entries = self._entries(b"ioctls")
+        if any(k.dev_id not in self._dev_paths for k, _ in entries):
+            self._refresh_dev_paths()
+        for key, value in entries:
+            if pid is not None and key.tgid != pid:
+                continue
+            per_pid = out.setdefault(int(key.tgid), {})
+            slot = (self._dev_paths.get(key.dev_id, "?"), int(key.cmd))
+            per_pid[slot] = per_pid.get(slot, 0) + int(getattr(value, "value", value))
+        return out
+
+    def forget(self, pid: int) -> None:
+        """Drop every kernel entry of tgid `pid` (after its EXIT and a last ioctl_counts())."""
+        if self._bpf is None:
+            return
+        self._set_holder_byte(pid, False)
+        self._bpf[b"procs"].pop(self._bpf[b"procs"].Key(pid), None)
+        for name in (b"fds", b"holds", b"ioctls"):
+            table = self._bpf[name]
+            for key, _ in self._entries(name):
+                if key.tgid == pid:
+                    table.pop(key, None)
+        self._leader_exits.pop(pid, None)
+
+    def stats(self) -> dict[str, int]:
+        """Kernel-side counters summed over CPUs: ring-buffer drops and full-map insert failures."""
+        if self._bpf is None:
+            return dict.fromkeys(STAT_NAMES, 0)
+        table = self._bpf[b"stats"]
+        return {name: int(table.sum(table.Key(i)).value) for i, name in enumerate(STAT_NAMES)}

@@ -1,0 +1,260 @@
+"""The GPU device catalog: which device files are GPU devices, and what each one stands for.
+
+Two ways to recognise a device file:
+* by name, for a path under a configured prefix (`/dev/nvidia`, `/dev/kfd`, ...);
+* by its rdev major, for a node made elsewhere with mknod (`/tmp/x` c 195 0): the kernel
+  does not care where a node lives, only its (major, minor), so a path check alone is easy to hide from.
+
+The numbers come from nvidia-devices.md (open-gpu-kernel-modules 595.45.04): major 195 is fixed,
+every other NVIDIA major is dynamic and must be read from /proc/devices at runtime.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ghostgpu.model import DeviceKind, DeviceRef
+
+NVIDIA_MAJOR = 195
+NVIDIA_MAX_GPU_MINOR = 247  # 248..253 unused, 254 nvidia-modeset, 255 nvidiactl
+NVIDIA_MODESET_MINOR = 254
+NVIDIACTL_MINOR = 255
+DRM_MAJOR = 226
+DRM_RENDER_MINOR_BASE = 128  # renderD128 is the first render node (64 * DRM_MINOR_RENDER)
+
+# MIG capability minors are handed out in a fixed order at module load (nv-caps.c), so they can be
+# computed when /proc/driver/nvidia-caps/mig-minors is not readable (e.g. not mounted in the pod).
+MIG_CAP_BASE = 3
+MIG_CAPS_PER_GPU = 135  # 15 GIs x (1 GI access + 8 CI access)
+MIG_CAPS_PER_GI = 9
+MIG_MAX_GPUS = 32
+MIG_CONTROL_MINORS = frozenset({0, 1, 2, MIG_CAP_BASE + MIG_CAPS_PER_GPU * MIG_MAX_GPUS})
+
+# Dynamic majors by their exact /proc/devices name -> the role of every minor under them.
+_NVIDIA_DYNAMIC = {
+    "nvidia-uvm": DeviceKind.UVM,
+    "nvidia-caps": DeviceKind.MIG,
+    "nvidia-caps-imex-channels": DeviceKind.OTHER,
+    "nvidia-nvlink": DeviceKind.OTHER,
+    "nvidia-nvswitch": DeviceKind.OTHER,
+}
+
+MigMinors = dict[int, tuple[int, int | None, int | None]]
+
+# A stat of an open file is a getattr on its filesystem: a server round trip on these, and a hang
+# when the server is dead (what fuser is known for). Not worth it for a node made there.
+_REMOTE_FS = frozenset(("nfs", "nfs4", "cifs", "smb3", "ceph", "lustre", "gpfs", "glusterfs", "9p", "afs",
+                        "beegfs", "fuse", "fuseblk", "davfs"))
+
+
+def parse_proc_devices(text: str) -> dict[int, list[str]]:
+    """Character-device section of /proc/devices: major -> names (195 carries several)."""
+    out: dict[int, list[str]] = {}
+    in_char = False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.endswith(":"):
+            in_char = line == "Character devices:"
+            continue
+        if not in_char:
+            continue
+        num, _, name = line.partition(" ")
+        name = name.strip()
+        if not num.isdigit() or not name:
+            continue
+        out.setdefault(int(num), []).append(name)
+    return out
+
+
+def parse_mig_minors(text: str) -> MigMinors:
+    """/proc/driver/nvidia-caps/mig-minors: minor -> (gpu, gi, ci) for the per-GPU capabilities.
+
+    `config` and `monitor` (and the nvlink/imex fabric lines) stand for no GPU and are left out;
+    classify_mig_minor() knows them as node-wide control capabilities.
+    """
+    out: MigMinors = {}
+    for raw in text.splitlines():
+        parts = raw.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            continue
+        name, minor = parts[0], int(parts[1])
+        comps = name.split("/")
+        if len(comps) < 2 or comps[-1] != "access" or not comps[0].startswith("gpu"):
+            continue
+        gpu = _int_after(comps[0], "gpu")
+        gi = _int_after(comps[1], "gi") if len(comps) >= 3 else None
+        ci = _int_after(comps[2], "ci") if len(comps) >= 4 else None
+        if gpu is None or (len(comps) >= 3 and gi is None) or (len(comps) >= 4 and ci is None):
+            continue
+        out[minor] = (gpu, gi, ci)
+    return out
+
+
+def _int_after(text: str, prefix: str) -> int | None:
+    rest = text[len(prefix) :] if text.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def classify_mig_minor(minor: int, mig_minors: MigMinors | None = None) -> tuple[DeviceKind, int | None]:
+    """(kind, gpu_minor) of /dev/nvidia-caps/nvidia-cap<minor>; the table wins over the formula."""
+    if mig_minors and minor in mig_minors:
+        return DeviceKind.MIG, mig_minors[minor][0]
+    if minor in MIG_CONTROL_MINORS:
+        return DeviceKind.CONTROL, None
+    if MIG_CAP_BASE <= minor < MIG_CAP_BASE + MIG_CAPS_PER_GPU * MIG_MAX_GPUS:
+        return DeviceKind.MIG, (minor - MIG_CAP_BASE) // MIG_CAPS_PER_GPU
+    return DeviceKind.OTHER, None
+
+
+def _nvidia_minor_kind(minor: int) -> tuple[DeviceKind, int | None]:
+    if 0 <= minor <= NVIDIA_MAX_GPU_MINOR:
+        return DeviceKind.GPU, minor
+    if minor in (NVIDIA_MODESET_MINOR, NVIDIACTL_MINOR):
+        return DeviceKind.CONTROL, None
+    return DeviceKind.OTHER, None
+
+
+def classify_device_path(path: str, mig_minors: MigMinors | None = None) -> DeviceRef:
+    """Role of a path already known to be a GPU device, from its name alone (no I/O, no symlinks).
+
+    Only the file name (and, for channels, its directory) is looked at, so a prefix that is not
+    under /dev (a test directory, a host mount) classifies the same way.
+    """
+    clean = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+    parent, _, name = clean.rpartition("/")
+    kind, gpu = _classify_name(name, parent.rpartition("/")[2], mig_minors)
+    return DeviceRef(path=path, kind=kind, gpu_minor=gpu)
+
+
+def _classify_name(name: str, parent: str, mig_minors: MigMinors | None) -> tuple[DeviceKind, int | None]:
+    if name in ("nvidiactl", "nvidia-modeset", "kfd", "davinci_manager"):
+        return DeviceKind.CONTROL, None
+    if name in ("nvidia-uvm", "nvidia-uvm-tools"):
+        return DeviceKind.UVM, None
+    if name.startswith("nvidia-cap"):
+        num = name[len("nvidia-cap") :]
+        return classify_mig_minor(int(num), mig_minors) if num.isdigit() else (DeviceKind.OTHER, None)
+    if name.startswith("nvidia"):
+        num = name[len("nvidia") :]
+        return _nvidia_minor_kind(int(num)) if num.isdigit() else (DeviceKind.OTHER, None)
+    if name.startswith("renderD"):
+        num = name[len("renderD") :]
+        if num.isdigit() and int(num) >= DRM_RENDER_MINOR_BASE:
+            return DeviceKind.GPU, int(num) - DRM_RENDER_MINOR_BASE
+        return DeviceKind.OTHER, None
+    if name.startswith("davinci"):
+        num = name[len("davinci") :]
+        return (DeviceKind.GPU, int(num)) if num.isdigit() else (DeviceKind.OTHER, None)
+    # nvidia-caps-imex-channels/channelN, nvidia-nvlink, nvidia-nvswitch*: known, but no GPU role.
+    return DeviceKind.OTHER, None
+
+
+def parse_mount_skips(text: str) -> dict[str, bool]:
+    """/proc/PID/mountinfo -> mount point: True where open files are not stat'ed.
+
+    That is remote/FUSE filesystems, and nodev mounts (a device node there cannot be opened).
+    A later line over the same mount point wins: the later mount hides the earlier one.
+    """
+    mounts: dict[str, bool] = {}
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split(" ")
+        if not sep or len(fields) < 6:
+            continue
+        fstype = right.split(" ", 1)[0]
+        point = fields[4]
+        for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(escaped, char)
+        mounts[point] = fstype in _REMOTE_FS or fstype.startswith("fuse.") or "nodev" in fields[5].split(",")
+    return mounts
+
+
+def on_skipped_mount(path: str, mounts: dict[str, bool]) -> bool:
+    """Whether the deepest mount point above `path` is one whose files are not stat'ed."""
+    probe = path
+    while probe:
+        skip = mounts.get(probe)
+        if skip is not None:
+            return skip
+        probe = probe[: probe.rfind("/")]
+    return mounts.get("/", False)
+
+
+class DeviceCatalog:
+    """Decides whether a device file is a GPU device, by prefix or by rdev major, and classifies it."""
+
+    def __init__(self, prefixes: tuple[str, ...], proc_root: str = "/proc") -> None:
+        self.prefixes = tuple(prefixes)
+        self.proc_root = proc_root
+        # DRM major 226 is shared with every display GPU (Intel iGPUs, virtio): only count it when
+        # the AMD render prefix was asked for.
+        self.drm_render = any(p.startswith("/dev/dri/renderD") for p in self.prefixes)
+        self.majors: dict[int, DeviceKind | str] = {}
+        self.mig_minors: MigMinors = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read /proc/devices (dynamic majors change when a module is reloaded) and mig-minors."""
+        majors: dict[int, DeviceKind | str] = {NVIDIA_MAJOR: "nvidia"}
+        for major, names in parse_proc_devices(_read_text(f"{self.proc_root}/devices")).items():
+            for name in names:
+                if name in _NVIDIA_DYNAMIC:
+                    majors[major] = _NVIDIA_DYNAMIC[name]
+                elif major == NVIDIA_MAJOR and name.startswith("nvidia"):
+                    majors[major] = "nvidia"
+                elif name == "kfd":
+                    majors[major] = DeviceKind.CONTROL
+                elif "davinci" in name:
+                    # Ascend majors/minors are not documented (nvidia-devices.md section 5): count the
+                    # holder, but do not guess which NPU a minor stands for.
+                    majors[major] = DeviceKind.OTHER
+        if self.drm_render:
+            majors[DRM_MAJOR] = "drm"
+        self.majors = majors
+        self.mig_minors = parse_mig_minors(_read_text(f"{self.proc_root}/driver/nvidia-caps/mig-minors"))
+
+    def is_gpu_major(self, major: int) -> bool:
+        return major in self.majors
+
+    def classify_rdev(self, rdev: int) -> tuple[DeviceKind, int | None] | None:
+        """(kind, gpu_minor) of a device number, or None when it is not a GPU device."""
+        major, minor = os.major(rdev), os.minor(rdev)
+        role = self.majors.get(major)
+        if role is None:
+            return None
+        if role == "nvidia":
+            return _nvidia_minor_kind(minor)
+        if role == "drm":
+            if minor < DRM_RENDER_MINOR_BASE:
+                return None  # primary/control nodes: display, not compute
+            return DeviceKind.GPU, minor - DRM_RENDER_MINOR_BASE
+        if role == DeviceKind.MIG:
+            return classify_mig_minor(minor, self.mig_minors)
+        assert isinstance(role, DeviceKind)
+        return role, None
+
+    def match(self, path: str, rdev: int | None = None) -> DeviceRef | None:
+        """The DeviceRef of a device file, or None when it is not a GPU device."""
+        by_rdev = self.classify_rdev(rdev) if rdev else None
+        major = os.major(rdev) if rdev else None
+        minor = os.minor(rdev) if rdev else None
+        if path.startswith(self.prefixes):
+            ref = classify_device_path(path, self.mig_minors)
+            if ref.kind is DeviceKind.OTHER and by_rdev is not None:
+                # An odd name under the prefix: the device number still says what it is.
+                return DeviceRef(path, by_rdev[0], by_rdev[1], major, minor)
+            return DeviceRef(path, ref.kind, ref.gpu_minor, major, minor)
+        if by_rdev is None:
+            return None
+        return DeviceRef(path, by_rdev[0], by_rdev[1], major, minor)
+
+
+def _read_text(path: str) -> str:
+    """A whole /proc file, or "" when it is missing or unreadable (a driver not loaded is normal)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
