@@ -147,11 +147,13 @@ class Children:
 def interleaved_best(runs: int, fns: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
     """Each timed `runs` times, round robin, so a burst of load on the host hits all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(runs):
+    for run in range(runs):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+        last = ", ".join(f"{name} {ts[-1]:.3f} s" for name, ts in times.items())
+        print(f"bench_scan: run {run + 1}/{runs}: {last}", file=sys.stderr, flush=True)
     return times
 
 
@@ -194,6 +196,7 @@ def main() -> int:
         t0 = time.perf_counter()
         children.spawn(args.procs, node, shared, f"{tmp}/private", args.fds, args.regular_share, args.holes)
         spawn_s = time.perf_counter() - t0
+        print(f"bench_scan: {args.procs} children ready in {spawn_s:.1f} s", file=sys.stderr, flush=True)
         catalog = DeviceCatalog((f"{tmp}/nvidia",))
         scanners = {  # the default first: that is the scanner the tracer runs
             "ours": ProcScanner(catalog),
@@ -201,8 +204,9 @@ def main() -> int:
             "ours_no_stat_outside_dev": ProcScanner(catalog, stat_outside_dev=False),
         }
         wanted = {str(p).encode() for p in children.pids}
-        hits = {name: sum(1 for pid in children.pids if node in sc.scan().get(pid, {}))
-                for name, sc in scanners.items()}
+        views = {name: sc.scan() for name, sc in scanners.items()}
+        hits = {name: sum(1 for pid in children.pids if node in view.get(pid, {}))
+                for name, view in views.items()}
         fuser, lsof = run_tool(["fuser", "-v", node]), run_tool(["lsof", node])
         hits["fuser"] = len(set(fuser.stdout.split()) & wanted)
         lsof_rows = [line.split() for line in lsof.stdout.splitlines()[1:]]  # COMMAND PID USER FD ...

@@ -53,6 +53,9 @@
 #ifndef GG_RINGBUF_PAGES
 #define GG_RINGBUF_PAGES 64
 #endif
+#ifndef GG_OPEN_SKIP_FLAGS /* O_DIRECTORY | O_PATH of the target ABI, from Python's os module */
+#define GG_OPEN_SKIP_FLAGS 0
+#endif
 #ifndef GG_ID_SLOTS /* byte-flag slots of 4096 ids: pid_max / 4096, rounded up */
 #define GG_ID_SLOTS 8
 #endif

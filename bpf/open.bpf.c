@@ -1,9 +1,12 @@
-/* open.bpf.c: openat/openat2 of a GPU device path -> fds/holds/procs, OPEN on a tgid's first fd.
+/* open.bpf.c: open/openat/openat2 of a GPU device path -> fds/holds/procs, OPEN on a tgid's
+ * first fd on a device.
  *
- * Hot path (every open on the node): one 8-byte user read and a masked compare on enter, one byte
- * load (pending_bytes) on exit. Only absolute paths are matched: openat(dirfd, "nvidia0") relative to an open
- * /dev, symlinks such as /dev/char/195:0, or a device bind-mounted elsewhere are missed here; the
- * periodic /proc scan finds those fds and seeds them (BpfSource.seed) so they are tracked after.
+ * Hot path (every open on the node): a flags test, one 8-byte user read and a masked compare on
+ * enter; one inlined array load (pending_count) on exit.
+ *
+ * Only absolute paths are matched: openat(dirfd, "nvidia0") relative to an open /dev, symlinks
+ * such as /dev/char/195:0, or a device bind-mounted elsewhere are missed here; the periodic /proc
+ * scan finds those fds and seeds them (BpfSource.seed) so they are tracked from then on.
  * glibc and musl route open(2) through openat; open(2) itself (x86_64 only, used by static or
  * raw-syscall binaries) is hooked where the tracepoint exists.
  */
@@ -29,8 +32,16 @@ int gg_open_match(void *ctx)
     return 0;
 }
 
-static __always_inline int gg_open_enter(void *ctx, const char *filename, s32 nr)
+/* flags: the open flags, or 0 where they are not a tracepoint argument (openat2 has them in user
+ * memory). O_DIRECTORY and O_PATH opens are skipped before the user read: neither opens a device
+ * (O_DIRECTORY fails on one; O_PATH never calls the driver, and ioctl/mmap on it fail), and
+ * opendir() is common (kubelet, runtimes walking /proc and cgroups). It also keeps
+ * opendir("/dev/nvidia-caps") from passing for a device hold. Values from Python's os module:
+ * they differ between ABIs (O_DIRECTORY is 0x10000 on x86_64, 0x4000 on arm64). */
+static __always_inline int gg_open_enter(void *ctx, const char *filename, u64 flags, s32 nr)
 {
+    if (flags & GG_OPEN_SKIP_FLAGS)
+        return 0;
     u64 head = 0;
     long n = bpf_probe_read_user_str(&head, sizeof(head), filename);
     /* n counts the NUL; a string shorter than the common prefix cannot match any prefix. */
@@ -48,7 +59,7 @@ static __always_inline int gg_open_enter(void *ctx, const char *filename, s32 nr
 
 TRACEPOINT_PROBE(syscalls, sys_enter_openat)
 {
-    return gg_open_enter(args, args->filename, args->__syscall_nr);
+    return gg_open_enter(args, args->filename, (u64)args->flags, args->__syscall_nr);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_openat)
@@ -59,7 +70,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
 #ifdef GG_HAVE_SYS_OPENAT2 /* openat2 exists since Linux 5.6 */
 TRACEPOINT_PROBE(syscalls, sys_enter_openat2)
 {
-    return gg_open_enter(args, args->filename, args->__syscall_nr);
+    return gg_open_enter(args, args->filename, 0, args->__syscall_nr);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_openat2)
@@ -71,7 +82,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat2)
 #ifdef GG_HAVE_SYS_OPEN /* x86_64 has open(2); arm64 and other newer ABIs only have openat */
 TRACEPOINT_PROBE(syscalls, sys_enter_open)
 {
-    return gg_open_enter(args, args->filename, args->__syscall_nr);
+    return gg_open_enter(args, args->filename, (u64)args->flags, args->__syscall_nr);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_open)

@@ -39,7 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
     snap.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
     _add_tracer_flags(snap)
 
-    tracer = sub.add_parser("tracer", help="the node agent: BPF + /proc + NVML, events and findings as JSON lines")
+    tracer = sub.add_parser("tracer",
+                            help="the node agent: BPF + /proc + NVML, events and findings as JSON lines")
     tracer.add_argument("--jsonl", default="-", help="where to write JSON lines ('-' = stdout, the default)")
     tracer.add_argument("--bpf", choices=("auto", "on", "off"), help="kernel tracing (default auto)")
     _add_tracer_flags(tracer)

@@ -7,11 +7,11 @@ these types and the generated gRPC API.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class ConsumerClass(str, Enum):
+class ConsumerClass(StrEnum):
     """One class per consumer (process x GPU); see classify() for the rules and their order."""
 
     SYSTEM = "system"  # an allowlisted node daemon that holds devices by design
@@ -24,19 +24,15 @@ class ConsumerClass(str, Enum):
     PENDING = "pending"  # holding for less than the grace period: NVML may not list it yet
     UNKNOWN = "unknown"  # the rule needs NVML and NVML is not available
 
-    def __str__(self) -> str:  # so f-strings and JSON show the plain value
-        return self.value
 
 
-class DeviceKind(str, Enum):
+class DeviceKind(StrEnum):
     GPU = "gpu"  # one GPU: /dev/nvidiaN, /dev/dri/renderD*, /dev/davinciN
     MIG = "mig"  # a MIG capability (/dev/nvidia-caps/nvidia-capM) that gates one GPU's instance
     CONTROL = "control"  # node-wide control: nvidiactl, nvidia-modeset, nvidia-caps (config/monitor), kfd
     UVM = "uvm"  # unified memory: nvidia-uvm, nvidia-uvm-tools
     OTHER = "other"  # matched a prefix but no known role (nvlink, nvswitch, imex channels, ...)
 
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, order=True)

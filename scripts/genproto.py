@@ -51,8 +51,8 @@ def main() -> int:
             stale += [n for n in sorted(names & committed)
                       if not filecmp.cmp(Path(tmp) / OUT_PACKAGE / n, target / n, shallow=False)]
             if stale:
-                print(f"genproto: generated code is stale: {', '.join(stale)}; run python scripts/genproto.py",
-                      file=sys.stderr)
+                print(f"genproto: generated code is stale: {', '.join(stale)}; "
+                      "run python scripts/genproto.py", file=sys.stderr)
                 return 1
             print(f"genproto: {len(names)} generated files up to date")
             return 0

@@ -99,7 +99,7 @@ def build_cflags(
     flags += [f'-DGG_PREFIX{i}="{prefix}"' for i, prefix in enumerate(prefixes)]
     flags += [f'-DGG_COMMON_PREFIX="{common}"', f"-DGG_COMMON_LEN={len(common.encode())}",
               f"-DGG_COMMON_U64={value:#x}ULL", f"-DGG_COMMON_MASK={mask:#x}ULL",
-              f"-DGG_RINGBUF_PAGES={ringbuf_pages}",
+              f"-DGG_RINGBUF_PAGES={ringbuf_pages}", f"-DGG_OPEN_SKIP_FLAGS={os.O_DIRECTORY | os.O_PATH:#x}",
               f"-DGG_ID_SLOTS={max(1, -(-min(pid_max, PID_MAX_LIMIT) // 4096))}"]
     flags += [f"-D{name}={size}" for name, size in map_sizes(max_fds).items()]
     if have_group_dead:
@@ -226,7 +226,8 @@ class BpfSource:
             raise BpfUnavailable(f"loading the ghostgpu BPF programs failed ({detail}); see stderr") from None
         try:
             for slot, name in enumerate(SLOW_PATHS):  # tail-call targets, ghostgpu.h GG_SLOW_*
-                self._bpf[b"slow"][ctypes.c_int(slot)] = ctypes.c_int(self._bpf.load_func(name, bcc.BPF.TRACEPOINT).fd)
+                prog = self._bpf.load_func(name, bcc.BPF.TRACEPOINT)
+                self._bpf[b"slow"][ctypes.c_int(slot)] = ctypes.c_int(prog.fd)
             self._bpf[b"events"].open_ring_buffer(self._on_record)
             holder = self._bpf[b"holder_bytes"]  # one byte per tgid, see gg_maybe_holder()
             prot = mmap.PROT_READ | mmap.PROT_WRITE
@@ -264,6 +265,7 @@ class BpfSource:
         if self._bpf is None:
             return []
         self._bpf.ring_buffer_poll(timeout_ms)
+        self._bpf.ring_buffer_consume()  # records committed whose wakeup (irq_work) is still due
         records, self._records = self._records, []
         events: list[HolderEvent] = []
         for data in records:

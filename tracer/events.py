@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from ghostgpu.model import DeviceRef
 
@@ -17,7 +17,7 @@ def boot_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
 
 
-class EventKind(str, Enum):
+class EventKind(StrEnum):
     OPEN = "open"  # first fd of a process on a device
     CLOSE = "close"  # last fd of a process on a device closed (mapped=True: a mapping still holds it)
     MMAP = "mmap"  # first mapping of a device by a process
@@ -26,8 +26,6 @@ class EventKind(str, Enum):
     EXEC = "exec"  # a holder exec'd: close-on-exec fds are gone, rescan it
     EXIT = "exit"  # the whole thread group of a holder is dead
 
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

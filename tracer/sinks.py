@@ -40,7 +40,7 @@ class JsonlSink:
         if self._own:
             parent = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(parent):
-                raise ValueError(f"--jsonl: directory {parent} does not exist; create it or pick another path")
+                raise ValueError(f"--jsonl: directory {parent} does not exist; create it or pick another")
             self._out: IO[str] = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         else:
             self._out = sys.stdout

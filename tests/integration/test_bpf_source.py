@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_root
+from tracer import bpf_source
 from tracer.bpf_source import SLOW_PATHS, BpfSource, BpfUnavailable
 from tracer.events import EventKind, HolderEvent
 
@@ -91,6 +92,7 @@ def rig() -> Iterator[Rig]:
     root = Path(tempfile.mkdtemp(prefix="gg-bpf-", dir="/tmp"))
     for name, minor in (("nvidia0", 3), ("nvidiazero", 5), ("other0", 3)):
         os.mknod(root / name, 0o666 | 0o020000, os.makedev(1, minor))
+    (root / "nvidia-caps").mkdir()  # matches the prefix, but a directory is not a device
     source = BpfSource((str(root / "nvidia"),), max_fds=4096, ringbuf_pages=16)
     try:
         source.start()
@@ -217,8 +219,12 @@ for path in (sys.argv[1], "/dev/null"):
     fd = os.open(path, os.O_RDWR)
     ioctls(fd, 0xC020462A, 3)
     os.close(fd)
+os.close(os.open(sys.argv[2], os.O_RDONLY | os.O_DIRECTORY))  # opendir() of a matching directory
+os.close(os.open(sys.argv[3], os.O_PATH))  # an O_PATH fd never opens the device
 """,
         str(rig.root / "other0"),
+        str(rig.root / "nvidia-caps"),
+        rig.gpu,
     )
     # The ring buffer is one ordered stream: once a later holder's EXIT is in, anything the quiet
     # process had caused would be in too.
@@ -300,3 +306,45 @@ def test_close_detaches_everything() -> None:
     source.close()  # idempotent
     assert _bpf_fds() == before
     assert source.poll(0) == [] and source.stats()["ringbuf_drops"] == 0
+
+
+def test_leader_exit_on_a_kernel_without_group_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older kernels: only the leader's exit is seen; EXIT must wait for the last thread."""
+    require_root()
+    monkeypatch.setattr(bpf_source, "format_has_field", lambda text, field: False)
+    root = Path(tempfile.mkdtemp(prefix="gg-old-", dir="/tmp"))
+    os.mknod(root / "nvidia0", 0o666 | 0o020000, os.makedev(1, 3))
+    source = BpfSource((str(root / "nvidia"),), max_fds=1024, ringbuf_pages=8)
+    try:
+        source.start()
+    except BpfUnavailable as exc:
+        shutil.rmtree(root)
+        pytest.skip(str(exc))
+    rig = Rig(source, root)
+    try:
+        assert not source.have_group_dead
+        proc = rig.spawn(
+            """
+fd = os.open(sys.argv[1], os.O_RDWR)
+threading.Thread(target=step).start()  # outlives the leader until the test says go
+print(os.getpid(), flush=True)
+ctypes.CDLL(None).pthread_exit(None)  # ctypes drops the GIL, so the thread runs on
+""",
+            rig.gpu,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the leader never became a zombie"
+        # The leader's exit record was submitted before it turned zombie: drain it now.
+        rig.seen.extend(source.poll(0))
+        assert rig.kinds(pid) == [EventKind.OPEN]
+        assert pid in source._leader_exits  # received, and held back while a thread lives
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        proc.communicate(timeout=30)
+        assert [e.kind for e in rig.wait_exit(pid)] == [EventKind.OPEN, EventKind.EXIT]
+    finally:
+        source.close()
+        shutil.rmtree(root)

@@ -26,14 +26,14 @@ pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.
 FAST = ["--grace-s", "0.5"]
 
 
-def finding(pid: int, cls: str | None = None):  # noqa: ANN201
+def finding(pid: int, cls: str | None = None):
     def pred(r: dict[str, Any]) -> bool:
         return r.get("event") == "finding" and r.get("pid") == pid and (cls is None or r.get("class") == cls)
 
     return pred
 
 
-def event(kind: str, **match: Any):  # noqa: ANN201
+def event(kind: str, **match: Any):
     def pred(r: dict[str, Any]) -> bool:
         return r.get("event") == kind and all(r.get(k) == v for k, v in match.items())
 
@@ -104,7 +104,7 @@ def test_zombie_leader_holding_through_threads(tmp_path: Path, fake_nvml: FakeNv
 
 
 def test_process_reparented_after_its_shim_died(tmp_path: Path, fake_nvml: FakeNvml) -> None:
-    with TracerProcess(tmp_path, FAST + ["--scan-interval-s", "0.5"], fake_nvml.env()) as tracer, \
+    with TracerProcess(tmp_path, [*FAST, "--scan-interval-s", "0.5"], fake_nvml.env()) as tracer, \
             FakeContainer() as c:
         tracer.wait_ready()
         p = c.run(["open", "/dev/nvidia0", "ready", "wait"])
@@ -170,7 +170,7 @@ def test_fork_child_inherits_the_fd(tmp_path: Path, fake_nvml: FakeNvml) -> None
 
 def test_fd_passed_over_a_unix_socket(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     sock = str(tmp_path / "pass.sock")
-    args = FAST + ["--scan-interval-s", "0.5"]
+    args = [*FAST, "--scan-interval-s", "0.5"]
     with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer, FakeContainer() as a, \
             FakeContainer() as b:
         tracer.wait_ready()
@@ -238,7 +238,7 @@ def test_allowlisted_daemon_is_system_and_host_holder_unattributed(
     os.mknod(devdir / "nvidia0", 0o20666, os.makedev(1, 3))
     daemon = tmp_path / "nvidia-persistenced"
     shutil.copy(build_gpuwork(), daemon)
-    args = FAST + ["--device-prefix", "/dev/nvidia", "--device-prefix", f"{devdir}/nvidia"]
+    args = [*FAST, "--device-prefix", "/dev/nvidia", "--device-prefix", f"{devdir}/nvidia"]
     with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer:
         tracer.wait_ready()
         with run_host(["open", f"{devdir}/nvidia0", "ready", "wait"], executable=str(daemon)) as d, \
@@ -266,7 +266,7 @@ def proc_state(pid: int) -> str:
         return ""
 
 
-def wait_until(cond, what: str, timeout_s: float = 5.0) -> None:  # noqa: ANN001
+def wait_until(cond, what: str, timeout_s: float = 5.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s

@@ -6,6 +6,7 @@ tests/integration/test_bpf_source.py.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import sys
@@ -181,6 +182,7 @@ def test_build_cflags_prefixes(prefixes: tuple[str, ...], common: str, npfx: int
     assert flag_value(flags, "GG_COMMON_U64") == f"{value:#x}ULL"
     assert flag_value(flags, "GG_COMMON_MASK") == f"{mask:#x}ULL"
     assert flag_value(flags, "GG_PATH_LEN") == "48"
+    assert flag_value(flags, "GG_OPEN_SKIP_FLAGS") == f"{os.O_DIRECTORY | os.O_PATH:#x}"  # this ABI's
 
 
 @pytest.mark.parametrize(
