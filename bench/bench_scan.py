@@ -147,10 +147,11 @@ class Children:
 def interleaved_best(runs: int, fns: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
     """Each timed `runs` times, round robin, so a burst of load on the host hits all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     for run in range(runs):
-        for name, fn in fns.items():
+        for name in names[run % len(names) :] + names[: run % len(names)]:  # rotate: no fixed neighbour
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
         last = ", ".join(f"{name} {ts[-1]:.3f} s" for name, ts in times.items())
         print(f"bench_scan: run {run + 1}/{runs}: {last}", file=sys.stderr, flush=True)
@@ -201,7 +202,8 @@ def main() -> int:
         scanners = {  # the default first: that is the scanner the tracer runs
             "ours": ProcScanner(catalog),
             "ours_1_worker": ProcScanner(catalog, workers=1),
-            "ours_no_stat_outside_dev": ProcScanner(catalog, stat_outside_dev=False),
+            "ours_stat_outside_dev_always": ProcScanner(catalog, stat_outside_dev_every=1),
+            "ours_stat_outside_dev_never": ProcScanner(catalog, stat_outside_dev_every=0),
         }
         wanted = {str(p).encode() for p in children.pids}
         views = {name: sc.scan() for name, sc in scanners.items()}

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -35,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine, preflight, print_table, write_json
+from bench.common import interrupt_on_sigterm, machine, preflight, print_table, write_json
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 from tests.helpers.tracer_proc import TracerProcess
@@ -165,8 +166,14 @@ def run_consumer(container: FakeContainer, sleep_ms: int) -> ConsumerRun:
                     pipe.close()
 
 
-def run_container(container: FakeContainer, sleeps_ms: list[int]) -> list[ConsumerRun]:
-    return [run_consumer(container, ms) for ms in sleeps_ms]
+def run_container(container: FakeContainer, sleeps_ms: list[int], stop: threading.Event) -> list[ConsumerRun]:
+    """The container's consumers one after the other; stops early once `stop` is set (Ctrl-C)."""
+    runs = []
+    for ms in sleeps_ms:
+        if stop.is_set():
+            break
+        runs.append(run_consumer(container, ms))
+    return runs
 
 
 # --- evaluation --------------------------------------------------------------------------------
@@ -210,6 +217,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.poller:
         return poller_main(args.poller, args.poll_interval_s)
+    interrupt_on_sigterm()
     problem = preflight()
     if problem:
         print(f"bench_shortlived: {problem}", file=sys.stderr)
@@ -218,6 +226,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     plan = [[rng.randint(*args.sleep_ms) for _ in range(args.per_container)] for _ in range(args.containers)]
     total = args.containers * args.per_container
+    load_1m_at_start = round(os.getloadavg()[0], 2)  # others sharing the machine skew timings
 
     with contextlib.ExitStack() as stack:
         workdir = Path(tempfile.mkdtemp(prefix="ghostgpu-bench-shortlived-"))
@@ -231,10 +240,16 @@ def main() -> int:
         stack.callback(poller.stop)
 
         t0 = time.monotonic()
+        stop = threading.Event()
         with ThreadPoolExecutor(max_workers=args.in_flight) as pool:
-            futures = [pool.submit(run_container, c, sleeps)
-                       for c, sleeps in zip(containers, plan, strict=True)]
-            runs = [run for f in futures for run in f.result()]
+            try:
+                futures = [pool.submit(run_container, c, sleeps, stop)
+                           for c, sleeps in zip(containers, plan, strict=True)]
+                runs = [run for f in futures for run in f.result()]
+            except BaseException:
+                stop.set()  # the pool's exit waits for the workers: let them end at once
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         consumers_s = time.monotonic() - t0
         poll_result = poller.finish()
         drain_s = wait_for_records(tracer, runs, args.drain_deadline_s)
@@ -288,7 +303,7 @@ def main() -> int:
         "goal_met": len(opened) == total and len(exited) == total,
         "missed_examples": [asdict(r) for r in runs if r.host_pid not in opened][:5],
         "failed_examples": [asdict(r) for r in failed][:5],
-        "machine": machine(),
+        "machine": {**machine(), "loadavg_1m_at_start": load_1m_at_start},
     }
     print_table(
         ["who", "caught", "of", "rate", "goal"],
@@ -308,4 +323,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:
+        print(f"bench_shortlived: interrupted ({exc}); containers, consumers and the tracer were cleaned up",
+              file=sys.stderr)
+        sys.exit(130)

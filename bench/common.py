@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -32,6 +33,17 @@ def preflight() -> str | None:
     if not (shutil.which("gcc") or shutil.which("cc")):
         return "gcc is needed to build gpuwork and the fake NVML: apt-get install gcc"
     return None
+
+
+def interrupt_on_sigterm() -> None:
+    """Turn SIGTERM (and SIGINT, which a non-interactive shell's background job inherits as
+    ignored) into KeyboardInterrupt, so the ExitStack cleanup removes containers and the tracer."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def machine() -> dict[str, Any]:

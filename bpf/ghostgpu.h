@@ -351,8 +351,10 @@ static __always_inline bool gg_match_prefixes(const char *buf)
 }
 
 /* Id of a device path, interning it on first sight. Ids come from a per-CPU counter,
- * (cpu + 1) << 20 | n, because a shared atomic counter needs fetch-and-add (see top). Two CPUs
- * interning the same new path race on the NOEXIST insert; the loser adopts the winner's id. */
+ * (cpu + 1) << 20 | n, because a shared atomic counter needs fetch-and-add (see top); the plain
+ * read-modify-write is safe because tracing programs never nest on a CPU (trace_call_bpf's
+ * bpf_prog_active guard). Two CPUs interning the same new path race on the NOEXIST insert; the
+ * loser adopts the winner's id. */
 static __always_inline u32 gg_intern(struct gg_path_key *key)
 {
     u32 *known = dev_ids.lookup(key);

@@ -11,9 +11,10 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
-from ghostgpu.model import Consumer
+from ghostgpu.model import Consumer, ConsumerClass
 from tracer import records
 from tracer.cgroup import CgroupIdResolver
 from tracer.classify import ClassifyConfig, classify, diff_consumers
@@ -147,7 +148,7 @@ class Tracer:
             return True
         return False
 
-    def step(self, timeout_ms: int = 100) -> None:
+    def step(self, timeout_ms: int = 250) -> None:
         if self.bpf is not None:
             for ev in self.bpf.poll(timeout_ms):
                 self._handle(ev)
@@ -158,9 +159,13 @@ class Tracer:
         if self._is_due("scan", self.cfg.scan_interval_s):
             self._scan()
         if self.bpf is not None and self._is_due("ioctl", self.cfg.ioctl_poll_interval_s):
-            self._read_ioctls()
+            if self.state.holders:  # an idle node has no counters to read
+                self._read_ioctls()
             self._report_bpf_stats()
-        if self._dirty or self._is_due("classify", CLASSIFY_INTERVAL_S):
+        # Re-classify on change, and on a clock only while a consumer waits out its grace period:
+        # an idle node then costs one ring-buffer wait per step.
+        waiting = any(c.cls is ConsumerClass.PENDING for c in self.consumers.values())
+        if self._dirty or (waiting and self._is_due("classify", CLASSIFY_INTERVAL_S)):
             self._classify()
 
     # --- sources --------------------------------------------------------------------------
@@ -174,7 +179,7 @@ class Tracer:
             for key in list(self.nvml_first_listed):
                 if key not in listed:
                     del self.nvml_first_listed[key]
-        if view != self.nvml:
+        if replace(view, ts_ns=0) != replace(self.nvml, ts_ns=0):  # what the driver says changed
             self._dirty = True
         self.nvml = view
 
@@ -204,7 +209,9 @@ class Tracer:
                         hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
             self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
         self._seed(view)
-        self._dirty = self._dirty or bool(events)
+        # A scan also refreshes identities (a parent that died, a leader turned zombie) without
+        # any hold changing: re-classify after every one.
+        self._dirty = True
 
     def _seed(self, view: ProcView) -> None:
         if self.bpf is None:

@@ -11,6 +11,7 @@ import ctypes
 import mmap
 import os
 import re
+import string
 import struct
 import sys
 import time
@@ -40,8 +41,7 @@ SLOW_PATHS = (b"gg_settle", b"gg_open_match")
 OPTIONAL_SYSCALLS = ("openat2", "open", "dup2")
 KHEADERS = "/sys/kernel/kheaders.tar.xz"
 TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
-_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/_.-:")
-_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+_PREFIX_CHARS = frozenset(string.ascii_letters + string.digits + "/_.-:")  # safe in a C literal
 
 
 class BpfUnavailable(RuntimeError):
@@ -61,8 +61,8 @@ class RawEvent(NamedTuple):  # struct gg_event without its padding
 
 
 def common_prefix(prefixes: Iterable[str]) -> str:
-    """The leading bytes all prefixes share, at most 7 (the kernel probes 8 bytes, NUL included)."""
-    # Byte-wise on purpose (not os.path.commonpath): "/dev/nvidia" and "/dev/kfd" share "/dev/".
+    """The leading bytes all prefixes share, at most 7 (the kernel probes 8 bytes, NUL included).
+    Byte-wise on purpose, not os.path.commonpath: "/dev/nvidia" and "/dev/kfd" share "/dev/"."""
     return os.path.commonprefix(list(prefixes))[:7]  # noqa: RUF071
 
 
@@ -113,8 +113,7 @@ def build_cflags(
 def program_text(bpf_dir: Path = BPF_DIR) -> str:
     """The files as one text: bcc 0.26 rewrites map calls only in its main file, so they cannot be
     #include'd; #line keeps compiler messages pointing at the real file and line."""
-    parts = [f'#line 1 "{bpf_dir / name}"\n{(bpf_dir / name).read_text()}' for name in BPF_FILES]
-    return "\n".join(parts)
+    return "\n".join(f'#line 1 "{bpf_dir / n}"\n{(bpf_dir / n).read_text()}' for n in BPF_FILES)
 
 
 def unpack_event(data: bytes) -> RawEvent | None:
@@ -152,9 +151,10 @@ def format_has_field(format_text: str, field: str) -> bool:
 
 
 def has_caps(cap_eff_hex: str) -> bool:
-    """CapEff from /proc/self/status allows loading tracing BPF: CAP_SYS_ADMIN, or BPF+PERFMON."""
+    """CapEff (/proc/self/status) allows tracing BPF: CAP_SYS_ADMIN (21), or CAP_BPF (39) with
+    CAP_PERFMON (38)."""
     caps = int(cap_eff_hex, 16)
-    return bool(caps >> _CAP_SYS_ADMIN & 1) or bool(caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1)
+    return bool(caps >> 21 & 1) or bool(caps >> 39 & 1 and caps >> 38 & 1)
 
 
 def find_tracefs() -> str | None:
@@ -180,10 +180,10 @@ class BpfSource:
         self.bpf_dir, self.classify, self.proc_root = bpf_dir or BPF_DIR, classify, proc_root
         self.holder_filter = holder_filter  # False only to measure the filter (bench)
         self.start_s: float | None = None  # how long start() took (compile + load + attach)
-        self.have_group_dead = False
+        self.have_group_dead = False  # from the exit tracepoint's format, at start()
         self._bpf: Any = None
         self._records: list[bytes] = []
-        self._dev_paths: dict[int, str] = {}
+        self._dev_paths: dict[int, str] = {}  # device id -> path, refreshed from dev_ids on a miss
         self._next_user_id = USER_ID_BASE
         self._leader_exits: dict[int, HolderEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
@@ -196,8 +196,7 @@ class BpfSource:
         caps = [ln.split()[1] for ln in _read("/proc/self/status").splitlines() if ln.startswith("CapEff:")]
         if os.geteuid() != 0 and not (caps and has_caps(caps[0])):
             raise BpfUnavailable("not root and no CAP_BPF+CAP_PERFMON: run the tracer as root (privileged)")
-        tracefs = find_tracefs()
-        if tracefs is None:
+        if (tracefs := find_tracefs()) is None:
             raise BpfUnavailable("tracefs is not mounted: mount -t tracefs tracefs /sys/kernel/tracing")
         release = os.uname().release  # bcc takes /lib/modules/<release>/build or CONFIG_IKHEADERS
         if not any(Path(p).exists() for p in (f"/lib/modules/{release}/build/include", KHEADERS)):
@@ -213,14 +212,17 @@ class BpfSource:
         exit_format = _read(f"{tracefs}/events/sched/sched_process_exit/format")
         self.have_group_dead = format_has_field(exit_format, "group_dead")
         present = [n for n in OPTIONAL_SYSCALLS if os.path.isdir(f"{tracefs}/events/syscalls/sys_enter_{n}")]
-        pid_max = int(_read("/proc/sys/kernel/pid_max").strip() or PID_MAX_LIMIT)
-        cflags = build_cflags(
-            self.prefixes, max_fds=self.max_fds, ringbuf_pages=self.ringbuf_pages, pid_max=pid_max,
-            have_group_dead=self.have_group_dead, syscalls=present, bpf_dir=self.bpf_dir,
-            holder_filter=self.holder_filter,
-        )
+        pid_max = _read("/proc/sys/kernel/pid_max").strip()
         try:
+            cflags = build_cflags(
+                self.prefixes, max_fds=self.max_fds, ringbuf_pages=self.ringbuf_pages,
+                pid_max=int(pid_max) if pid_max.isdigit() else PID_MAX_LIMIT,
+                have_group_dead=self.have_group_dead, syscalls=present, bpf_dir=self.bpf_dir,
+                holder_filter=self.holder_filter,
+            )
             self._bpf = bcc.BPF(text=program_text(self.bpf_dir).encode(), cflags=cflags)
+        except ValueError as exc:  # a prefix the kernel matcher cannot take
+            raise BpfUnavailable(str(exc)) from None
         except Exception as exc:  # bcc raises bare Exception; the compiler's detail went to stderr
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise BpfUnavailable(f"loading the ghostgpu BPF programs failed ({detail}); see stderr") from None
@@ -246,7 +248,7 @@ class BpfSource:
             self._bpf.cleanup()
             self._bpf = None
 
-    def _on_record(self, _ctx: Any, data: Any, size: int) -> int:
+    def _on_record(self, _ctx: Any, data: Any, size: int) -> int:  # bcc's ring buffer callback
         self._records.append(ctypes.string_at(data, size))
         return 0
 
@@ -277,8 +279,8 @@ class BpfSource:
                 continue
             if raw.flags & FLAG_LEADER_ONLY:
                 self._leader_exits[raw.tgid] = event  # reported once the whole group is gone
-                continue
-            events.append(event)
+            else:
+                events.append(event)
         events.extend(self._settle_leader_exits())
         return events
 
@@ -299,26 +301,24 @@ class BpfSource:
         raw = path.encode()
         if self._bpf is None or not raw or len(raw) >= PATH_LEN:
             return None
-        from bcc.libbcc import lib
-
+        from bcc.libbcc import lib  # only reached after start() imported bcc
         table = self._bpf[b"dev_ids"]
         key = table.Key()
         key.path = raw
         found = table.get(key)
         if found is not None:
             return int(found.value)
-        dev_id = self._next_user_id
-        value = table.Leaf(dev_id)
-        if lib.bpf_update_elem(table.map_fd, ctypes.byref(key), ctypes.byref(value), 1) != 0:  # NOEXIST
+        dev_id, noexist = self._next_user_id, 1  # BPF_NOEXIST: never overwrite a kernel-made id
+        if lib.bpf_update_elem(table.map_fd, ctypes.byref(key), ctypes.byref(table.Leaf(dev_id)), noexist):
             found = table.get(key)  # the kernel interned it meanwhile, or the map is full
             return int(found.value) if found is not None else None
         self._next_user_id += 1
         self._dev_paths[dev_id] = path
         return dev_id
 
-    def _set_holder_byte(self, pid: int, on: bool) -> None:
+    def _set_holder_byte(self, pid: int, on: bool) -> None:  # a single byte store, see ghostgpu.h
         if self._holder_map is not None and 0 <= pid < len(self._holder_map):
-            self._holder_map[pid] = 1 if on else 0
+            self._holder_map[pid] = int(on)
 
     def seed(self, pid: int, fds: Mapping[int, str], mapped_paths: Iterable[str] = ()) -> None:
         """Tell the kernel about holds found in /proc (opened before the tracer started, inherited
@@ -339,16 +339,16 @@ class BpfSource:
                 self._bump_hold(pid, old.dev_id, nfds=-1, mapped=False)
             try:
                 fd_t[key] = fd_t.Leaf(dev_id, FD_SEEDED)
+                self._bump_hold(pid, dev_id, nfds=1, mapped=False)
             except Exception:  # map full: the /proc scan still knows the hold
                 continue
-            self._bump_hold(pid, dev_id, nfds=1, mapped=False)
         for path in mapped_paths:
             dev_id = self._intern(path)
             if dev_id is not None:
                 self._bump_hold(pid, dev_id, nfds=0, mapped=True)
         self._refresh_dev_paths()
         held = sum(1 for dev_id in self._dev_paths if hold_t.get(hold_t.Key(pid, dev_id)) is not None)
-        if held:
+        if held or procs_t.get(procs_t.Key(pid)) is not None:  # a fork child's count was its parent's
             procs_t[procs_t.Key(pid)] = procs_t.Leaf(held)
             self._set_holder_byte(pid, True)
 
@@ -363,19 +363,12 @@ class BpfSource:
         with contextlib.suppress(Exception):  # map full: the /proc scan still knows the hold
             table[key] = table.Leaf(count, int(mapped))
 
-    def _entries(self, name: bytes) -> list[tuple[Any, Any]]:
-        table = self._bpf[name]
-        try:
-            return list(table.items_lookup_batch())
-        except Exception:  # batch ops need Linux 5.6; fall back to key-by-key iteration
-            return list(table.items())
-
     def ioctl_counts(self, pid: int | None = None) -> dict[int, dict[tuple[str, int], int]]:
         """pid -> (device path, ioctl request word) -> count, summed over the pid's fds."""
         out: dict[int, dict[tuple[str, int], int]] = {}
         if self._bpf is None:
             return out
-        entries = self._entries(b"ioctls")
+        entries = list(self._bpf[b"ioctls"].items_lookup_batch())  # one syscall per batch
         if any(k.dev_id not in self._dev_paths for k, _ in entries):
             self._refresh_dev_paths()
         for key, value in entries:
@@ -394,7 +387,7 @@ class BpfSource:
         self._bpf[b"procs"].pop(self._bpf[b"procs"].Key(pid), None)
         for name in (b"fds", b"holds", b"ioctls"):
             table = self._bpf[name]
-            for key, _ in self._entries(name):
+            for key, _ in list(table.items_lookup_batch()):
                 if key.tgid == pid:
                     table.pop(key, None)
         self._leader_exits.pop(pid, None)

@@ -221,6 +221,8 @@ class CgroupIdResolver:
         return len(seen)
 
     def path_for(self, cgroup_id: int) -> str | None:
+        if cgroup_id <= 0:  # 0: the event carried no cgroup id; not worth a walk
+            return None
         path = self._paths.get(cgroup_id)
         if path is None and time.monotonic() - self._last_scan_s >= self.RESCAN_MIN_INTERVAL_S:
             self.rescan()

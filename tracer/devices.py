@@ -26,7 +26,6 @@ DRM_RENDER_MINOR_BASE = 128  # renderD128 is the first render node (64 * DRM_MIN
 # computed when /proc/driver/nvidia-caps/mig-minors is not readable (e.g. not mounted in the pod).
 MIG_CAP_BASE = 3
 MIG_CAPS_PER_GPU = 135  # 15 GIs x (1 GI access + 8 CI access)
-MIG_CAPS_PER_GI = 9
 MIG_MAX_GPUS = 32
 MIG_CONTROL_MINORS = frozenset({0, 1, 2, MIG_CAP_BASE + MIG_CAPS_PER_GPU * MIG_MAX_GPUS})
 
@@ -41,8 +40,9 @@ _NVIDIA_DYNAMIC = {
 
 MigMinors = dict[int, tuple[int, int | None, int | None]]
 
-# A stat of an open file is a getattr on its filesystem: a server round trip on these, and a hang
-# when the server is dead (what fuser is known for). Not worth it for a node made there.
+# Where a node made elsewhere is worth looking for. A stat of an open file is a getattr on its
+# filesystem: a server round trip on these, and a hang when the server is dead (what fuser is
+# known for), so files there are never stat'ed; nor on nodev mounts, where a node cannot be opened.
 _REMOTE_FS = frozenset(("nfs", "nfs4", "cifs", "smb3", "ceph", "lustre", "gpfs", "glusterfs", "9p", "afs",
                         "beegfs", "fuse", "fuseblk", "davfs"))
 
@@ -232,23 +232,20 @@ class DeviceCatalog:
             return DeviceKind.GPU, minor - DRM_RENDER_MINOR_BASE
         if role == DeviceKind.MIG:
             return classify_mig_minor(minor, self.mig_minors)
-        assert isinstance(role, DeviceKind)
-        return role, None
+        return DeviceKind(role), None
 
     def match(self, path: str, rdev: int | None = None) -> DeviceRef | None:
         """The DeviceRef of a device file, or None when it is not a GPU device."""
+        major, minor = (os.major(rdev), os.minor(rdev)) if rdev else (None, None)
         by_rdev = self.classify_rdev(rdev) if rdev else None
-        major = os.major(rdev) if rdev else None
-        minor = os.minor(rdev) if rdev else None
+        if by_rdev is not None:
+            # The number wins over the name: a runtime may create /dev/nvidia0 in a container for
+            # the host's GPU 3 (nvidia-devices.md: identify devices by i_rdev, not by path).
+            return DeviceRef(path, by_rdev[0], by_rdev[1], major, minor)
         if path.startswith(self.prefixes):
             ref = classify_device_path(path, self.mig_minors)
-            if ref.kind is DeviceKind.OTHER and by_rdev is not None:
-                # An odd name under the prefix: the device number still says what it is.
-                return DeviceRef(path, by_rdev[0], by_rdev[1], major, minor)
             return DeviceRef(path, ref.kind, ref.gpu_minor, major, minor)
-        if by_rdev is None:
-            return None
-        return DeviceRef(path, by_rdev[0], by_rdev[1], major, minor)
+        return None
 
 
 def _read_text(path: str) -> str:

@@ -1,9 +1,8 @@
 """The /proc source: pure parsers of /proc files, the device-holder scanner and process identity.
 
-The scanner sees holders the way the kernel does (fd tables, memory maps, every thread of a group):
-fuser and lsof both miss a process whose leader is a zombie while other threads hold the device,
-and neither knows a GPU node made elsewhere with mknod. ENOENT/ESRCH/EACCES mid-scan is a process
-or an fd going away, and is skipped silently.
+The scanner sees holders as the kernel does (fd tables, maps, every thread): fuser and lsof miss a
+process whose leader is a zombie while its threads hold the device, and a GPU node made elsewhere
+with mknod. ENOENT/ESRCH/EACCES mid-scan is a process or an fd going away: skipped silently.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ _NO_DEVICES = ("/proc/", "/sys/", "/memfd:")  # pseudo filesystems and memfds: n
 _FD_NAMES = [str(i) for i in range(4096)]  # fd names to probe without getdents
 _PROBE_MISSES = 2  # a failed lookup costs more than a readlink: list a table with more holes
 MAX_WORKERS = 8
-MIN_PIDS_PER_WORKER = 256  # below that a fork costs more than it saves
+MIN_PIDS_PER_WORKER = 64  # ~40 ms of scanning: below that a fork costs more than it saves
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,42 +141,39 @@ class ProcScanner:
     """One pass over /proc: host PID -> device path -> DeviceHold, for GPU device holders only.
 
     Kernel-bound (a readlink of another process's fd is ~3.5 us on Linux 6.18, Python adds ~25%):
-    a large scan is split over forked `workers`. stat_outside_dev=False skips the stat (~25% of a
-    scan) that catches a node made elsewhere with mknod.
+    a large scan is split over forked `workers`. Files outside /dev are stat'ed (what catches a node
+    made there with mknod; ~25% of a scan) for each process once every `stat_outside_dev_every`
+    scans, staggered by PID: 1 = every scan, 0 = never.
     """
 
     def __init__(self, catalog: DeviceCatalog, proc_root: str = "/proc", workers: int | None = None,
-                 stat_outside_dev: bool = True) -> None:
-        self.catalog = catalog
-        self.proc_root = proc_root
-        self.workers = workers if workers is not None else min(MAX_WORKERS, os.cpu_count() or 1)
-        self.stat_outside_dev = stat_outside_dev
-        self._prefixes = catalog.prefixes
-        needles = {b"/dev/"} | {p.encode() for p in catalog.prefixes}
-        # "/dev/" covers every prefix under it: keep only needles not contained in another one
-        self._maps_needles = tuple(n for n in needles if not any(o != n and o in n for o in needles))
+                 stat_outside_dev_every: int = 8) -> None:
+        self.catalog, self.proc_root = catalog, proc_root
+        self.workers = workers if workers is not None else min(MAX_WORKERS, len(os.sched_getaffinity(0)))
+        self.stat_outside_dev_every, self._scans, self._deep = stat_outside_dev_every, 0, False
+        self._prefixes, self._dev_or_prefixes = catalog.prefixes, (*catalog.prefixes, "/dev/")
+        # a maps file worth parsing names a device: under /dev/ or a prefix elsewhere (tests, host mounts)
+        self._maps_needles = (b"/dev/", *(p.encode() for p in catalog.prefixes if not p.startswith("/dev/")))
         self._not_devices: set[tuple[str, str]] = set()  # (mount ns + root, path), for one scan
-        self._mounts_by_ns: dict[str, dict[str, bool]] = {}
-        self._base = self._ns_key = ""  # the process being scanned, and what it holds so far
+        self._mounts_by_ns: dict[str, tuple[dict[str, bool], dict[str, bool]]] = {}  # (mounts, dirs)
+        # the process being scanned, and what it holds so far
+        self._base, self._ns_key, self._now_ns, self._via_tasks = "", "", 0, False
         self._holds: dict[str, DeviceHold] = {}
-        self._now_ns, self._via_tasks = 0, False
         self.fds_seen = self.stats_done = 0  # counters of the last scan, for the benchmark and logs
 
     def list_pids(self) -> list[int]:
-        try:
+        with contextlib.suppress(OSError):
             return [int(name) for name in os.listdir(self.proc_root) if name.isdigit()]
-        except OSError:
-            return []
+        return []
 
     def scan(self, pids: Iterable[int] | None = None) -> ProcView:
         now_ns = boot_ns()
         pid_list = self.list_pids() if pids is None else list(pids)
         self.fds_seen = self.stats_done = 0
-        self._not_devices, self._mounts_by_ns = set(), {}
+        self._not_devices, self._mounts_by_ns, self._scans = set(), {}, self._scans + 1
         workers = min(self.workers, len(pid_list) // MIN_PIDS_PER_WORKER)
-        if workers > 1:
-            return self._scan_forked(pid_list, workers, now_ns)
-        return self._scan_inline(pid_list, now_ns)
+        return (self._scan_forked(pid_list, workers, now_ns) if workers > 1
+                else self._scan_inline(pid_list, now_ns))
 
     def _scan_inline(self, pids: Iterable[int], now_ns: int) -> ProcView:
         return {pid: holds for pid in pids if (holds := self.scan_pid(pid, now_ns))}
@@ -220,25 +216,23 @@ class ProcScanner:
         return view
 
     def _worker_main(self, read_fd: int, write_fd: int, pids: list[int], now_ns: int) -> None:
-        code = 1
         try:
             os.close(read_fd)
-            result = (self._scan_inline(pids, now_ns), self.fds_seen, self.stats_done)
-            payload = memoryview(pickle.dumps(result, pickle.HIGHEST_PROTOCOL))
-            while payload:
-                payload = payload[os.write(write_fd, payload) :]
-            code = 0
-        finally:
-            os._exit(code)
+            with open(write_fd, "wb") as out:  # the counters after the scan: a tuple is built in order
+                pickle.dump((self._scan_inline(pids, now_ns), self.fds_seen, self.stats_done), out)
+        finally:  # whatever went wrong shows as a short pickle, and the parent scans the slice itself
+            os._exit(0)
 
     def scan_pid(self, pid: int, now_ns: int | None = None) -> dict[str, DeviceHold]:
         """Device holds of one process: its fds, its maps, and its threads' fds if the leader is dead."""
         base = maps_base = self._base = f"{self.proc_root}/{pid}"
         self._now_ns = boot_ns() if now_ns is None else now_ns
         self._ns_key, self._via_tasks, self._holds = "", False, {}
+        every = self.stat_outside_dev_every
+        self._deep = every > 0 and (pid + self._scans) % every == 0
         count = self._scan_fd_dir(f"{base}/fd")
         stat = parse_stat(_read_text(f"{base}/stat")) if count <= 0 else None
-        if count < 0 or (stat is not None and stat.state == "Z"):
+        if stat is not None and (count < 0 or stat.state == "Z"):
             # A zombie leader has released its own fd table and mm, but the other threads share
             # them (CLONE_FILES/CLONE_VM) and keep the device open: fuser and lsof miss this case.
             self._via_tasks = True
@@ -251,12 +245,9 @@ class ProcScanner:
         return self._holds
 
     def _scan_fd_dir(self, fd_dir: str) -> int:
-        """Readlink every fd; -1 when the directory cannot be read, else how many fds it holds.
-
-        Since Linux 6.2 the fd directory's st_size is its number of fds, so fds 0..n-1 are probed
-        directly and getdents (an eighth of the kernel time of a scan) is only paid for a table
-        with holes; an older kernel reports 0 and the directory is listed as usual.
-        """
+        """Readlink every fd: -1 if the directory is unreadable, else how many fds it holds. Since Linux
+        6.2 its st_size is the fd count: fds 0..n-1 are probed, and getdents (1/8 of a scan's kernel
+        time) is only paid for a table with holes, or on an older kernel (st_size 0)."""
         try:
             dir_fd = os.open(fd_dir, _DIR_FLAGS)
         except OSError:
@@ -302,13 +293,13 @@ class ProcScanner:
         key = None
         if not target.startswith(self._prefixes):
             in_dev = target.startswith("/dev/")
-            if not (in_dev or self.stat_outside_dev) or target.startswith(_NO_DEVICES):
+            if not (in_dev or self._deep) or target.startswith(_NO_DEVICES):
                 return
             # One path in one mount namespace and root is one file: stat it once per scan.
             key = (self._ns_key or self._load_ns_key(), target)
             if key in self._not_devices:
                 return
-            if not in_dev and on_skipped_mount(target, self._mounts()):
+            if not in_dev and self._skipped(target):
                 self._not_devices.add(key)
                 return
         try:
@@ -316,7 +307,8 @@ class ProcScanner:
         except OSError:
             return
         self.stats_done += 1
-        hold = self._add(target, st.st_rdev if S_ISCHR(st.st_mode) else None, int(name))
+        node = S_ISCHR(st.st_mode)  # not a node and not under a prefix: no need to ask the catalog
+        hold = self._add(target, st.st_rdev if node else None, int(name)) if node or key is None else None
         if hold is None and key is not None and not target.endswith(_DELETED):
             self._not_devices.add(key)  # (several deleted files can share one name: not cached)
 
@@ -327,10 +319,17 @@ class ProcScanner:
             self._ns_key = self._base  # unknown: share the cache with no other process
         return self._ns_key
 
-    def _mounts(self) -> dict[str, bool]:
+    def _skipped(self, path: str) -> bool:
+        """Is path on a remote or nodev mount? Memoised per mount namespace and directory."""
         if self._ns_key not in self._mounts_by_ns:
-            self._mounts_by_ns[self._ns_key] = parse_mount_skips(_read_text(f"{self._base}/mountinfo"))
-        return self._mounts_by_ns[self._ns_key]
+            self._mounts_by_ns[self._ns_key] = (parse_mount_skips(_read_text(f"{self._base}/mountinfo")), {})
+        mounts, by_dir = self._mounts_by_ns[self._ns_key]
+        if path in mounts:  # a file bind-mounted on its own
+            return mounts[path]
+        parent = path[: path.rfind("/")] or "/"
+        if parent not in by_dir:
+            by_dir[parent] = on_skipped_mount(parent, mounts)
+        return by_dir[parent]
 
     def _add(self, target: str, rdev: int | None, fd: int) -> DeviceHold | None:
         path = target[: -len(_DELETED)] if target.endswith(_DELETED) else target
@@ -353,13 +352,13 @@ class ProcScanner:
         seen: set[str] = set()
         for line in data.decode("utf-8", "surrogateescape").splitlines():
             entry = parse_maps_line(line) if "/" in line else None
-            path = entry.path if entry is not None else ""
-            if path in seen or not (path.startswith(self._prefixes) or path.startswith("/dev/")):
+            if entry is None or entry.path in seen or not entry.path.startswith(self._dev_or_prefixes):
                 continue
+            path = entry.path
             seen.add(path)
             rdev = None
-            try:  # map_files needs CAP_SYS_ADMIN; without it only prefix matches count
-                st = os.stat(f"{base}/map_files/{line.split(None, 1)[0]}")
+            try:  # map_files (CAP_SYS_ADMIN) names are unpadded, unlike maps' %08lx
+                st = os.stat(f"{base}/map_files/{entry.start:x}-{entry.end:x}")
                 rdev = st.st_rdev if S_ISCHR(st.st_mode) else 0
             except OSError:
                 pass

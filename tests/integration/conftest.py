@@ -13,6 +13,7 @@ from tests.conftest import require_root
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 
 GPU0_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000000"
+GPU1_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000001"
 
 
 def _bpf_ready() -> str | None:

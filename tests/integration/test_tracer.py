@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers.container import FakeContainer
-from tests.helpers.fakenvml import FakeNvml, FakeProc
+from tests.helpers.fakenvml import FakeGpu, FakeNvml, FakeProc
 from tests.helpers.tracer_proc import TracerProcess
 from tests.helpers.workload import build_gpuwork, run_host
-from tests.integration.conftest import GPU0_UUID
+from tests.integration.conftest import GPU0_UUID, GPU1_UUID
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
 
@@ -230,25 +229,29 @@ def test_visible_consumer_is_not_flagged(tmp_path: Path, fake_nvml: FakeNvml) ->
             assert flagged == []
 
 
-def test_allowlisted_daemon_is_system_and_host_holder_unattributed(
-        tmp_path: Path, fake_nvml: FakeNvml, request: pytest.FixtureRequest) -> None:
-    # BPF matches at most 48 bytes of a path: keep the planted device path short.
-    devdir = Path(tempfile.mkdtemp(prefix="gg", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(devdir, ignore_errors=True))
-    os.mknod(devdir / "nvidia0", 0o20666, os.makedev(1, 3))
+def test_allowlisted_daemon_is_system_and_host_holder_unattributed(tmp_path: Path, fake_nvml: FakeNvml,
+                                                                   request: pytest.FixtureRequest) -> None:
+    # Host processes need a device node in the host's /dev: minor 200 is far above any GPU a test
+    # machine has, and the fake driver is told it is GPU 1.
+    node = "/dev/nvidia200"
+    if os.path.exists(node):
+        pytest.skip(f"{node} exists on this host; refusing to touch it")
+    os.mknod(node, 0o20666, os.makedev(1, 3))
+    request.addfinalizer(lambda: os.unlink(node))
+    fake_nvml.update(gpus=[*fake_nvml.gpus, FakeGpu(index=1, uuid=GPU1_UUID, minor=200)])
     daemon = tmp_path / "nvidia-persistenced"
     shutil.copy(build_gpuwork(), daemon)
-    args = [*FAST, "--device-prefix", "/dev/nvidia", "--device-prefix", f"{devdir}/nvidia"]
-    with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer:
         tracer.wait_ready()
-        with run_host(["open", f"{devdir}/nvidia0", "ready", "wait"], executable=str(daemon)) as d, \
-                run_host(["open", f"{devdir}/nvidia0", "ready", "wait"]) as h:
+        with run_host(["open", node, "ready", "wait"], executable=str(daemon)) as d, \
+                run_host(["open", node, "ready", "wait"]) as h:
             d.wait_ready()
             h.wait_ready()
             sysrec = tracer.wait_for(finding(d.pid, "system"), what="system daemon")
             assert sysrec["comm"] == "nvidia-persiste"  # the kernel keeps 15 characters
             hostrec = tracer.wait_for(finding(h.pid, "unattributed"), what="unattributed host holder")
-            assert hostrec["container_id"] == "" and hostrec["gpu"] == 0
+            assert hostrec["container_id"] == "" and hostrec["gpu"] == 1
+            assert hostrec["gpu_uuid"] == GPU1_UUID
 
 
 def counts(rec: dict[str, Any]) -> dict[str, int]:

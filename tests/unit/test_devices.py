@@ -173,8 +173,11 @@ dev = os.makedev
         (NV, "/dev/nvidiactl", dev(195, 255), DeviceRef("/dev/nvidiactl", C, None, 195, 255)),
         (NV, "/dev/nvidia-caps/nvidia-cap13", dev(509, 13),
          DeviceRef("/dev/nvidia-caps/nvidia-cap13", M, 0, 509, 13)),
-        # an odd name under the prefix: the device number says what it is
+        # the number wins over the name: a container's /dev/nvidia0 may be the host's GPU 3
+        (NV, "/dev/nvidia0", dev(195, 3), DeviceRef("/dev/nvidia0", G, 3, 195, 3)),
         (NV, "/dev/nvidia-gpu-a", dev(195, 2), DeviceRef("/dev/nvidia-gpu-a", G, 2, 195, 2)),
+        # a non-GPU number under the prefix (a test node c 1 3): the name is all there is
+        (NV, "/dev/nvidia1", dev(1, 3), DeviceRef("/dev/nvidia1", G, 1, 1, 3)),
         # by rdev major, outside the prefixes: a node made elsewhere with mknod
         (NV, "/tmp/x", dev(195, 0), DeviceRef("/tmp/x", G, 0, 195, 0)),
         (NV, "/tmp/x", dev(195, 247), DeviceRef("/tmp/x", G, 247, 195, 247)),

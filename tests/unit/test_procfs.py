@@ -219,7 +219,8 @@ def scanner_for(tmp_path: Path, **kw: object) -> ProcScanner:
     return ProcScanner(DeviceCatalog((f"{tmp_path}/nvidia",), str(tmp_path / "noproc")), **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("as_node", [False, True], ids=["regular-file", "char-node"])
+@pytest.mark.parametrize("as_node", [False, pytest.param(True, marks=pytest.mark.root)],
+                         ids=["regular-file", "char-node"])
 def test_scan_finds_holders_in_this_process_and_a_child(tmp_path: Path, children: list[Child],
                                                         as_node: bool) -> None:
     if as_node:
@@ -241,7 +242,8 @@ def test_scan_finds_holders_in_this_process_and_a_child(tmp_path: Path, children
     assert theirs.source == "procfs" and theirs.first_seen_ns > 0
 
 
-@pytest.mark.parametrize("as_node", [False, True], ids=["regular-file", "char-node-c1-5"])
+@pytest.mark.parametrize("as_node", [False, pytest.param(True, marks=pytest.mark.root)],
+                         ids=["regular-file", "char-node-c1-5"])
 def test_mapped_then_closed_is_still_held(tmp_path: Path, as_node: bool) -> None:
     if as_node:
         require_root()  # c 1 5 = /dev/zero: a MAP_PRIVATE mapping keeps the node's path in maps (6.18)
@@ -283,8 +285,8 @@ def test_node_made_elsewhere_is_found_by_major(tmp_path: Path) -> None:
     os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(1, 3))
     fd = os.open(node, os.O_RDONLY)
     try:
-        found = ProcScanner(catalog, workers=1).scan([os.getpid()])
-        skipped = ProcScanner(catalog, workers=1, stat_outside_dev=False).scan([os.getpid()])
+        found = ProcScanner(catalog, workers=1, stat_outside_dev_every=1).scan([os.getpid()])
+        skipped = ProcScanner(catalog, workers=1, stat_outside_dev_every=0).scan([os.getpid()])
     finally:
         os.close(fd)
     assert found[os.getpid()][node].fds == {fd} and found[os.getpid()][node].device.kind == DeviceKind.UVM
@@ -322,29 +324,30 @@ def test_forked_workers_agree_with_one_process(tmp_path: Path, children: list[Ch
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     path = gpu_file(tmp_path)
     children.extend(Child(HOLD, path) for _ in range(3))
-    # enough PIDs for several workers: the real ones plus PIDs that do not exist
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()] + list(range(2**22 + 1, 2**22 + 800))
-    inline = scanner_for(tmp_path, workers=1).scan(pids)
+    ours = {c.pid for c in children}  # other processes on the host come and go: compare only ours
+    # enough PIDs for several workers: every real one plus PIDs that do not exist
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()] + list(range(2**22 + 1, 2**22 + 400))
+    inline = summary(scanner_for(tmp_path, workers=1).scan(pids), ours)
     forked_scanner = scanner_for(tmp_path, workers=3)
-    forked = forked_scanner.scan(pids)
-    assert {c.pid for c in children} <= set(forked)
-    assert summary(forked) == summary(inline) and forked_scanner.fds_seen > 0
+    assert summary(forked_scanner.scan(pids), ours) == inline
+    assert set(inline) == ours and forked_scanner.fds_seen > 0
 
     def dying_worker(self: ProcScanner, read_fd: int, write_fd: int, part: list[int], now_ns: int) -> None:
         os._exit(3)  # a worker that dies before writing: its slice is scanned by the parent
 
     monkeypatch.setattr(ProcScanner, "_worker_main", dying_worker)
-    assert summary(scanner_for(tmp_path, workers=3).scan(pids)) == summary(inline)
+    assert summary(scanner_for(tmp_path, workers=3).scan(pids), ours) == inline
 
     def no_fork() -> int:
         raise BlockingIOError(11, "fork: resource temporarily unavailable")
 
     monkeypatch.setattr(procfs.os, "fork", no_fork)
-    assert summary(scanner_for(tmp_path, workers=3).scan(pids)) == summary(inline)
+    assert summary(scanner_for(tmp_path, workers=3).scan(pids), ours) == inline
 
 
-def summary(view: procfs.ProcView) -> dict[int, dict[str, tuple[frozenset[int], bool]]]:
-    return {pid: {p: (frozenset(h.fds), h.mapped) for p, h in holds.items()} for pid, holds in view.items()}
+def summary(view: procfs.ProcView, pids: set[int]) -> dict[int, dict[str, tuple[frozenset[int], bool]]]:
+    return {pid: {path: (frozenset(h.fds), h.mapped) for path, h in view[pid].items()}
+            for pid in pids if pid in view}
 
 
 def test_fake_proc_tree_with_broken_links(tmp_path: Path) -> None:
@@ -361,6 +364,59 @@ def test_fake_proc_tree_with_broken_links(tmp_path: Path) -> None:
     view = scanner.scan()
     assert scanner.list_pids() == [77]
     assert set(view) == {77} and view[77][prefix_file].fds == {9} and view[77][prefix_file].mapped
+
+
+def fake_process(proc: Path, pid: int, fds: dict[str, str], mountinfo: str = "") -> None:
+    (proc / str(pid) / "fd").mkdir(parents=True)
+    for name, target in fds.items():
+        os.symlink(target, proc / str(pid) / "fd" / name)
+    (proc / str(pid) / "ns").mkdir()
+    os.symlink("mnt:[4026531841]", proc / str(pid) / "ns" / "mnt")  # one mount namespace for all
+    os.symlink("/", proc / str(pid) / "root")
+    (proc / str(pid) / "mountinfo").write_text(mountinfo)
+
+
+def test_stat_once_per_path_and_never_on_remote_mounts(tmp_path: Path) -> None:
+    """Files outside /dev are stat'ed once per path and mount namespace, and not at all on NFS."""
+    (tmp_path / "remote").mkdir()
+    shared, own = gpu_file(tmp_path, "shared.log"), gpu_file(tmp_path, "own.log")
+    remote = gpu_file(tmp_path / "remote", "data.bin")
+    mountinfo = (f"22 1 254:1 / / rw,relatime - ext4 /dev/vda rw\n"
+                 f"25 22 0:40 / {tmp_path}/remote rw,relatime - nfs4 srv:/export rw,vers=4.2\n")
+    proc = tmp_path / "proc"
+    fake_process(proc, 50, {"0": shared, "1": remote, "2": "anon_inode:[eventfd]"}, mountinfo)
+    fake_process(proc, 51, {"0": shared, "3": shared, "4": remote, "5": own}, mountinfo)
+    catalog = DeviceCatalog((f"{tmp_path}/nvidia",), str(proc))
+    scanner = ProcScanner(catalog, str(proc), workers=1, stat_outside_dev_every=1)
+    assert scanner.scan() == {}
+    assert (scanner.fds_seen, scanner.stats_done) == (7, 2)  # shared once, own once, the NFS file never
+    scanner.stat_outside_dev_every = 0
+    assert scanner.scan() == {} and scanner.stats_done == 0
+    # every other scan, staggered by PID: 50 (1 stat: shared) and 51 (2: shared, own) take turns
+    scanner.stat_outside_dev_every = 2
+    stats = []
+    for _ in range(4):
+        scanner.scan()
+        stats.append(scanner.stats_done)
+    assert stats in ([1, 2, 1, 2], [2, 1, 2, 1])
+
+
+@pytest.mark.root
+def test_mapping_under_dev_found_by_major_through_map_files(tmp_path: Path) -> None:
+    """/dev/zero (c 1 5) mapped then closed, with major 1 injected as nvidia-uvm: only map_files
+    (CAP_SYS_ADMIN) gives the mapping's device number."""
+    require_root()
+    (tmp_path / "devices").write_text("Character devices:\n  1 nvidia-uvm\n")
+    scanner = ProcScanner(DeviceCatalog(("/dev/nvidia",), str(tmp_path)), workers=1)
+    fd = os.open("/dev/zero", os.O_RDONLY)
+    addr = LIBC.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+    os.close(fd)
+    try:
+        hold = scanner.scan([os.getpid()])[os.getpid()]["/dev/zero"]
+    finally:
+        LIBC.munmap(ctypes.c_void_p(addr), mmap.PAGESIZE)
+    assert hold.mapped and hold.fds == set()
+    assert (hold.device.kind, hold.device.major, hold.device.minor) == (DeviceKind.UVM, 1, 5)
 
 
 def test_read_process_of_this_process() -> None:
