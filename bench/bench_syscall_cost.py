@@ -137,6 +137,15 @@ def foreign_bpf_programs() -> int:
     return count
 
 
+def wait_quiet(deadline: float) -> bool:
+    """Wait (polling) until no other process has BPF programs loaded; False at the deadline."""
+    while foreign_bpf_programs():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def measure_round(
     exe: Path, modes: dict[str, Attachment | None], op: str, iterations: int
 ) -> dict[str, float]:
@@ -158,6 +167,7 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=2_000_000, help="ioctl loop length")
     parser.add_argument("--open-iterations", type=int, default=500_000, help="openat+close loop length")
     parser.add_argument("--reps", type=int, default=5, help="rounds kept per operation")
+    parser.add_argument("--max-wait-s", type=float, default=900, help="give up waiting for a quiet machine")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "syscall_cost.json")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -181,11 +191,11 @@ def main() -> int:
         }
         with tempfile.TemporaryDirectory(prefix="gg-bench-") as tmp:
             exe = build_loop(Path(tmp))
+            deadline = time.monotonic() + args.max_wait_s
             for op in OPS:
-                while len(rounds[op]) < args.reps and discarded < 10 * args.reps:
-                    clean = foreign_bpf_programs() == 0
+                while len(rounds[op]) < args.reps and wait_quiet(deadline):
                     row = measure_round(exe, modes, op, iterations[op])
-                    if clean and foreign_bpf_programs() == 0:
+                    if foreign_bpf_programs() == 0:
                         rounds[op].append(row)
                     else:
                         discarded += 1

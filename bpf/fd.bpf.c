@@ -1,10 +1,104 @@
-/* fd.bpf.c: close and the dup family keep the fds table true; CLOSE on a tgid's last fd.
+/* fd.bpf.c: the fd table (fds, holds, procs) and the syscalls that change it besides open:
+ * close and the dup family. OPEN on a tgid's first fd on a device, CLOSE on its last.
  *
  * close_range(2) is not traced: its range would need a bounded loop of fds lookups per call, and
  * it is mostly used right before exec (where EXEC makes user space rescan anyway). A GPU fd closed
  * by it stays in the table until the /proc scan reconciles, or until its number is reused (then
  * gg_set_fd accounts the implicit close).
  */
+
+/* procs[tgid] += delta (the number of devices the tgid holds). The entry stays at 0 until EXIT:
+ * a process that held a device once keeps its ioctl counters until it dies, so user space must
+ * hear of its death to read them and forget it (and a reused pid must not inherit them). For the
+ * same reason the holder byte is only cleared at EXIT or forget(): clearing it at 0 would race
+ * another thread of the process taking a new device. Plain XADD: no fetch needed. */
+static __always_inline void gg_procs_add(u32 tgid, s32 delta)
+{
+    u32 *count = procs.lookup(&tgid);
+    if (!count && delta > 0) {
+        u32 init = (u32)delta;
+        if (procs.insert(&tgid, &init) == 0) {
+            gg_set_holder(tgid, 1);
+            return;
+        }
+        count = procs.lookup(&tgid); /* another thread inserted it first */
+        if (!count) {
+            gg_stat(GG_STAT_PROCS_FULL);
+            return;
+        }
+    }
+    if (!count || (delta < 0 && *count == 0))
+        return;
+    __sync_fetch_and_add(count, (u32)delta);
+    if (delta > 0)
+        gg_set_holder(tgid, 1);
+}
+
+/* One fd of tgid stopped referring to dev_id: update holds and emit CLOSE on the last one. */
+static __always_inline void gg_drop_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id)
+{
+    struct gg_hold_key hk = {.tgid = tgid, .dev_id = dev_id};
+    struct gg_hold_val *h = holds.lookup(&hk);
+    if (!h || h->nfds == 0)
+        return;
+    __sync_fetch_and_add(&h->nfds, (u32)-1);
+    if (h->nfds != 0)
+        return;
+    if (h->mapped) {
+        /* The mapping still pins the device: keep the hold so EXIT is still seen. */
+        gg_emit(GG_EV_CLOSE, tgid, tid, fd, dev_id, 0, GG_FLAG_MAPPED);
+        return;
+    }
+    /* Two threads closing the last two fds at once both read 0: only the delete winner reports. */
+    if (holds.delete(&hk) != 0)
+        return;
+    gg_procs_add(tgid, -1);
+    gg_emit(GG_EV_CLOSE, tgid, tid, fd, dev_id, 0, 0);
+}
+
+/* fd of tgid now refers to dev_id (0: to something that is not a GPU device). Accounts for a
+ * stale entry first: an fd number reused after a close we never saw (close_range, an exec that
+ * dropped close-on-exec fds, dup2 onto a GPU fd). */
+static __always_inline void gg_set_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id, u32 flags)
+{
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
+    struct gg_fd_val *old = fds.lookup(&fk);
+    if (old) {
+        u32 old_dev = old->dev_id;
+        if (old_dev == dev_id)
+            return; /* already counted */
+        if (fds.delete(&fk) == 0)
+            gg_drop_fd(tgid, tid, fd, old_dev);
+    }
+    if (dev_id == 0)
+        return;
+    struct gg_fd_val fv = {.dev_id = dev_id, .flags = flags};
+    if (fds.update(&fk, &fv) != 0) {
+        gg_stat(GG_STAT_FDS_FULL);
+        return;
+    }
+    struct gg_hold_key hk = {.tgid = tgid, .dev_id = dev_id};
+    struct gg_hold_val *h = holds.lookup(&hk);
+    if (h) {
+        __sync_fetch_and_add(&h->nfds, 1);
+        if (h->nfds == 1) /* re-opened while still mapped */
+            gg_emit(GG_EV_OPEN, tgid, tid, fd, dev_id, 0, 0);
+        return;
+    }
+    struct gg_hold_val nh = {.nfds = 1, .mapped = 0};
+    if (holds.insert(&hk, &nh) != 0) {
+        h = holds.lookup(&hk);
+        if (h) { /* another thread created it first and reported OPEN */
+            __sync_fetch_and_add(&h->nfds, 1);
+            return;
+        }
+        gg_stat(GG_STAT_HOLDS_FULL);
+        fds.delete(&fk);
+        return;
+    }
+    gg_procs_add(tgid, 1);
+    gg_emit(GG_EV_OPEN, tgid, tid, fd, dev_id, 0, 0);
+}
 
 /* The exit side's slow path (see gg_fd_exit): settle what this thread's enter left in pending. */
 int gg_settle(void *ctx)

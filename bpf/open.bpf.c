@@ -11,6 +11,35 @@
  * raw-syscall binaries) is hooked where the tracepoint exists.
  */
 
+/* Id of a device path, interning it on first sight. Ids come from a per-CPU counter,
+ * (cpu + 1) << 20 | n, because a shared atomic counter needs fetch-and-add (see ghostgpu.h); the plain
+ * read-modify-write is safe because tracing programs never nest on a CPU (trace_call_bpf's
+ * bpf_prog_active guard). Two CPUs interning the same new path race on the NOEXIST insert; the
+ * loser adopts the winner's id. */
+static __always_inline u32 gg_intern(struct gg_path_key *key)
+{
+    u32 *known = dev_ids.lookup(key);
+    if (known)
+        return *known;
+    u32 zero = 0;
+    u32 *seq = dev_seq.lookup(&zero);
+    if (!seq)
+        return 0;
+    u32 n = *seq + 1;
+    u32 cpu = bpf_get_smp_processor_id();
+    if (n >= (1u << 20) || cpu >= 2047)
+        return 0; /* id space of this CPU spent: the /proc scan still sees the device */
+    *seq = n;
+    u32 id = ((cpu + 1) << 20) | n;
+    if (dev_ids.insert(key, &id) == 0)
+        return id;
+    known = dev_ids.lookup(key);
+    if (known)
+        return *known;
+    gg_stat(GG_STAT_DEV_IDS_FULL);
+    return 0;
+}
+
 /* The enter side's slow path, by tail call once the first bytes matched (one copy of the
  * prefix compare and interning instead of one per open flavour). */
 int gg_open_match(void *ctx)

@@ -258,6 +258,10 @@ class Tracer:
         after = self.state.holders.get(ev.pid)
         if ev.kind in (EventKind.FORK, EventKind.EXEC):
             pid = ev.child_pid if ev.kind is EventKind.FORK else ev.pid
+            if ev.kind is EventKind.EXEC:
+                # The kernel muted the exec'd process: its fd entries name the old image's fds
+                # (close-on-exec ones are gone). Drop them and seed what /proc shows now.
+                self.bpf.forget(pid)
             # The kernel cannot walk a process's fd table without reading kernel structs: read
             # the child's (or the exec'd image's) fds from /proc and seed the kernel with them.
             self._scan(pids={pid})
