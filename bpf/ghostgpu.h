@@ -22,9 +22,8 @@
 #ifndef GG_PATH_LEN
 #define GG_PATH_LEN 48
 #endif
-#ifndef GG_NPREFIX
-#define GG_NPREFIX 1
-#define GG_PREFIX0 "/dev/nvidia"
+#ifndef GG_NPREFIX /* with the prefix words GG_P<i>_W<j>/_M<j>: build_cflags() in tracer/bpf_source.py */
+#error "compile through tracer/bpf_source.py: the device prefixes come in as -D flags"
 #endif
 #ifndef GG_COMMON_LEN /* "/dev/" read as a little-endian u64, and the mask of its 5 bytes */
 #define GG_COMMON_PREFIX "/dev/"
@@ -118,7 +117,7 @@ struct gg_event {
 
 struct gg_path_key {
     char path[GG_PATH_LEN]; /* zero padded so equal paths are equal keys */
-};
+} __attribute__((aligned(8))); /* the prefix matcher reads it as u64 words */
 struct gg_fd_key {
     u32 tgid;
     s32 fd;
@@ -297,54 +296,48 @@ static __always_inline void gg_emit(u32 kind, u32 tgid, u32 tid, s32 fd, u32 dev
     events.ringbuf_submit(e, 0);
 }
 
-/* Prefix compare against a string literal: after unrolling every prefix[i] is a constant, so no
- * read-only data section is referenced (bcc cannot load one). */
-static __always_inline bool gg_prefix_eq(const char *buf, const char *prefix, u32 len)
-{
-#pragma unroll
-    for (u32 i = 0; i < GG_PATH_LEN; i++) {
-        if (i >= len)
-            return true;
-        if (buf[i] != prefix[i])
-            return false;
-    }
-    return true;
-}
-
-#define GG_PREFIX_IS(buf, lit) gg_prefix_eq((buf), lit, sizeof(lit) - 1)
+/* Prefix compare, 8 bytes at a time: prefix i's word j and mask come in as -DGG_P<i>_W<j> and
+ * -DGG_P<i>_M<j> (mask 0 past the prefix's end, so that word always matches). Word compares keep
+ * the program small and need no read-only data section, which bcc 0.26 cannot load. */
+#define GG_PW(buf, i, j) ((((const u64 *)(buf))[j] & GG_P##i##_M##j) == GG_P##i##_W##j)
+#define GG_PREFIX_IS_N(buf, i) (GG_PW(buf, i, 0) && GG_PW(buf, i, 1) && GG_PW(buf, i, 2) && \
+                                GG_PW(buf, i, 3) && GG_PW(buf, i, 4) && GG_PW(buf, i, 5))
+#if GG_PATH_LEN != 48
+#error "GG_PREFIX_IS_N compares exactly six words: keep GG_PATH_LEN at 48"
+#endif
 
 static __always_inline bool gg_match_prefixes(const char *buf)
 {
 #if GG_NPREFIX > 0
-    if (GG_PREFIX_IS(buf, GG_PREFIX0))
+    if (GG_PREFIX_IS_N(buf, 0))
         return true;
 #endif
 #if GG_NPREFIX > 1
-    if (GG_PREFIX_IS(buf, GG_PREFIX1))
+    if (GG_PREFIX_IS_N(buf, 1))
         return true;
 #endif
 #if GG_NPREFIX > 2
-    if (GG_PREFIX_IS(buf, GG_PREFIX2))
+    if (GG_PREFIX_IS_N(buf, 2))
         return true;
 #endif
 #if GG_NPREFIX > 3
-    if (GG_PREFIX_IS(buf, GG_PREFIX3))
+    if (GG_PREFIX_IS_N(buf, 3))
         return true;
 #endif
 #if GG_NPREFIX > 4
-    if (GG_PREFIX_IS(buf, GG_PREFIX4))
+    if (GG_PREFIX_IS_N(buf, 4))
         return true;
 #endif
 #if GG_NPREFIX > 5
-    if (GG_PREFIX_IS(buf, GG_PREFIX5))
+    if (GG_PREFIX_IS_N(buf, 5))
         return true;
 #endif
 #if GG_NPREFIX > 6
-    if (GG_PREFIX_IS(buf, GG_PREFIX6))
+    if (GG_PREFIX_IS_N(buf, 6))
         return true;
 #endif
 #if GG_NPREFIX > 7
-    if (GG_PREFIX_IS(buf, GG_PREFIX7))
+    if (GG_PREFIX_IS_N(buf, 7))
         return true;
 #endif
     return false;

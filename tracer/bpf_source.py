@@ -66,6 +66,18 @@ def common_prefix(prefixes: Iterable[str]) -> str:
     return os.path.commonprefix(list(prefixes))[:7]  # noqa: RUF071
 
 
+def prefix_words(prefix: str, path_len: int = 48) -> list[tuple[int, int]]:
+    """(value, mask) of each 8-byte word of `prefix` as the kernel compares them, path_len // 8 of
+    them; words past the prefix have mask 0 (always equal)."""
+    raw = prefix.encode()
+    out = []
+    for start in range(0, path_len, 8):
+        chunk = raw[start:start + 8]
+        mask = int.from_bytes(b"\xff" * len(chunk) + b"\0" * (8 - len(chunk)), sys.byteorder)
+        out.append((int.from_bytes(chunk.ljust(8, b"\0"), sys.byteorder), mask))
+    return out
+
+
 def prefix_word(prefix: str) -> tuple[int, int]:
     """(value, mask) of `prefix` read as a native-endian u64, as the kernel compares it."""
     raw = prefix.encode()
@@ -97,6 +109,11 @@ def build_cflags(
     value, mask = prefix_word(common)
     flags = [f"-I{bpf_dir}", f"-DGG_PATH_LEN={PATH_LEN}", f"-DGG_NPREFIX={len(prefixes)}"]
     flags += [f'-DGG_PREFIX{i}="{prefix}"' for i, prefix in enumerate(prefixes)]
+    # The matcher compares words, not string literals: with several long literals clang keeps
+    # them in .rodata, which bcc 0.26 cannot load (the load fails with E2BIG).
+    for i, prefix in enumerate(prefixes):
+        for j, (word, word_mask) in enumerate(prefix_words(prefix, PATH_LEN)):
+            flags += [f"-DGG_P{i}_W{j}={word:#x}ULL", f"-DGG_P{i}_M{j}={word_mask:#x}ULL"]
     flags += [f'-DGG_COMMON_PREFIX="{common}"', f"-DGG_COMMON_LEN={len(common.encode())}",
               f"-DGG_COMMON_U64={value:#x}ULL", f"-DGG_COMMON_MASK={mask:#x}ULL",
               f"-DGG_RINGBUF_PAGES={ringbuf_pages}", f"-DGG_OPEN_SKIP_FLAGS={os.O_DIRECTORY | os.O_PATH:#x}",

@@ -93,7 +93,9 @@ def rig() -> Iterator[Rig]:
     for name, minor in (("nvidia0", 3), ("nvidiazero", 5), ("other0", 3)):
         os.mknod(root / name, 0o666 | 0o020000, os.makedev(1, minor))
     (root / "nvidia-caps").mkdir()  # matches the prefix, but a directory is not a device
-    source = BpfSource((str(root / "nvidia"),), max_fds=4096, ringbuf_pages=16)
+    # Several long prefixes, the matching one last: every open is checked against all of them.
+    prefixes = (str(root / "no-such-gpu/"), "/dev/kfd", str(root / "nvidia"))
+    source = BpfSource(prefixes, max_fds=4096, ringbuf_pages=16)
     try:
         source.start()
     except BpfUnavailable as exc:

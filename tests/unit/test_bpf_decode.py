@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ghostgpu.model import DeviceKind, DeviceRef
+from tracer import bpf_source
 from tracer.bpf_source import (
     BPF_DIR,
     BPF_FILES,
@@ -327,3 +328,34 @@ def test_python_mirrors_the_header() -> None:
     types = re.findall(r"^\s*(u64|u32|s32) \w+;", body.group(1), re.M)
     assert "=" + "".join({"u64": "Q", "u32": "I", "s32": "i"}[t] for t in types) == EVENT.format
     assert EVENT.size == 48
+
+
+@pytest.mark.parametrize(
+    ("prefix", "words"),
+    [
+        ("/dev/", 1),
+        ("/dev/nvidia", 2),
+        ("/dev/nvidia-caps/nvidia-cap", 4),
+        ("/tmp/gg-bpf-abcdefgh/a-long-prefix-nothing-opens", 6),
+    ],
+)
+def test_prefix_words_cover_the_prefix_and_nothing_more(prefix: str, words: int) -> None:
+    pairs = bpf_source.prefix_words(prefix, 48)
+    assert len(pairs) == 6
+    assert [mask != 0 for _, mask in pairs] == [i < words for i in range(6)]
+    path = (prefix + "0").encode().ljust(48, b"\0")
+    other = (prefix[:-1] + chr(ord(prefix[-1]) ^ 1) + "0").encode().ljust(48, b"\0")
+    for raw, expect in ((path, True), (other, False)):
+        got = all(
+            int.from_bytes(raw[8 * j:8 * j + 8], sys.byteorder) & mask == word
+            for j, (word, mask) in enumerate(pairs)
+        )
+        assert got is expect
+
+
+def test_build_cflags_passes_prefix_words() -> None:
+    flags = bpf_source.build_cflags(("/dev/nvidia", "/dev/kfd"))
+    for i, prefix in enumerate(("/dev/nvidia", "/dev/kfd")):
+        for j, (word, mask) in enumerate(bpf_source.prefix_words(prefix, 48)):
+            assert f"-DGG_P{i}_W{j}={word:#x}ULL" in flags
+            assert f"-DGG_P{i}_M{j}={mask:#x}ULL" in flags
