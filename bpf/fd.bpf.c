@@ -121,13 +121,11 @@ static __always_inline int gg_close(s32 fd)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
-    if (!gg_maybe_holder(tgid))
-        return 0;
-    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
-    struct gg_fd_val *fv = fds.lookup(&fk);
+    struct gg_fd_val *fv = gg_gpu_fd(tgid, fd);
     if (!fv)
         return 0;
     u32 dev_id = fv->dev_id;
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
     /* Two threads closing the same fd: the kernel closes it once, and only one delete succeeds.
      * Counted at enter: close releases the fd even when it returns an error (EINTR, EIO). */
     if (fds.delete(&fk) != 0)
@@ -141,17 +139,11 @@ static __always_inline int gg_dup_enter(s32 oldfd, s32 newfd, s32 nr)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
-    if (!gg_maybe_holder(tgid))
-        return 0;
-    struct gg_fd_key fk = {.tgid = tgid, .fd = oldfd};
-    struct gg_fd_val *fv = fds.lookup(&fk);
+    struct gg_fd_val *fv = gg_gpu_fd(tgid, oldfd);
     u32 dev_id = fv ? fv->dev_id : 0;
     if (dev_id == 0) {
         /* dup2(other, gpu_fd) closes gpu_fd implicitly: that matters even though oldfd is not ours */
-        if (newfd < 0 || newfd == oldfd)
-            return 0;
-        fk.fd = newfd;
-        if (!fds.lookup(&fk))
+        if (newfd < 0 || newfd == oldfd || !gg_gpu_fd(tgid, newfd))
             return 0;
     }
     struct gg_pending p = {.dev_id = dev_id, .fd = newfd, .op = GG_OP_DUP, .nr = nr};

@@ -204,6 +204,16 @@ static __always_inline bool gg_maybe_holder(u32 tgid)
     return s->b[tgid & 4095] != 0;
 }
 
+/* Is `fd` of `tgid` a GPU fd? The one check every ioctl, close, mmap and dup of the node pays:
+ * the holder filter, then (for holders only) one lookup in fds. NULL for nearly every call. */
+static __always_inline struct gg_fd_val *gg_gpu_fd(u32 tgid, s32 fd)
+{
+    if (!gg_maybe_holder(tgid))
+        return NULL;
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
+    return fds.lookup(&fk);
+}
+
 static __always_inline void gg_set_holder(u32 tgid, u8 on)
 {
     u32 slot = tgid >> 12;

@@ -9,11 +9,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
-    if (!gg_maybe_holder(tgid))
-        return 0;
     s32 fd = (s32)args->fd;
-    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
-    struct gg_fd_val *fv = fds.lookup(&fk);
+    struct gg_fd_val *fv = gg_gpu_fd(tgid, fd);
     if (!fv)
         return 0;
     /* The request word is 32 bits in the ioctl ABI; the tracepoint widens it to 64. */
@@ -44,10 +41,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
-    if (!gg_maybe_holder(tgid))
-        return 0;
-    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
-    struct gg_fd_val *fv = fds.lookup(&fk);
+    struct gg_fd_val *fv = gg_gpu_fd(tgid, fd);
     if (!fv)
         return 0;
     u32 dev_id = fv->dev_id;
