@@ -31,8 +31,8 @@ def consumer_to_proto(c: Consumer) -> node_pb2.Consumer:
     )
     msg = node_pb2.Consumer(
         node=c.node, process=process, gpu=_opt(c.gpu, -1), gpu_uuid=c.gpu_uuid,
-        gpu_minor=_opt(c.gpu_minor, -1), devices=c.devices, reason=c.reason, first_seen_ns=_opt(c.first_seen_ns, 0), mapped=c.mapped,
-        fds=c.fds,
+        gpu_minor=_opt(c.gpu_minor, -1), devices=c.devices, reason=c.reason,
+        first_seen_ns=_opt(c.first_seen_ns, 0), mapped=c.mapped, fds=c.fds,
     )
     setattr(msg, "class", _CLASS_TO_PB[c.cls])  # `class` is a Python keyword
     if c.gpu_memory_bytes is not None:
