@@ -111,6 +111,17 @@ def reap_finished(running: list[ContainerProcess]) -> list[ContainerProcess]:
     return alive
 
 
+def trial_diagnosis(tracer: TracerProcess, ready: dict[str, Any] | None, consumers: int) -> str:
+    """What the tracer did write, for the error of a failed trial."""
+    opens = tracer.matching(lambda r: r.get("event") == "open")
+    cids = sorted({(r.get("source"), r.get("container_id") or "<none>", r.get("alive")) for r in opens})
+    notices = [f"{r.get('what')}: {r.get('message')}"
+               for r in tracer.matching(lambda r: r.get("event") == "notice")]
+    return (f"ready={'yes' if ready else 'no'}, consumers started={consumers}, open records={len(opens)} "
+            f"(source, container id, alive: {cids[:5]}), notices={notices[:3]}, "
+            f"stderr={tracer.stderr()[-500:]!r}")
+
+
 def first_event_trial(workdir: Path, env: dict[str, str], deadline_s: float) -> dict[str, Any]:
     """One tracer start with a consumer opening /dev/nvidia0 every 50 ms from the moment of spawn."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +152,8 @@ def first_event_trial(workdir: Path, env: dict[str, str], deadline_s: float) -> 
                     if tracer.proc.poll() is not None:
                         raise RuntimeError(f"tracer exited with {tracer.proc.returncode}: {tracer.stderr()}")
                     if now - t0 > deadline_s:
-                        raise RuntimeError(f"no ready and BPF open record {deadline_s:g} s after the spawn")
+                        raise RuntimeError(f"no ready and BPF open record {deadline_s:g} s after the spawn: "
+                                           f"{trial_diagnosis(tracer, ready, consumers)}")
                     time.sleep(0.005)  # tick of the 50 ms consumer schedule and of the record poll
             finally:
                 for p in running:
