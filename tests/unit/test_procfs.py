@@ -242,6 +242,26 @@ def test_scan_finds_holders_in_this_process_and_a_child(tmp_path: Path, children
     assert theirs.source == "procfs" and theirs.first_seen_ns > 0
 
 
+@pytest.mark.parametrize(
+    ("placement", "listings"),
+    [(["@"], 0), (["@5", "@7", "@9"], 0), (["@300", "@900", "@1000"], 1)],
+    ids=["dense", "a-few-holes", "sparse"],
+)
+def test_every_fd_is_read_whatever_the_holes(tmp_path: Path, children: list[Child], placement: list[str],
+                                             listings: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fds 0..n-1 are probed, a few holes are probed past, only a sparse table is listed."""
+    path = gpu_file(tmp_path)
+    child = Child(HOLD, *(path + at if at != "@" else path for at in placement))
+    children.append(child)
+    expected_count = len(os.listdir(f"/proc/{child.pid}/fd"))
+    calls: list[int] = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(procfs.os, "listdir", lambda p: calls.append(1) or real_listdir(p))
+    scanner = scanner_for(tmp_path, workers=1)
+    assert scanner.scan([child.pid])[child.pid][path].fds == set(child.fds)
+    assert scanner.fds_seen == expected_count and len(calls) == listings
+
+
 @pytest.mark.parametrize("as_node", [False, pytest.param(True, marks=pytest.mark.root)],
                          ids=["regular-file", "char-node-c1-5"])
 def test_mapped_then_closed_is_still_held(tmp_path: Path, as_node: bool) -> None:
