@@ -41,7 +41,7 @@ static unsigned char ioctl_buf[4096]; /* zeroed arg; _IOC_SIZE of any ioctl fits
 static const struct { const char *name; const char *args; } STEPS[] = {
     {"open", "p"}, {"ioctl", "iii"}, {"mmap", "i"}, {"close", "i"}, {"dup", "i"}, {"sleep", "i"},
     {"ready", ""}, {"wait", ""}, {"fork", ""}, {"thread-hold", ""}, {"sendfd", "pi"},
-    {"recvfd", "p"}, {"exit", "i"},
+    {"recvfd", "p"}, {"exit", "i"}, {"exec", ""},
 };
 
 static void sleep_ms(long ms) {
@@ -241,6 +241,17 @@ static int run_script(int argc, char **argv) {
         } else if (strcmp(s, "exit") == 0) {
             fflush(stdout);
             exit((int)strtol(argv[++i], NULL, 0));
+        } else if (strcmp(s, "exec") == 0) {
+            /* Re-exec this program with the rest of the script: fds opened without O_CLOEXEC
+             * (every `open` here) survive into the new image, but its fd table starts empty. */
+            char self[4096];
+            ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+            if (n < 0) { step_error(s, errno); continue; }
+            self[n] = '\0'; /* exec by the real path so that comm stays "gpuwork" */
+            fflush(stdout);
+            argv[i] = "gpuwork";
+            execv(self, &argv[i]);
+            step_error(s, errno);
         }
     }
     return 0;

@@ -167,6 +167,26 @@ def test_fork_child_inherits_the_fd(tmp_path: Path, fake_nvml: FakeNvml) -> None
         assert rec["devices"] == ["/dev/nvidia0"]
 
 
+def test_exec_keeps_an_inherited_hold(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "ready", "wait", "exec", "ready", "wait"])
+        p.wait_ready()
+        host_pid = p.host_pid
+        tracer.wait_for(finding(host_pid, "hidden"), what="hidden before exec")
+        p.release()
+        p.wait_ready()  # the new image
+        tracer.wait_for(event("exec", pid=host_pid), what="exec event")
+        p.release()
+        exited = tracer.wait_for(event("exit", pid=host_pid), what="exit after exec")
+        # The fd survived exec (no O_CLOEXEC): no close in between, the kernel was re-seeded and
+        # still saw the exit, with the identity of the holder.
+        assert exited["source"] == "bpf"
+        assert tracer.matching(event("close", pid=host_pid)) == []
+        assert_identity(exited, c, host_pid, 1)
+        assert exited["devices"] == ["/dev/nvidia0"]
+
+
 def test_fd_passed_over_a_unix_socket(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     sock = str(tmp_path / "pass.sock")
     args = [*FAST, "--scan-interval-s", "0.5"]
