@@ -227,13 +227,18 @@ class Tracer:
             mapped = [path for path, hold in holds.items() if hold.mapped]
             self.bpf.seed(pid, fds, mapped)
 
-    def _read_ioctls(self) -> None:
-        self.ioctls = self.bpf.ioctl_counts()
-        for pid, counts in self.ioctls.items():
+    def _read_ioctls(self, pid: int | None = None) -> None:
+        """All processes' counters (the periodic read), or one process's at its close or exit."""
+        fresh = self.bpf.ioctl_counts(pid)
+        if pid is None:
+            self.ioctls = fresh
+        else:
+            self.ioctls[pid] = fresh.get(pid, {})
+        for holder_pid, counts in fresh.items():
             per_cmd: dict[int, int] = {}
             for (_path, cmd), n in counts.items():
                 per_cmd[cmd] = per_cmd.get(cmd, 0) + n
-            self.state.set_ioctl_counts(pid, per_cmd)
+            self.state.set_ioctl_counts(holder_pid, per_cmd)
 
     def _report_bpf_stats(self) -> None:
         stats = self.bpf.stats()
@@ -252,7 +257,7 @@ class Tracer:
             if before is None:
                 self.bpf.forget(ev.pid)
                 return
-            self._read_ioctls()
+            self._read_ioctls(ev.pid)
             counts = self.ioctls.get(ev.pid, {})
             self.state.apply(ev)
             self._emit_event(ev, before, counts=counts)
@@ -277,7 +282,7 @@ class Tracer:
         if changes:
             counts = None
             if ev.kind is EventKind.CLOSE and self.bpf is not None:
-                self._read_ioctls()  # the counts at the moment of the close, not a second ago
+                self._read_ioctls(ev.pid)  # the counts at the moment of the close, not a second ago
                 counts = self.ioctls.get(ev.pid, {})
             self._emit_event(ev, after or before, counts=counts)
             self._dirty = True
