@@ -12,7 +12,7 @@ import stat
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from tests.helpers.container import (
     kube_cgroup_path,
     parse_cgroup_mounts,
 )
+from tests.helpers.polling import poll
 from tests.helpers.workload import ReadyLine, build_gpuwork, run_host
 
 CID = "08954b9e07782ae3f5feb9b36f9f82f4abeafaf11b6a012dcc30ed18759224cf"
@@ -35,14 +36,6 @@ POD_SYSTEMD = "kubepods-burstable-pod1441bc39_919a_4962_bb72_ea854cbd68ff.slice"
 ENODEV = 19
 
 
-def poll(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """True as soon as predicate() holds, False once the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)  # poll interval
-    return True
 
 
 def status(pid: int) -> dict[str, str]:

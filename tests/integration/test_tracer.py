@@ -16,9 +16,11 @@ import pytest
 
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml, FakeProc
+from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
 from tests.helpers.workload import build_gpuwork, run_host
 from tests.integration.conftest import GPU0_UUID, GPU1_UUID
+from tracer.procfs import parse_stat
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
 
@@ -283,17 +285,7 @@ def counts(rec: dict[str, Any]) -> dict[str, int]:
 
 def proc_state(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        stat = parse_stat(Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
         return ""
-
-
-def wait_until(cond, what: str, timeout_s: float = 5.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)  # poll interval of a deadline loop
+    return stat.state if stat else ""

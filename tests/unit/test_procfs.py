@@ -9,7 +9,6 @@ import select
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from ghostgpu.model import DeviceKind
 from tests.conftest import require_root
+from tests.helpers.polling import wait_until
 from tracer import procfs
 from tracer.devices import DeviceCatalog
 from tracer.events import boot_ns
@@ -190,11 +190,7 @@ def children() -> Iterator[list[Child]]:
 
 
 def poll(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {DEADLINE_S} s waiting for {what}")
-        time.sleep(0.005)
+    wait_until(predicate, what, DEADLINE_S)
 
 
 def state_of(pid: int) -> str:
