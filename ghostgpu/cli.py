@@ -73,7 +73,7 @@ def _install_signals(stop: Any) -> None:
 def cmd_snapshot(args: argparse.Namespace) -> int:
     from tracer.snapshot import render_table, take_snapshot
 
-    consumers, _notices = take_snapshot(_config(args))  # notices were logged on stderr
+    consumers = take_snapshot(_config(args))  # notices go to stderr through logging
     if args.output == "json":
         json.dump([c.to_json() for c in consumers], sys.stdout, indent=2, default=str)
         print()

@@ -11,6 +11,8 @@ from tracer.config import TracerConfig
 
 
 class _Discard:
+    """A snapshot reports what it finds, not how it got there: notices go to the log only."""
+
     def emit(self, record: dict[str, Any]) -> None:
         pass
 
@@ -18,19 +20,12 @@ class _Discard:
         pass
 
 
-def take_snapshot(cfg: TracerConfig) -> tuple[list[Consumer], list[dict[str, Any]]]:
-    """One scan and one NVML read, classified. Returns (consumers, notices)."""
-    notices: list[dict[str, Any]] = []
-
-    class _Collect(_Discard):
-        def emit(self, record: dict[str, Any]) -> None:
-            if record.get("event") == "notice" and record.get("what") != "bpf":
-                notices.append(record)
-
-    tracer = Tracer(replace(cfg, bpf="off"), _Collect())
+def take_snapshot(cfg: TracerConfig) -> list[Consumer]:
+    """One scan and one NVML read, classified."""
+    tracer = Tracer(replace(cfg, bpf="off"), _Discard())
     try:
         tracer.start()
-        return tracer.current_consumers(), notices
+        return tracer.current_consumers()
     finally:
         tracer.close()
 

@@ -7,8 +7,11 @@ the exact class and identity the tracer reports.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -289,3 +292,29 @@ def proc_state(pid: int) -> str:
     except OSError:
         return ""
     return stat.state if stat else ""
+
+
+SNAPSHOT_KEYS = {"node", "pid", "ns_pid", "comm", "gpu", "devices", "container_id", "pod_uid", "runtime",
+                 "class", "reason", "gpu_memory_bytes"}
+
+
+def test_snapshot_json_lists_hidden_and_ghost(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    ghost_pid = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+    fake_nvml.update(procs=[FakeProc(gpu=0, pid=ghost_pid, used_bytes=2 << 30)])
+    with FakeContainer() as c:
+        p = c.run(["open", "/dev/nvidiactl", "open", "/dev/nvidia0", "ready", "wait"])
+        p.wait_ready()
+        out = subprocess.run(
+            [sys.executable, "-m", "ghostgpu.cli", "snapshot", "-o", "json", "--node-name", "snap-node",
+             "--grace-s", "0"],
+            env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=60, check=True)
+        rows = {r["pid"]: r for r in json.loads(out.stdout)}
+        hidden, ghost = rows[p.host_pid], rows[ghost_pid]
+        for row in (hidden, ghost):
+            assert set(row) >= SNAPSHOT_KEYS
+            assert row["node"] == "snap-node" and row["gpu"] == 0
+        assert hidden["class"] == "hidden" and hidden["ns_pid"] == 1
+        assert (hidden["container_id"], hidden["pod_uid"], hidden["runtime"]) == (
+            c.container_id, c.pod_uid, "containerd")
+        assert sorted(hidden["devices"]) == ["/dev/nvidia0", "/dev/nvidiactl"]
+        assert ghost["class"] == "ghost" and ghost["gpu_memory_bytes"] == 2 << 30
