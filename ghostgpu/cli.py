@@ -28,6 +28,40 @@ def _add_tracer_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds between /proc scans (default 30)")
 
 
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    """What a tracer needs to reach its node's runtime and kubelet (tracer and up)."""
+    p.add_argument("--cri-endpoint", dest="cri_endpoint",
+                   help="CRI runtime socket, unix:///path (default: detect containerd, CRI-O, cri-dockerd)")
+    p.add_argument("--podresources-endpoint", dest="podresources_endpoint",
+                   help="kubelet PodResources socket "
+                   "(default unix:///var/lib/kubelet/pod-resources/kubelet.sock)")
+
+
+def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None) -> None:
+    p.add_argument("--listen", default=listen_default,
+                   help="gRPC address for tracers and clients: HOST:PORT or unix:///path")
+    p.add_argument("--db", help="SQLite file for findings and the event log "
+                   "(default /var/lib/ghostgpu/collector.db; ':memory:' keeps nothing)")
+    p.add_argument("--retention-days", dest="retention_days", type=float, default=7.0,
+                   help="keep findings resolved within this many days (default 7)")
+    p.add_argument("--event-log-max", dest="event_log_max", type=int, default=1_000_000,
+                   help="events kept in the event log, newest first (default 1000000; 0 keeps none)")
+    p.add_argument("--collector-cri-endpoint", dest="collector_cri_endpoint",
+                   help="resolve containers of tracers without a CRI relay through this local socket")
+    p.add_argument("--cri-ttl-s", dest="cri_ttl_s", type=float, default=30.0,
+                   help="seconds a CRI answer is cached (default 30; unknown containers 5)")
+
+
+def _add_query_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
+                   "(default $GHOSTGPU_COLLECTOR or 127.0.0.1:7450)")
+    p.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
+    p.add_argument("-n", "--namespace", help="only this Kubernetes namespace")
+    p.add_argument("--class", dest="classes", action="append", metavar="CLASS",
+                   help="only this class (repeatable): hidden, ghost, orphaned, unallocated, ...")
+    p.add_argument("--node", help="only this node")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ghostgpu", description="Find every GPU consumer on this node, "
                                      "including the ones nvidia-smi and NVML miss.")
@@ -41,15 +75,37 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tracer = sub.add_parser("tracer",
                             help="the node agent: BPF + /proc + NVML, events and findings as JSON lines")
-    tracer.add_argument("--jsonl", default="-", help="where to write JSON lines ('-' = stdout, the default)")
+    tracer.add_argument("--jsonl", help="where to write JSON lines ('-' = stdout, the default without "
+                        "--collector)")
     tracer.add_argument("--bpf", choices=("auto", "on", "off"), help="kernel tracing (default auto)")
+    tracer.add_argument("--collector", help="stream to this collector: HOST:PORT or unix:///path")
+    tracer.add_argument("--spool-events", dest="spool_events", type=int, default=1_000_000,
+                        help="unacknowledged events kept while the collector is away (default 1000000)")
     _add_tracer_flags(tracer)
+    _add_node_flags(tracer)
 
-    up = sub.add_parser("up", help="run the tracer on this node with a live view of its GPU consumers")
-    up.add_argument("--jsonl", help="also write JSON lines to this path")
+    coll = sub.add_parser("collector", help="the cluster collector: ingests tracers, resolves containers "
+                          "through CRI, answers queries")
+    _add_collector_flags(coll, listen_default="0.0.0.0:7450")
+
+    ps = sub.add_parser("ps", help="the cluster's nvidia-smi: every GPU consumer the collector knows")
+    _add_query_flags(ps)
+    ps.add_argument("-w", "--watch", action="store_true", help="redraw as findings open and resolve")
+
+    findings = sub.add_parser("findings", help="history of findings (hidden, ghost, orphaned, ...)")
+    _add_query_flags(findings)
+    findings.add_argument("--since", default="1h", help="how far back: 30s, 15m, 1h, 7d (default 1h)")
+    findings.add_argument("--limit", type=int, default=1000)
+
+    up = sub.add_parser("up", help="collector and tracer on this node with a live view of the GPU consumers")
+    up.add_argument("--jsonl", help="also write the tracer's JSON lines to this path")
     up.add_argument("--bpf", choices=("auto", "on", "off"))
     up.add_argument("--once", action="store_true", help="print one view after start-up and exit")
+    up.add_argument("--demo", action="store_true",
+                    help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit")
     _add_tracer_flags(up)
+    _add_node_flags(up)
+    _add_collector_flags(up, listen_default="127.0.0.1:7450")
     return parser
 
 
@@ -83,20 +139,33 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_tracer(args: argparse.Namespace) -> int:
-    from tracer.agent import Tracer
-    from tracer.sinks import JsonlSink
+    from tracer.node import run_tracer
 
-    cfg = _config(args)
-    tracer = Tracer(cfg, JsonlSink(args.jsonl))
-    _install_signals(tracer.stop)
-    tracer.run()
-    return 0
+    return run_tracer(_config(args), args, install_signals=_install_signals)
+
+
+def cmd_collector(args: argparse.Namespace) -> int:
+    from collector.main import run_collector
+
+    return run_collector(args, install_signals=_install_signals)
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from ghostgpu.client import cmd_ps as run
+
+    return run(args)
+
+
+def cmd_findings(args: argparse.Namespace) -> int:
+    from ghostgpu.client import cmd_findings as run
+
+    return run(args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from ghostgpu.view import run_up
+    from ghostgpu.up import run_up
 
-    return run_up(_config(args), jsonl=args.jsonl, once=args.once, install_signals=_install_signals)
+    return run_up(_config(args), args, install_signals=_install_signals)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     from tracer.config import ConfigError
 
     try:
-        return {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "up": cmd_up}[args.command](args)
+        commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector, "ps": cmd_ps,
+                    "findings": cmd_findings, "up": cmd_up}
+        return commands[args.command](args)
     except ConfigError as exc:
         print(f"ghostgpu: config: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,118 @@
+"""What the collector adds to a node's consumer: names from CRI, allocation from PodResources.
+
+`enrich()` is the collector's part of classification, a pure function. The node tracer already
+decided system, ghost, orphaned (zombie, reparented), visible, hidden, pending, ...; the collector
+knows two more facts a node cannot judge alone, and they rank above `visible` (see ghostgpu.model):
+
+- CRI says the holder's container exited, is unknown, or its pod sandbox is gone: `orphaned`.
+- PodResources says the container was never given this GPU: `unallocated`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from ghostgpu.model import Consumer, ConsumerClass
+
+# Classes the node decided that outrank anything CRI or PodResources can add.
+NODE_FINAL = (ConsumerClass.SYSTEM, ConsumerClass.GHOST, ConsumerClass.ORPHANED)
+
+
+@dataclass(frozen=True)
+class K8sInfo:
+    """What CRI said about one container (see collector/cri.py), or why it could not say."""
+
+    resolution: str  # "resolved" | "not_found" | "unresolved" (CRI unreachable, retried) | "none"
+    namespace: str = ""
+    pod: str = ""
+    pod_uid: str = ""
+    container: str = ""
+    image: str = ""
+    container_state: str = ""  # CONTAINER_RUNNING, _EXITED, _UNKNOWN, _CREATED, or NOT_FOUND
+    sandbox_state: str = ""  # SANDBOX_READY, SANDBOX_NOTREADY, NOT_FOUND
+    error: str = ""  # why unresolved
+    runtime: str = ""  # e.g. "containerd 1.6.20"
+    container_reason: str = ""  # CRI's reason for an exited container (e.g. "Completed", "Error")
+    exit_code: int | None = None
+
+    @property
+    def orphan_reason(self) -> str | None:
+        """CRI's verdict that the container is gone, as one line; None while it runs (or CRI is silent)."""
+        who = f"CRI ({self.runtime})" if self.runtime else "CRI"
+        if self.resolution == "not_found":
+            return f"{who} does not know this container: its record is gone"
+        if self.resolution != "resolved":
+            return None
+        if self.container_state in ("CONTAINER_EXITED", "CONTAINER_UNKNOWN"):
+            detail = ", ".join(x for x in (
+                f"reason {self.container_reason}" if self.container_reason else "",
+                f"exit code {self.exit_code}" if self.exit_code is not None else "") if x)
+            state = self.container_state.removeprefix("CONTAINER_").lower()
+            return f"{who} reports container {self.container} {state}" + (f" ({detail})" if detail else "")
+        if self.sandbox_state == "NOT_FOUND":
+            return f"{who} reports pod {self.namespace}/{self.pod} sandbox gone"
+        if self.sandbox_state == "SANDBOX_NOTREADY":
+            return f"{who} reports pod {self.namespace}/{self.pod} sandbox not ready (stopped)"
+        return None
+
+
+NO_CONTAINER = K8sInfo(resolution="none")
+
+
+@dataclass(frozen=True)
+class Allocations:
+    """PodResources for one node: (namespace, pod, container) -> physical device IDs (GPU/MIG UUIDs)."""
+
+    available: bool
+    error: str = ""
+    by_container: Mapping[tuple[str, str, str], frozenset[str]] = field(default_factory=dict)
+
+    def allocated(self, k8s: K8sInfo, gpu_uuid: str) -> bool | None:
+        """True/False when PodResources can say; None (unknown) when it, CRI or NVML cannot."""
+        if not self.available or k8s.resolution != "resolved" or not k8s.pod:
+            return None
+        ids = self.by_container.get((k8s.namespace, k8s.pod, k8s.container))
+        if ids is None:
+            return False  # the container asked for no device at all, yet holds a GPU
+        if not gpu_uuid:
+            return None  # no NVML: which GPU this is cannot be named by UUID
+        if gpu_uuid in ids:
+            return True
+        if any(i.startswith("MIG-") for i in ids):
+            return None  # a MIG UUID names no parent GPU without NVML's help: do not guess
+        return False
+
+
+NO_ALLOCATIONS = Allocations(available=False, error="no PodResources report from this node")
+
+
+def allocations_from(entries: Sequence[tuple[str, str, str, Sequence[str]]], available: bool = True,
+                     error: str = "") -> Allocations:
+    """Build from (namespace, pod, container, device_ids) rows; one container may appear more than once."""
+    merged: dict[tuple[str, str, str], set[str]] = {}
+    for namespace, pod, container, ids in entries:
+        merged.setdefault((namespace, pod, container), set()).update(i.split("::", 1)[0] for i in ids)
+    return Allocations(available, error, {k: frozenset(v) for k, v in merged.items()})
+
+
+def enrich(consumer: Consumer, k8s: K8sInfo, allocations: Allocations) -> tuple[Consumer, bool | None]:
+    """(consumer with its final class and reason, allocated): the node's view plus CRI and PodResources."""
+    if not consumer.container_id:
+        return consumer, None
+    allocated = allocations.allocated(k8s, consumer.gpu_uuid) if consumer.gpu is not None else None
+    if consumer.cls in NODE_FINAL:
+        return consumer, allocated
+    orphan = k8s.orphan_reason
+    in_container = f" (pid {consumer.ns_pid} in its container)" if consumer.ns_pid else ""
+    pid_text = f"pid {consumer.pid}{in_container}"
+    devices = ", ".join(consumer.devices) or "a GPU device"
+    if orphan is not None:
+        reason = f"{orphan}, yet {pid_text} still holds {devices}"
+        return replace(consumer, cls=ConsumerClass.ORPHANED, reason=reason), allocated
+    if allocated is False:
+        gpu = f"GPU {consumer.gpu} ({consumer.gpu_uuid})" if consumer.gpu_uuid else f"GPU {consumer.gpu}"
+        reason = (f"PodResources allocated {gpu} to no container of pod {k8s.namespace}/{k8s.pod}'s "
+                  f"{k8s.container}, yet {pid_text} holds {devices}")
+        return replace(consumer, cls=ConsumerClass.UNALLOCATED, reason=reason), allocated
+    return consumer, allocated

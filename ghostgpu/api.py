@@ -1,0 +1,51 @@
+"""What the tracer, the collector and clients agree on besides the generated messages.
+
+The API version travels in Hello/Welcome on the node stream and in the `ghostgpu-api-version`
+request metadata of the query service. A peer speaking a version this side does not support gets
+FAILED_PRECONDITION with a message naming both versions: never a crash, never a guess.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ghostgpu import __version__
+
+API_VERSION = 1
+SUPPORTED_API_VERSIONS = frozenset({1})
+API_VERSION_METADATA = "ghostgpu-api-version"
+DEFAULT_COLLECTOR = "127.0.0.1:7450"
+MAX_MESSAGE_BYTES = 8 << 20  # a larger message is refused by gRPC with RESOURCE_EXHAUSTED
+MAX_BATCH_EVENTS = 2000
+
+# Findings are consumers in one of these classes: the ones a GPU team must look at.
+FINDING_CLASSES = ("hidden", "ghost", "orphaned", "unallocated", "unattributed")
+
+
+def version_mismatch(peer_version: int, who: str) -> str | None:
+    """None when `peer_version` is supported, else the one-line FAILED_PRECONDITION message."""
+    if peer_version in SUPPORTED_API_VERSIONS:
+        return None
+    ours = ", ".join(f"v{v}" for v in sorted(SUPPORTED_API_VERSIONS))
+    return (f"{who} speaks ghostgpu API v{peer_version}, this collector (ghostgpu {__version__}) "
+            f"speaks {ours}; run matching versions of ghostgpu")
+
+
+def collector_address(value: str | None) -> str:
+    """Collector gRPC target, HOST:PORT or unix:///path: flag, else $GHOSTGPU_COLLECTOR, else the default."""
+    addr = value or os.environ.get("GHOSTGPU_COLLECTOR") or DEFAULT_COLLECTOR
+    if addr.startswith("unix:"):
+        if not addr.startswith("unix:///"):
+            raise ValueError(f"collector address {addr!r}: a unix socket is written unix:///absolute/path")
+        return addr
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"collector address {addr!r}: use HOST:PORT (e.g. 127.0.0.1:7450) or unix:///path")
+    return addr
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]

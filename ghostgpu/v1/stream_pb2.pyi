@@ -1,0 +1,230 @@
+from ghostgpu.v1 import node_pb2 as _node_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TracerMessage(_message.Message):
+    __slots__ = ("hello", "events", "snapshot", "heartbeat", "result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    events: EventBatch
+    snapshot: Snapshot
+    heartbeat: Heartbeat
+    result: CommandResult
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ...) -> None: ...
+
+class CollectorMessage(_message.Message):
+    __slots__ = ("welcome", "ack", "command")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    ack: Ack
+    command: Command
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("api_version", "node", "boot_id", "instance_id", "tracer_version", "capabilities")
+    API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    api_version: int
+    node: str
+    boot_id: str
+    instance_id: str
+    tracer_version: str
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, api_version: _Optional[int] = ..., node: _Optional[str] = ..., boot_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., tracer_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("api_version", "collector_version", "acked_seq", "max_batch_events")
+    API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COLLECTOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    api_version: int
+    collector_version: str
+    acked_seq: int
+    max_batch_events: int
+    def __init__(self, api_version: _Optional[int] = ..., collector_version: _Optional[str] = ..., acked_seq: _Optional[int] = ..., max_batch_events: _Optional[int] = ...) -> None: ...
+
+class Notice(_message.Message):
+    __slots__ = ("what", "message")
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    what: str
+    message: str
+    def __init__(self, what: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ContainerAllocation(_message.Message):
+    __slots__ = ("namespace", "pod", "container", "resource_names", "device_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    pod: str
+    container: str
+    resource_names: _containers.RepeatedScalarFieldContainer[str]
+    device_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., container: _Optional[str] = ..., resource_names: _Optional[_Iterable[str]] = ..., device_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Allocations(_message.Message):
+    __slots__ = ("available", "error", "containers", "read_unix_ns")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CONTAINERS_FIELD_NUMBER: _ClassVar[int]
+    READ_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    error: str
+    containers: _containers.RepeatedCompositeFieldContainer[ContainerAllocation]
+    read_unix_ns: int
+    def __init__(self, available: _Optional[bool] = ..., error: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerAllocation, _Mapping]]] = ..., read_unix_ns: _Optional[int] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("bpf", "nvml", "nvml_error", "driver_version", "gpus")
+    BPF_FIELD_NUMBER: _ClassVar[int]
+    NVML_FIELD_NUMBER: _ClassVar[int]
+    NVML_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    bpf: bool
+    nvml: bool
+    nvml_error: str
+    driver_version: str
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    def __init__(self, bpf: _Optional[bool] = ..., nvml: _Optional[bool] = ..., nvml_error: _Optional[str] = ..., driver_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "name", "minor", "memory_total_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    minor: int
+    memory_total_bytes: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., minor: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class NodeEvent(_message.Message):
+    __slots__ = ("seq", "ts_unix_ns", "finding", "resolved", "holder", "notice", "allocations", "info")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts_unix_ns: int
+    finding: _node_pb2.Consumer
+    resolved: _node_pb2.Consumer
+    holder: _node_pb2.HolderEvent
+    notice: Notice
+    allocations: Allocations
+    info: NodeInfo
+    def __init__(self, seq: _Optional[int] = ..., ts_unix_ns: _Optional[int] = ..., finding: _Optional[_Union[_node_pb2.Consumer, _Mapping]] = ..., resolved: _Optional[_Union[_node_pb2.Consumer, _Mapping]] = ..., holder: _Optional[_Union[_node_pb2.HolderEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., allocations: _Optional[_Union[Allocations, _Mapping]] = ..., info: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[NodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[NodeEvent, _Mapping]]] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("seq", "consumers", "allocations", "info", "ts_unix_ns", "stats")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    consumers: _containers.RepeatedCompositeFieldContainer[_node_pb2.Consumer]
+    allocations: Allocations
+    info: NodeInfo
+    ts_unix_ns: int
+    stats: TracerStats
+    def __init__(self, seq: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[_node_pb2.Consumer, _Mapping]]] = ..., allocations: _Optional[_Union[Allocations, _Mapping]] = ..., info: _Optional[_Union[NodeInfo, _Mapping]] = ..., ts_unix_ns: _Optional[int] = ..., stats: _Optional[_Union[TracerStats, _Mapping]] = ...) -> None: ...
+
+class TracerStats(_message.Message):
+    __slots__ = ("spool_events", "spool_dropped_total", "ringbuf_dropped_total", "reconnects_total")
+    SPOOL_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SPOOL_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RINGBUF_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RECONNECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    spool_events: int
+    spool_dropped_total: int
+    ringbuf_dropped_total: int
+    reconnects_total: int
+    def __init__(self, spool_events: _Optional[int] = ..., spool_dropped_total: _Optional[int] = ..., ringbuf_dropped_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("ts_unix_ns", "last_seq", "stats")
+    TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    ts_unix_ns: int
+    last_seq: int
+    stats: TracerStats
+    def __init__(self, ts_unix_ns: _Optional[int] = ..., last_seq: _Optional[int] = ..., stats: _Optional[_Union[TracerStats, _Mapping]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("id", "cri")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CRI_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    cri: CriRequest
+    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriRequest, _Mapping]] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("id", "cri")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CRI_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    cri: CriResponse
+    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriResponse, _Mapping]] = ...) -> None: ...
+
+class CriRequest(_message.Message):
+    __slots__ = ("method", "request", "timeout_ms")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    request: bytes
+    timeout_ms: int
+    def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class CriResponse(_message.Message):
+    __slots__ = ("code", "message", "response", "endpoint")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    response: bytes
+    endpoint: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ..., endpoint: _Optional[str] = ...) -> None: ...
