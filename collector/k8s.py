@@ -13,48 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from ghostgpu.cluster import K8sInfo
 from ghostgpu.model import Consumer, ConsumerClass
 
 # Classes the node decided that outrank anything CRI or PodResources can add.
 NODE_FINAL = (ConsumerClass.SYSTEM, ConsumerClass.GHOST, ConsumerClass.ORPHANED)
-
-
-@dataclass(frozen=True)
-class K8sInfo:
-    """What CRI said about one container (see collector/cri.py), or why it could not say."""
-
-    resolution: str  # "resolved" | "not_found" | "unresolved" (CRI unreachable, retried) | "none"
-    namespace: str = ""
-    pod: str = ""
-    pod_uid: str = ""
-    container: str = ""
-    image: str = ""
-    container_state: str = ""  # CONTAINER_RUNNING, _EXITED, _UNKNOWN, _CREATED, or NOT_FOUND
-    sandbox_state: str = ""  # SANDBOX_READY, SANDBOX_NOTREADY, NOT_FOUND
-    error: str = ""  # why unresolved
-    runtime: str = ""  # e.g. "containerd 1.6.20"
-    container_reason: str = ""  # CRI's reason for an exited container (e.g. "Completed", "Error")
-    exit_code: int | None = None
-
-    @property
-    def orphan_reason(self) -> str | None:
-        """CRI's verdict that the container is gone, as one line; None while it runs (or CRI is silent)."""
-        who = f"CRI ({self.runtime})" if self.runtime else "CRI"
-        if self.resolution == "not_found":
-            return f"{who} does not know this container: its record is gone"
-        if self.resolution != "resolved":
-            return None
-        if self.container_state in ("CONTAINER_EXITED", "CONTAINER_UNKNOWN"):
-            detail = ", ".join(x for x in (
-                f"reason {self.container_reason}" if self.container_reason else "",
-                f"exit code {self.exit_code}" if self.exit_code is not None else "") if x)
-            state = self.container_state.removeprefix("CONTAINER_").lower()
-            return f"{who} reports container {self.container} {state}" + (f" ({detail})" if detail else "")
-        if self.sandbox_state == "NOT_FOUND":
-            return f"{who} reports pod {self.namespace}/{self.pod} sandbox gone"
-        if self.sandbox_state == "SANDBOX_NOTREADY":
-            return f"{who} reports pod {self.namespace}/{self.pod} sandbox not ready (stopped)"
-        return None
 
 
 NO_CONTAINER = K8sInfo(resolution="none")

@@ -14,6 +14,15 @@ _CLASS_TO_PB = {cls: node_pb2.ConsumerClass.Value(f"CONSUMER_CLASS_{cls.name}") 
 _PB_TO_CLASS = {v: k for k, v in _CLASS_TO_PB.items()}
 
 
+def class_to_proto(cls: ConsumerClass) -> int:
+    return _CLASS_TO_PB[cls]
+
+
+def class_from_proto(value: int) -> ConsumerClass:
+    """UNSPECIFIED, or a class from a newer peer, reads as unknown."""
+    return _PB_TO_CLASS.get(value, ConsumerClass.UNKNOWN)
+
+
 def _opt(value: int | None, unset: int) -> int:
     return unset if value is None else value
 
@@ -42,9 +51,7 @@ def consumer_to_proto(c: Consumer) -> node_pb2.Consumer:
 
 def consumer_from_proto(msg: node_pb2.Consumer) -> Consumer:
     p = msg.process
-    cls = _PB_TO_CLASS.get(getattr(msg, "class"))
-    if cls is None:  # UNSPECIFIED, or a class from a newer peer
-        cls = ConsumerClass.UNKNOWN
+    cls = class_from_proto(getattr(msg, "class"))
     return Consumer(
         node=msg.node, pid=p.pid, ns_pid=_back(p.ns_pid, 0), comm=p.comm, gpu=_back(msg.gpu, -1),
         gpu_uuid=msg.gpu_uuid, gpu_minor=_back(msg.gpu_minor, -1), devices=list(msg.devices),
