@@ -69,7 +69,8 @@ make_venv() {
 
 install() {
   need_root "$@"
-  apt_install python3-bpfcc python3-venv python3-dev linux-headers-amd64 gcc make psmisc lsof util-linux iproute2 strace
+  apt_install python3-bpfcc python3-venv python3-dev linux-headers-amd64 gcc make psmisc lsof util-linux iproute2 strace \
+    containerd runc busybox-static
   link_kernel_headers
   mount_tracefs
   make_venv
