@@ -90,7 +90,7 @@ class Consumer(_message.Message):
     def __init__(self, node: _Optional[str] = ..., process: _Optional[_Union[Process, _Mapping]] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., gpu_minor: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., first_seen_ns: _Optional[int] = ..., mapped: _Optional[bool] = ..., fds: _Optional[_Iterable[int]] = ..., **kwargs) -> None: ...
 
 class HolderEvent(_message.Message):
-    __slots__ = ("kind", "source", "ts_ns", "process", "device", "fd", "cgroup_id", "child_pid", "mapped", "ioctls")
+    __slots__ = ("kind", "source", "ts_ns", "process", "device", "fd", "cgroup_id", "child_pid", "mapped", "ioctls", "tid", "gpu", "gpu_uuid", "device_kind", "devices", "held_ns", "ioctls_counted")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[HolderEvent.Kind]
@@ -119,6 +119,13 @@ class HolderEvent(_message.Message):
     CHILD_PID_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     IOCTLS_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    HELD_NS_FIELD_NUMBER: _ClassVar[int]
+    IOCTLS_COUNTED_FIELD_NUMBER: _ClassVar[int]
     kind: HolderEvent.Kind
     source: str
     ts_ns: int
@@ -129,7 +136,14 @@ class HolderEvent(_message.Message):
     child_pid: int
     mapped: bool
     ioctls: _containers.RepeatedCompositeFieldContainer[IoctlCount]
-    def __init__(self, kind: _Optional[_Union[HolderEvent.Kind, str]] = ..., source: _Optional[str] = ..., ts_ns: _Optional[int] = ..., process: _Optional[_Union[Process, _Mapping]] = ..., device: _Optional[str] = ..., fd: _Optional[int] = ..., cgroup_id: _Optional[int] = ..., child_pid: _Optional[int] = ..., mapped: _Optional[bool] = ..., ioctls: _Optional[_Iterable[_Union[IoctlCount, _Mapping]]] = ...) -> None: ...
+    tid: int
+    gpu: int
+    gpu_uuid: str
+    device_kind: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    held_ns: int
+    ioctls_counted: bool
+    def __init__(self, kind: _Optional[_Union[HolderEvent.Kind, str]] = ..., source: _Optional[str] = ..., ts_ns: _Optional[int] = ..., process: _Optional[_Union[Process, _Mapping]] = ..., device: _Optional[str] = ..., fd: _Optional[int] = ..., cgroup_id: _Optional[int] = ..., child_pid: _Optional[int] = ..., mapped: _Optional[bool] = ..., ioctls: _Optional[_Iterable[_Union[IoctlCount, _Mapping]]] = ..., tid: _Optional[int] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., held_ns: _Optional[int] = ..., ioctls_counted: _Optional[bool] = ...) -> None: ...
 
 class IoctlCount(_message.Message):
     __slots__ = ("device", "cmd", "name", "count")
