@@ -1,98 +1,198 @@
-"""`ghostgpu up`: the tracer on this node with a live view of its GPU consumers.
+"""Rendering shared by `ghostgpu ps`, `ghostgpu findings` and `ghostgpu up`: tables, JSON rows, lines.
 
-The tracer loop runs in a worker thread; this thread redraws the table once a second (on a
-terminal) or prints it when it changes (when piped), with the latest events under it so that
-short-lived consumers, gone before the next redraw, are seen too.
+Everything here is a pure function of query-service answers (ClusterConsumer, ghostgpu.v1
+messages) and `now`, so the views are tested without a collector and `up` shows exactly what
+`ps` shows.
 """
 
 from __future__ import annotations
 
-import collections
-import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from tracer.agent import Tracer
-from tracer.config import TracerConfig
-from tracer.sinks import CallbackSink, FanOut, JsonlSink, Sink
-from tracer.snapshot import render_table
+from ghostgpu.cluster import ClusterConsumer, cluster_consumer_from_proto
+from ghostgpu.convert import class_from_proto
+from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
-RECENT_EVENTS = 8
-
-
-def _event_line(rec: dict[str, Any]) -> str:
-    when = time.strftime("%H:%M:%S", time.localtime(rec.get("ts", time.time())))
-    who = f"pid {rec.get('pid')} ({rec.get('comm') or '?'})"
-    where = f" container {rec['container_id'][:13]}" if rec.get("container_id") else " on the host"
-    if rec["event"] in ("finding", "resolved"):
-        return f"{when} {rec['event']:8} {rec.get('class')}: {who}{where}: {rec.get('reason', '')}"
-    if rec["event"] == "notice":
-        return f"{when} notice   {rec.get('what')}: {rec.get('message')}"
-    return f"{when} {rec['event']:8} {who}{where} {rec.get('device') or ''}"
+Column = tuple[str, Callable[[ClusterConsumer], str]]
 
 
-def _header(tracer: Tracer) -> str:
-    nvml = tracer.nvml
-    kernel = "BPF tracepoints attached" if tracer.bpf is not None else "BPF off: /proc scans only"
-    if nvml.available:
-        gpus = ", ".join(f"{g.index}:{g.name or g.uuid}" for g in nvml.gpus) or "no GPUs"
-        driver = f"NVML driver {nvml.driver_version}: {gpus}"
+def age(seconds: float) -> str:
+    """5s, 3m, 2h, 4d: the largest whole unit, like kubectl's AGE."""
+    s = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.0f}MiB"
+
+
+def who(c: ClusterConsumer) -> str:
+    """namespace/pod/container when CRI named it, else the container ID's prefix, else "host"."""
+    if c.k8s.pod:
+        return "/".join(x for x in (c.k8s.namespace, c.k8s.pod, c.k8s.container) if x)
+    if c.consumer.container_id:
+        return c.consumer.container_id[:13]
+    return "host"
+
+
+def _allocated(c: ClusterConsumer) -> str:
+    return "unknown" if c.allocated is None else str(c.allocated).lower()
+
+
+def _columns(now_s: float, wide: bool) -> list[Column]:
+    cols: list[Column] = [
+        ("NODE", lambda c: c.consumer.node or "-"),
+        ("GPU", lambda c: "-" if c.consumer.gpu is None else str(c.consumer.gpu)),
+        ("PID", lambda c: str(c.consumer.pid)),
+        ("CPID", lambda c: "-" if c.consumer.ns_pid is None else str(c.consumer.ns_pid)),
+        ("NAMESPACE/POD/CONTAINER", who),
+        ("CLASS", lambda c: str(c.consumer.cls)),
+        ("GPU-MEM", lambda c: mib(c.consumer.gpu_memory_bytes)),
+        ("SINCE", lambda c: age(now_s - c.since_unix_ns / 1e9) if c.since_unix_ns else "-"),
+    ]
+    if wide:
+        cols += [
+            ("COMM", lambda c: c.consumer.comm or "?"),
+            ("IMAGE", lambda c: c.k8s.image or "-"),
+            ("ALLOCATED", _allocated),
+            ("DEVICES", lambda c: ",".join(d.removeprefix("/dev/") for d in c.consumer.devices) or "-"),
+            ("REASON", lambda c: c.consumer.reason),
+        ]
+    return cols
+
+
+def grid(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart, no trailing blanks."""
+    table = [list(header), *(list(r) for r in rows)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in table)
+
+
+def sort_key(c: ClusterConsumer) -> tuple[str, int, int]:
+    return (c.consumer.node, -1 if c.consumer.gpu is None else c.consumer.gpu, c.consumer.pid)
+
+
+def consumer_table(consumers: Sequence[ClusterConsumer], wide: bool = False, now_s: float | None = None,
+                   empty: str = "(no GPU consumers)") -> str:
+    now = time.time() if now_s is None else now_s
+    cols = _columns(now, wide)
+    rows = [[fn(c) for _, fn in cols] for c in sorted(consumers, key=sort_key)]
+    text = grid([name for name, _ in cols], rows)
+    return text + "\n" + empty if not rows else text
+
+
+def consumers_json(consumers: Sequence[ClusterConsumer]) -> list[dict[str, Any]]:
+    return [c.to_json() for c in sorted(consumers, key=sort_key)]
+
+
+def nvml_text(info: stream_pb2.NodeInfo, demo_gpu: bool = False) -> str:
+    if not info.nvml:
+        why = info.nvml_error.removeprefix("NVML: ") or "no reason given"
+        return f"no NVIDIA GPU visible here (NVML: {why}); still watching device files"
+    gpus = ", ".join(f"{g.index}:{g.name or g.uuid}" for g in info.gpus) or "no GPUs"
+    label = "DEMO GPU (fake NVML planted by --demo, no real device)" if demo_gpu else "NVML"
+    return f"{label} driver {info.driver_version or '?'}: {gpus}"
+
+
+def node_header(status: query_pb2.TracerStatus, now_s: float | None = None, demo_gpu: bool = False) -> str:
+    """One line per node: tracer link, BPF, GPUs and driver as the node's last snapshot told them."""
+    now = time.time() if now_s is None else now_s
+    if status.connected:
+        link = "tracer connected"
+        if status.last_heartbeat_unix_ns:
+            link += f" (heard {age(now - status.last_heartbeat_unix_ns / 1e9)} ago)"
     else:
-        driver = (f"no NVIDIA GPU visible here ({nvml.error}); still watching device files, "
-                  "NVML-dependent classes show as unknown")
-    return f"ghostgpu on {tracer.cfg.node_name} | {kernel} | {driver}"
+        seen = f", last heard {age(now - status.last_heartbeat_unix_ns / 1e9)} ago" \
+            if status.last_heartbeat_unix_ns else ""
+        link = f"tracer DISCONNECTED{seen}"
+    parts = [f"node {status.node}", link]
+    if status.HasField("info"):
+        parts.append("BPF tracepoints attached" if status.info.bpf else "BPF off: /proc scans only")
+        parts.append(nvml_text(status.info, demo_gpu))
+    lost = status.events_lost_total + status.stats.spool_dropped_total
+    if lost:
+        parts.append(f"{lost} events LOST (spool overflow or ring-buffer drops)")
+    return " | ".join(parts)
 
 
-def run_up(cfg: TracerConfig, jsonl: str | None, once: bool,
-           install_signals: Callable[[Callable[[], None]], None]) -> int:
-    recent: collections.deque[str] = collections.deque(maxlen=RECENT_EVENTS)
+def _stamp(unix_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_ns / 1e9))
 
-    def remember(rec: dict[str, Any]) -> None:
-        if rec.get("event") in ("open", "exit", "finding", "resolved", "notice"):
-            recent.append(_event_line(rec))
 
-    sinks: list[Sink] = [CallbackSink(remember)]
-    if jsonl:
-        sinks.append(JsonlSink(jsonl))
-    tracer = Tracer(cfg, FanOut(sinks))
-    install_signals(tracer.stop)
-    started = threading.Event()
-    failure: list[BaseException] = []
+def finding_json(f: query_pb2.Finding) -> dict[str, Any]:
+    """`ClusterConsumer.to_json()` plus the finding's id and times (unix seconds; resolved: None if open)."""
+    d = cluster_consumer_from_proto(f.consumer).to_json()
+    d.update({"id": f.id, "opened": f.opened_unix_ns / 1e9,
+              "resolved": f.resolved_unix_ns / 1e9 if f.resolved_unix_ns else None})
+    if not d.get("node"):
+        d["node"] = f.node
+    return d
 
-    def work() -> None:
-        try:
-            tracer.start()
-            started.set()
-            while not tracer.stop_event.is_set():
-                tracer.step()
-        except BaseException as exc:  # surfaced on the main thread
-            failure.append(exc)
-            tracer.stop()
-        finally:
-            started.set()
-            tracer.close()
 
-    worker = threading.Thread(target=work, name="ghostgpu-tracer", daemon=True)
-    worker.start()
-    started.wait()
-    tty = sys.stdout.isatty()
-    last = ""
-    while not tracer.stop_event.is_set():
-        screen = "\n".join([_header(tracer), "", render_table(list(tracer.consumers.values())), "",
-                            "recent:", *recent])
-        if tty:
-            sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
-            sys.stdout.flush()
-        elif screen != last:
-            print(screen + "\n", flush=True)
-        last = screen
-        if once:
-            tracer.stop()
-            break
-        tracer.stop_event.wait(1.0)
-    worker.join(timeout=10)
-    if failure:
-        raise failure[0]
-    return 0
+def findings_table(findings: Sequence[query_pb2.Finding], wide: bool = False) -> str:
+    header = ["OPENED", "RESOLVED", "NODE", "CLASS", "NAMESPACE/POD", "PID", "GPU", "REASON"]
+    if wide:
+        header[-1:-1] = ["COMM", "CONTAINER", "DEVICES"]
+    rows = []
+    for f in sorted(findings, key=lambda f: (f.opened_unix_ns, f.id)):
+        c = cluster_consumer_from_proto(f.consumer)
+        pod = f"{c.k8s.namespace}/{c.k8s.pod}" if c.k8s.pod else who(c)
+        row = [_stamp(f.opened_unix_ns), _stamp(f.resolved_unix_ns) if f.resolved_unix_ns else "open",
+               f.node or c.consumer.node, str(c.consumer.cls), pod, str(c.consumer.pid),
+               "-" if c.consumer.gpu is None else str(c.consumer.gpu), c.consumer.reason]
+        if wide:
+            row[-1:-1] = [c.consumer.comm or "?", c.k8s.container or c.consumer.container_id[:13] or "-",
+                          ",".join(d.removeprefix("/dev/") for d in c.consumer.devices) or "-"]
+        rows.append(row)
+    text = grid(header, rows)
+    return text + "\n(no findings in this window)" if not rows else text
+
+
+def _clock(unix_ns: int) -> str:
+    return time.strftime("%H:%M:%S", time.localtime((unix_ns or time.time_ns()) / 1e9))
+
+
+def _process_text(p: node_pb2.Process) -> str:
+    where = f"container {p.container_id[:13]}" if p.container_id else "the host"
+    inside = f", pid {p.ns_pid} inside" if p.ns_pid and p.container_id else ""
+    return f"pid {p.pid} ({p.comm or '?'}{inside}) in {where}"
+
+
+def finding_event_line(ev: query_pb2.FindingEvent) -> str:
+    kind = {query_pb2.FindingEvent.KIND_OPENED: "opened", query_pb2.FindingEvent.KIND_CHANGED: "changed",
+            query_pb2.FindingEvent.KIND_RESOLVED: "resolved"}.get(ev.kind, "finding")
+    f = ev.finding
+    c = cluster_consumer_from_proto(f.consumer)
+    when = f.resolved_unix_ns if ev.kind == query_pb2.FindingEvent.KIND_RESOLVED else \
+        (c.updated_unix_ns or f.opened_unix_ns)
+    return (f"{_clock(when)} finding {kind:8} {c.consumer.cls}: pid {c.consumer.pid} "
+            f"({c.consumer.comm or '?'}) {who(c)} on {f.node or c.consumer.node}: {c.consumer.reason}")
+
+
+_HOLDER_KINDS = {v: k.removeprefix("KIND_").lower() for k, v in node_pb2.HolderEvent.Kind.items()}
+
+
+def event_line(ev: stream_pb2.NodeEvent) -> str | None:
+    """One line for a node event worth showing under a live view; None for the rest."""
+    body = ev.WhichOneof("body")
+    when = _clock(ev.ts_unix_ns)
+    if body == "holder":
+        h = ev.holder
+        kind = _HOLDER_KINDS.get(h.kind, "holder")
+        if kind not in ("open", "close", "exit", "mmap"):
+            return None
+        ioctls = sum(i.count for i in h.ioctls)
+        extra = f" after {ioctls} ioctls" if ioctls else ""
+        return f"{when} {kind:8} {_process_text(h.process)} {h.device}{extra}".rstrip()
+    if body in ("finding", "resolved"):
+        c = getattr(ev, body)
+        cls = class_from_proto(getattr(c, "class"))
+        return f"{when} {'gone' if body == 'resolved' else cls:8} {_process_text(c.process)}: {c.reason}"
+    if body == "notice":
+        return f"{when} notice   {ev.notice.what}: {ev.notice.message}"
+    return None

@@ -1,0 +1,259 @@
+"""`ghostgpu ps` and `ghostgpu findings`: clients of the collector's query service.
+
+A collector that cannot be reached, or that refuses this client's API version, is one line on
+stderr and exit status 1; a bad flag is one line and exit status 2 (raised as ValueError, which
+ghostgpu.cli prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ghostgpu import view
+from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options, collector_address
+from ghostgpu.cluster import ClusterConsumer, cluster_consumer_from_proto
+from ghostgpu.convert import class_to_proto
+from ghostgpu.model import ConsumerClass
+from ghostgpu.v1 import query_pb2, query_pb2_grpc
+
+CALL_TIMEOUT_S = 10.0
+WATCH_REDRAW_S = 2.0  # ages in the SINCE column move even when no finding does
+RECONNECT_MAX_S = 2.0
+_SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class ClientError(Exception):
+    """A collector failure already phrased as the one line to print."""
+
+
+def parse_since(text: str) -> float:
+    """'30s', '15m', '1h', '7d' -> seconds."""
+    m = _SINCE.match(text.strip())
+    if not m:
+        raise ValueError(f"--since {text!r}: use a number and a unit s, m, h or d (e.g. 30s, 15m, 1h, 7d)")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def parse_classes(values: list[str] | None) -> list[ConsumerClass]:
+    out: list[ConsumerClass] = []
+    for value in values or []:
+        for name in value.split(","):  # --class hidden,ghost reads as two
+            try:
+                out.append(ConsumerClass(name.strip().lower()))
+            except ValueError:
+                known = ", ".join(c.value for c in ConsumerClass)
+                raise ValueError(f"--class {name!r}: not a consumer class; use one of {known}") from None
+    return out
+
+
+def describe_rpc_error(exc: grpc.RpcError, address: str) -> str:
+    code, details = exc.code(), exc.details() or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        why = details.splitlines()[0] if details else code.name
+        return (f"cannot reach the collector at {address} ({why}): start one with `ghostgpu collector` "
+                f"or `ghostgpu up`, or pass --collector")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return details or f"the collector at {address} refused this client (FAILED_PRECONDITION)"
+    return f"the collector at {address} answered {code.name}: {details}"
+
+
+@dataclass
+class Query:
+    """One channel to a collector; every call carries the API version and a deadline."""
+
+    address: str
+    timeout_s: float = CALL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.address, options=channel_options())
+        self.stub = query_pb2_grpc.QueryStub(self.channel)
+        self.metadata = ((API_VERSION_METADATA, str(API_VERSION)),)
+
+    @classmethod
+    def from_flag(cls, value: str | None) -> Query:
+        return cls(collector_address(value))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, fn: Callable[..., Any], request: Any) -> Any:
+        try:
+            return fn(request, metadata=self.metadata, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise ClientError(describe_rpc_error(exc, self.address)) from exc
+
+    def consumers(self, node: str = "", namespace: str = "", classes: list[ConsumerClass] | None = None,
+                  ) -> list[ClusterConsumer]:
+        req = query_pb2.ListConsumersRequest(node=node or "", namespace=namespace or "",
+                                             classes=[class_to_proto(c) for c in classes or []])
+        return [cluster_consumer_from_proto(m) for m in self._call(self.stub.ListConsumers, req).consumers]
+
+    def nodes(self, node: str = "") -> list[query_pb2.TracerStatus]:
+        resp = self._call(self.stub.NodeStatus, query_pb2.NodeStatusRequest(node=node or ""))
+        return sorted(resp.nodes, key=lambda n: n.node)
+
+    def findings(self, since_unix_ns: int, node: str = "", namespace: str = "",
+                 classes: list[ConsumerClass] | None = None, limit: int = 0) -> list[query_pb2.Finding]:
+        req = query_pb2.ListFindingsRequest(since_unix_ns=since_unix_ns, node=node or "",
+                                            namespace=namespace or "", limit=max(0, limit),
+                                            classes=[class_to_proto(c) for c in classes or []])
+        return list(self._call(self.stub.ListFindings, req).findings)
+
+    def events(self, node: str, instance_id: str, after_seq: int, limit: int = 0) -> list[Any]:
+        req = query_pb2.ListEventsRequest(node=node, instance_id=instance_id, after_seq=after_seq,
+                                          limit=limit)
+        return list(self._call(self.stub.ListEvents, req).events)
+
+    def watch(self, node: str = "", namespace: str = "", classes: list[ConsumerClass] | None = None,
+              ) -> Iterator[query_pb2.FindingEvent]:
+        """The WatchFindings stream; cancel it with close(). Raises ClientError when it breaks."""
+        req = query_pb2.WatchFindingsRequest(node=node or "", namespace=namespace or "",
+                                             classes=[class_to_proto(c) for c in classes or []])
+        stream = self.stub.WatchFindings(req, metadata=self.metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise ClientError(describe_rpc_error(exc, self.address)) from exc
+        finally:
+            stream.cancel()
+
+
+class FindingWaker:
+    """Follows WatchFindings in a thread and sets `changed` on each event, reconnecting with backoff
+    when the collector goes away (a restarted collector is picked up without the user noticing)."""
+
+    def __init__(self, query: Query, on_event: Callable[[query_pb2.FindingEvent], None] | None = None,
+                 **filters: Any) -> None:
+        self.query, self.filters, self.on_event = query, filters, on_event
+        self.changed = threading.Event()
+        self.error = ""  # the last stream failure, "" while connected
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ghostgpu-watch", daemon=True)
+
+    def start(self) -> FindingWaker:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        backoff_s = 0.1
+        while not self._stop.is_set():
+            try:
+                for ev in self.query.watch(**self.filters):
+                    self.error, backoff_s = "", 0.1
+                    if self.on_event is not None:
+                        self.on_event(ev)
+                    self.changed.set()
+                    if self._stop.is_set():
+                        return
+            except ClientError as exc:
+                self.error = str(exc)
+            self.changed.set()  # a broken (or ended) stream is news too: the view says so
+            self._stop.wait(backoff_s)
+            backoff_s = min(RECONNECT_MAX_S, backoff_s * 2)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _filters(args: argparse.Namespace) -> dict[str, Any]:
+    return {"node": args.node or "", "namespace": args.namespace or "",
+            "classes": parse_classes(args.classes)}
+
+
+def render_ps(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> str:
+    consumers = query.consumers(**filters)
+    if args.output == "json":
+        return json.dumps(view.consumers_json(consumers), indent=2, default=str)
+    now_s = time.time()
+    headers = [view.node_header(n, now_s) for n in query.nodes(filters["node"])]
+    table = view.consumer_table(consumers, wide=args.output == "wide", now_s=now_s)
+    return "\n".join([*headers, "", table] if headers else [table])
+
+
+def _print_error(line: str) -> int:
+    print(f"ghostgpu: {line}", file=sys.stderr)
+    return 1
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    filters = _filters(args)  # bad flags fail before any connection
+    query = Query.from_flag(args.collector)
+    try:
+        if not args.watch:
+            print(render_ps(query, args, filters))
+            return 0
+        return _watch(query, args, filters)
+    except ClientError as exc:
+        return _print_error(str(exc))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        query.close()
+
+
+def _watch(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> int:
+    """Redraw on every finding event and at least every WATCH_REDRAW_S; survive collector restarts.
+
+    The first answer must come (a wrong address is one line, not an endless wait); after that a
+    lost collector is shown on the screen and retried."""
+    first = render_ps(query, args, filters)
+    waker = FindingWaker(query, **filters).start()
+    tty = sys.stdout.isatty()
+    last_printed, screen = "", first
+    try:
+        while True:
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+                sys.stdout.flush()
+            elif _signature(screen) != _signature(last_printed):
+                print(screen + "\n", flush=True)
+                last_printed = screen
+            waker.changed.wait(WATCH_REDRAW_S)
+            waker.changed.clear()
+            try:
+                screen = render_ps(query, args, filters)
+            except ClientError as exc:
+                screen = f"ghostgpu: {exc}; retrying"
+    finally:
+        waker.stop()
+
+
+_AGES = re.compile(r"\b\d+[smhd]\b")
+
+
+def _signature(screen: str) -> str:
+    """What a piped watch compares: the screen without its ages, so only real changes print."""
+    return _AGES.sub("", screen)
+
+
+def cmd_findings(args: argparse.Namespace) -> int:
+    filters = _filters(args)
+    since_s = parse_since(args.since)
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit {args.limit}: must be 0 (the collector's default) or more")
+    query = Query.from_flag(args.collector)
+    try:
+        since_ns = int((time.time() - since_s) * 1e9)
+        found = query.findings(since_ns, limit=args.limit or 0, **filters)
+    except ClientError as exc:
+        return _print_error(str(exc))
+    finally:
+        query.close()
+    found.sort(key=lambda f: (f.opened_unix_ns, f.id))
+    if args.output == "json":
+        print(json.dumps([view.finding_json(f) for f in found], indent=2, default=str))
+    else:
+        print(view.findings_table(found, wide=args.output == "wide"))
+    return 0
