@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import require_root
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
+from tests.integration.containerd_fixtures import containerd, containerd_session  # noqa: F401
 
 GPU0_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000000"
 GPU1_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000001"
