@@ -36,8 +36,8 @@ class Allocations:
         if not self.available or k8s.resolution != "resolved" or not k8s.pod:
             return None
         ids = self.by_container.get((k8s.namespace, k8s.pod, k8s.container))
-        if ids is None:
-            return False  # the container asked for no device at all, yet holds a GPU
+        if not ids:
+            return False  # the container asked for no device at all (absent or listed empty), yet holds a GPU
         if not gpu_uuid:
             return None  # no NVML: which GPU this is cannot be named by UUID
         if gpu_uuid in ids:
@@ -75,7 +75,7 @@ def enrich(consumer: Consumer, k8s: K8sInfo, allocations: Allocations) -> tuple[
         return replace(consumer, cls=ConsumerClass.ORPHANED, reason=reason), allocated
     if allocated is False:
         gpu = f"GPU {consumer.gpu} ({consumer.gpu_uuid})" if consumer.gpu_uuid else f"GPU {consumer.gpu}"
-        reason = (f"PodResources allocated {gpu} to no container of pod {k8s.namespace}/{k8s.pod}'s "
-                  f"{k8s.container}, yet {pid_text} holds {devices}")
+        reason = (f"PodResources did not allocate {gpu} to container {k8s.container} of pod "
+                  f"{k8s.namespace}/{k8s.pod}, yet {pid_text} holds {devices}")
         return replace(consumer, cls=ConsumerClass.UNALLOCATED, reason=reason), allocated
     return consumer, allocated

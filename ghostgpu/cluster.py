@@ -45,11 +45,13 @@ class K8sInfo:
                 f"reason {self.container_reason}" if self.container_reason else "",
                 f"exit code {self.exit_code}" if self.exit_code is not None else "") if x)
             state = self.container_state.removeprefix("CONTAINER_").lower()
-            return f"{who} reports container {self.container} {state}" + (f" ({detail})" if detail else "")
+            name = f"container {self.container}" if self.container else "the container"
+            return f"{who} reports {name} {state}" + (f" ({detail})" if detail else "")
+        pod = f"pod {self.namespace}/{self.pod}" if self.pod else "the pod"
         if self.sandbox_state == "NOT_FOUND":
-            return f"{who} reports pod {self.namespace}/{self.pod} sandbox gone"
+            return f"{who} reports {pod} sandbox gone"
         if self.sandbox_state == "SANDBOX_NOTREADY":
-            return f"{who} reports pod {self.namespace}/{self.pod} sandbox not ready (stopped)"
+            return f"{who} reports {pod} sandbox not ready (stopped)"
         return None
 
 
