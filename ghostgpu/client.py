@@ -116,10 +116,11 @@ class Query:
         return list(self._call(self.stub.ListEvents, req).events)
 
     def watch(self, node: str = "", namespace: str = "", classes: list[ConsumerClass] | None = None,
-              ) -> Iterator[query_pb2.FindingEvent]:
+              include_open: bool = False) -> Iterator[query_pb2.FindingEvent]:
         """The WatchFindings stream; cancel it with close(). Raises ClientError when it breaks."""
         req = query_pb2.WatchFindingsRequest(node=node or "", namespace=namespace or "",
-                                             classes=[class_to_proto(c) for c in classes or []])
+                                             classes=[class_to_proto(c) for c in classes or []],
+                                             include_open=include_open)
         stream = self.stub.WatchFindings(req, metadata=self.metadata)
         try:
             yield from stream
@@ -217,7 +218,7 @@ def _watch(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> i
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
                 sys.stdout.flush()
-            elif _signature(screen) != _signature(last_printed):
+            elif screen_signature(screen) != screen_signature(last_printed):
                 print(screen + "\n", flush=True)
                 last_printed = screen
             waker.changed.wait(WATCH_REDRAW_S)
@@ -233,7 +234,7 @@ def _watch(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> i
 _AGES = re.compile(r"\b\d+[smhd]\b")
 
 
-def _signature(screen: str) -> str:
+def screen_signature(screen: str) -> str:
     """What a piped watch compares: the screen without its ages, so only real changes print."""
     return _AGES.sub("", screen)
 
