@@ -6,7 +6,7 @@ these types and the generated gRPC API.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -95,3 +95,26 @@ class Consumer:
         d = asdict(self)
         d["class"] = str(d.pop("cls"))
         return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Consumer:
+        """The inverse of to_json(). Extra keys (a record's `event`, `ts`) are ignored, so a finding
+        record reads back as its consumer; a missing required key raises ValueError naming it."""
+        values: dict[str, Any] = {}
+        for f in _CONSUMER_FIELDS:
+            key = "class" if f.name == "cls" else f.name
+            if key in d:
+                values[f.name] = d[key]
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise ValueError(f"consumer record has no {key!r} key")
+        try:
+            values["cls"] = ConsumerClass(values["cls"])
+        except ValueError:
+            raise ValueError(f"consumer record: unknown class {values['cls']!r}") from None
+        for name in ("devices", "fds"):
+            if name in values:
+                values[name] = list(values[name])
+        return cls(**values)
+
+
+_CONSUMER_FIELDS = fields(Consumer)
