@@ -1,0 +1,202 @@
+"""The CRI relay: the collector's CRI calls, forwarded to this node's runtime socket as raw bytes.
+
+The collector sends a CriRequest down the stream; the tracer forwards the serialized runtime.v1
+request to `/runtime.v1.RuntimeService/<Method>` on the node's socket and returns the serialized
+answer with its gRPC status. The tracer never parses CRI, so a runtime newer than our copy of the
+API passes through unchanged, and no CRI socket is ever reachable from beyond its node.
+
+Only the five read-only methods pass (Version, ListContainers, ContainerStatus, ListPodSandbox,
+PodSandboxStatus); anything else is refused with PERMISSION_DENIED before the socket is touched,
+so a compromised collector cannot stop, create or exec into containers through a tracer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from ghostgpu.v1 import stream_pb2
+
+log = logging.getLogger("ghostgpu.cri_relay")
+
+ALLOWED_METHODS = frozenset({"Version", "ListContainers", "ContainerStatus", "ListPodSandbox",
+                             "PodSandboxStatus"})
+# Probe order (../shared/reference/cri-api.md §7): containerd, CRI-O (both spellings: /var/run is
+# /run on systemd hosts, not always in a pod's mounts), k3s/RKE2's containerd, cri-dockerd.
+DEFAULT_SOCKETS = (
+    "/run/containerd/containerd.sock",
+    "/run/crio/crio.sock",
+    "/var/run/crio/crio.sock",
+    "/run/k3s/containerd/containerd.sock",
+    "/var/run/cri-dockerd.sock",
+)
+DEFAULT_TIMEOUT_S = 5.0
+MAX_TIMEOUT_S = 30.0
+REDETECT_INTERVAL_S = 1.0  # with no socket found, look again at most this often (a runtime starting late)
+# The answer travels back inside a CommandResult on the stream, whose messages are capped at
+# ghostgpu.api.MAX_MESSAGE_BYTES (8 MiB): keep room for the envelope.
+MAX_RESPONSE_BYTES = (8 << 20) - (64 << 10)
+
+
+def socket_path(endpoint: str) -> str:
+    """unix:///path or /path -> /path; anything else is a one-line ValueError naming the flag."""
+    path = endpoint.removeprefix("unix://") if endpoint.startswith("unix://") else endpoint
+    if not path.startswith("/"):
+        raise ValueError(f"--cri-endpoint {endpoint!r}: use unix:///absolute/path/to/runtime.sock")
+    return path
+
+
+def is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+class CriRelay:
+    """Forwards allowlisted runtime.v1 calls to one socket: `endpoint`, or the first default found."""
+
+    def __init__(self, endpoint: str | None = None, node: str = "",
+                 candidates: tuple[str, ...] = DEFAULT_SOCKETS) -> None:
+        self.node = node
+        self._explicit = socket_path(endpoint) if endpoint else None
+        self._candidates = candidates
+        self._lock = threading.Lock()
+        self._path: str | None = self._explicit
+        self._channel: grpc.Channel | None = None
+        self._next_detect_s = 0.0
+        if self._path is None:
+            self._detect()
+
+    @property
+    def endpoint(self) -> str | None:
+        """The socket in use (None while none was found)."""
+        return self._path
+
+    def _detect(self) -> None:
+        self._next_detect_s = time.monotonic() + REDETECT_INTERVAL_S
+        for path in self._candidates:
+            if is_socket(path):
+                log.info("CRI relay: using %s", path)
+                self._path = path
+                return
+
+    def _channel_for_call(self) -> tuple[grpc.Channel | None, str]:
+        """(channel, "") or (None, why not); looks for a socket again when none was found yet."""
+        with self._lock:
+            if self._path is None and time.monotonic() >= self._next_detect_s:
+                self._detect()
+            if self._path is None:
+                looked = ", ".join(self._candidates)
+                return None, (f"no CRI socket on node {self.node or '(this node)'} (looked at {looked}); "
+                              f"pass --cri-endpoint unix:///path/to/runtime.sock")
+            if self._explicit is not None and not os.path.exists(self._path):
+                return None, (f"CRI socket {self._path} (from --cri-endpoint) does not exist on node "
+                              f"{self.node or '(this node)'}; is the runtime running?")
+            if self._channel is None:
+                # gRPC re-dials the path after a runtime restart (new socket inode), so one channel lasts.
+                self._channel = grpc.insecure_channel(
+                    f"unix://{self._path}", options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)])
+            return self._channel, ""
+
+    def call(self, method: str, request: bytes, timeout_ms: int = 0) -> stream_pb2.CriResponse:
+        """Forward one call; never raises: every outcome is a CriResponse with a gRPC status code."""
+        if method not in ALLOWED_METHODS:
+            return stream_pb2.CriResponse(
+                code=grpc.StatusCode.PERMISSION_DENIED.value[0], endpoint=self._path or "",
+                message=(f"CRI method {method!r} is not relayed: only the read-only methods "
+                         f"{', '.join(sorted(ALLOWED_METHODS))} pass"))
+        channel, why = self._channel_for_call()
+        if channel is None:
+            return stream_pb2.CriResponse(code=grpc.StatusCode.UNAVAILABLE.value[0], message=why,
+                                          endpoint=self._path or "")
+        timeout_s = min(timeout_ms / 1000, MAX_TIMEOUT_S) if timeout_ms > 0 else DEFAULT_TIMEOUT_S
+        # No serializers: the request and answer stay the bytes the collector and the runtime wrote.
+        stub = channel.unary_unary(f"/runtime.v1.RuntimeService/{method}")
+        try:
+            response = stub(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            return stream_pb2.CriResponse(code=code.value[0], endpoint=self._path or "",
+                                          message=f"CRI {method} on {self._path}: {details}")
+        except Exception as exc:  # a grpc surprise must not kill the stream's command worker
+            message = f"CRI {method} on {self._path}: {type(exc).__name__}: {exc}"
+            return stream_pb2.CriResponse(code=grpc.StatusCode.INTERNAL.value[0], endpoint=self._path or "",
+                                          message=message)
+        return stream_pb2.CriResponse(code=0, response=response, endpoint=self._path or "")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+
+class CommandRunner:
+    """Runs the collector's commands off the stream's receiver thread, a few at a time.
+
+    A slow runtime must not hold up Acks, and a flood of commands must not grow threads or queues
+    without end: beyond `max_queued` waiting or running, a command is answered RESOURCE_EXHAUSTED
+    at once. Every command gets exactly one CommandResult, an unknown one UNIMPLEMENTED.
+    """
+
+    def __init__(self, relay: CriRelay | None, node: str, workers: int = 4, max_queued: int = 64) -> None:
+        self._relay = relay
+        self._node = node
+        self._max_queued = max_queued
+        self._lock = threading.Lock()
+        self.running = 0  # queued or running
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ghostgpu-command")
+
+    def submit(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
+        with self._lock:
+            busy = self.running >= self._max_queued
+            if not busy:
+                self.running += 1
+        if busy:
+            reply(self._result(command.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"tracer on {self._node} has {self._max_queued} commands waiting; retry"))
+            return
+        try:
+            self._pool.submit(self._run, command, reply)
+        except RuntimeError:  # the pool is shut down: the tracer is stopping
+            with self._lock:
+                self.running -= 1
+
+    def _run(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
+        try:
+            body = command.WhichOneof("body")
+            if body == "cri" and self._relay is not None:
+                req = command.cri
+                response = self._relay.call(req.method, req.request, req.timeout_ms)
+                result = stream_pb2.CommandResult(id=command.id, cri=response)
+            elif body == "cri":
+                result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,
+                                      f"tracer on {self._node} runs no CRI relay")
+            else:
+                # No body is a command from a newer collector: answer, never leave it hanging.
+                result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,
+                                      f"tracer on {self._node} does not know this command; upgrade it")
+            reply(result)
+        except Exception:
+            log.exception("command %d failed", command.id)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    @staticmethod
+    def _result(command_id: int, code: grpc.StatusCode, message: str) -> stream_pb2.CommandResult:
+        return stream_pb2.CommandResult(id=command_id, cri=stream_pb2.CriResponse(code=code.value[0],
+                                                                                   message=message))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
