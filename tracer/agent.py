@@ -52,6 +52,7 @@ class Tracer:
         self._due: dict[str, float] = {}
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
+        self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
 
     # --- identity -------------------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class Tracer:
             "bpf": self.bpf is not None, "nvml": self.nvml.available,
             "startup_s": round(time.monotonic() - self._started_s, 3), "holders": len(self.state.holders),
         })
+        self._emit_info()
 
     def _start_bpf(self) -> None:
         if self.cfg.bpf == "off":
@@ -188,6 +190,13 @@ class Tracer:
         if replace(view, ts_ns=0) != replace(self.nvml, ts_ns=0):  # what the driver says changed
             self._dirty = True
         self.nvml = view
+        if self._info_signature is not None and records.info_signature(view) != self._info_signature:
+            self._emit_info()
+
+    def _emit_info(self) -> None:
+        """The node's `info` record (GPUs, NVML, BPF): after `ready`, then when NVML or its GPUs change."""
+        self._info_signature = records.info_signature(self.nvml)
+        self.sink.emit(records.info_record(self.cfg.node_name, self.bpf is not None, self.nvml))
 
     def _scan(self, initial: bool = False, pids: set[int] | None = None) -> None:
         if self.bpf is not None and pids is None:

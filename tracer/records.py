@@ -107,3 +107,19 @@ def consumer_record(event: str, consumer: Consumer) -> dict[str, Any]:
 
 def notice_record(node: str, what: str, message: str) -> dict[str, Any]:
     return {"event": "notice", "ts": wall_ts(), "node": node, "what": what, "message": message}
+
+
+def info_record(node: str, bpf: bool, nvml: NvmlView) -> dict[str, Any]:
+    """What the node looks like: kernel tracing on or off, the GPUs NVML sees (or why it sees none)."""
+    return {
+        "event": "info", "ts": wall_ts(), "node": node, "bpf": bpf, "nvml": nvml.available,
+        "nvml_error": nvml.error, "driver_version": nvml.driver_version,
+        "gpus": [{"index": g.index, "uuid": g.uuid, "name": g.name, "minor": g.minor,
+                  "memory_total_bytes": g.memory_total_bytes} for g in nvml.gpus],
+    }
+
+
+def info_signature(nvml: NvmlView) -> tuple[Any, ...]:
+    """What an `info` record is re-emitted for: NVML coming or going, the GPU list changing."""
+    return (nvml.available, nvml.driver_version,
+            tuple((g.index, g.uuid, g.name, g.minor, g.memory_total_bytes) for g in nvml.gpus))

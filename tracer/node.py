@@ -1,0 +1,96 @@
+"""`ghostgpu tracer`: the node agent with its sinks, CRI relay and PodResources poller.
+
+Without --collector it writes JSON lines (stdout, or --jsonl PATH), as it always has. With
+--collector it streams to the collector (StreamSink), also writing JSON lines if --jsonl is given,
+relays the collector's CRI calls to this node's runtime socket, and reports PodResources
+allocations (the poller also runs without a collector when --podresources-endpoint is given,
+writing `allocations` records to the JSON lines).
+
+SIGTERM/SIGINT stop it in order: the tracer loop first (no new records), then the poller, then
+the sinks, the stream flushing what the collector will still acknowledge within its deadline.
+`ghostgpu up` runs this same command as a subprocess, so everything is reachable from flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ghostgpu import api
+from tracer.agent import Tracer
+from tracer.config import TracerConfig
+from tracer.cri_relay import CriRelay
+from tracer.podresources import PodResourcesPoller
+from tracer.sinks import FanOut, JsonlSink, Sink
+from tracer.stream import StreamOptions, StreamSink
+
+log = logging.getLogger("ghostgpu.tracer")
+
+PODRESOURCES_INTERVAL_S = 10.0
+
+
+def _ringbuf_drops(tracer: Tracer) -> Callable[[], int]:
+    """The kernel ring buffer's drop count for TracerStats, as the agent last read it.
+
+    The agent refreshes its BPF counters on its own thread every ioctl poll; reading its last copy
+    (a dict swapped whole, never mutated) is safe from the stream's thread and costs no syscall.
+    """
+    return lambda: int(getattr(tracer, "_bpf_stats", {}).get("ringbuf_drops", 0))
+
+
+def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
+                ) -> tuple[list[Sink], StreamSink | None, CriRelay | None]:
+    """(sinks, the stream sink or None, the CRI relay or None) for the command line in `args`."""
+    collector = getattr(args, "collector", None)
+    jsonl = getattr(args, "jsonl", None)
+    sinks: list[Sink] = []
+    if jsonl or not collector:
+        sinks.append(JsonlSink(jsonl or "-"))
+    if not collector:
+        return sinks, None, None
+    target = api.collector_address(collector)
+    spool_events = getattr(args, "spool_events", None) or 1_000_000
+    if spool_events <= 0:
+        raise ValueError(f"--spool-events {spool_events}: must be a positive number of events")
+    relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)
+    stream = StreamSink(target, cfg.node_name, relay=relay,
+                        capabilities=["podresources"] if poller_runs else [],
+                        options=StreamOptions(spool_events=spool_events))
+    sinks.append(stream)
+    return sinks, stream, relay
+
+
+def run_tracer(cfg: TracerConfig, args: argparse.Namespace,
+               install_signals: Callable[[Callable[[], None]], None]) -> int:
+    collector = getattr(args, "collector", None)
+    pr_endpoint = getattr(args, "podresources_endpoint", None)
+    poller_runs = bool(collector or pr_endpoint)
+    if getattr(args, "cri_endpoint", None) and not collector:
+        log.warning("--cri-endpoint is used by the CRI relay, which runs only with --collector")
+    sinks, stream, relay = build_sinks(cfg, args, poller_runs)
+    sink: Any = sinks[0] if len(sinks) == 1 else FanOut(sinks)
+    poller: PodResourcesPoller | None = None
+    tracer: Tracer | None = None
+    try:
+        if poller_runs:
+            poller = PodResourcesPoller(pr_endpoint, sink.emit, PODRESOURCES_INTERVAL_S, node=cfg.node_name)
+        tracer = Tracer(cfg, sink)
+        if stream is not None:
+            stream.ringbuf_dropped = _ringbuf_drops(tracer)
+        install_signals(tracer.stop)
+        tracer.start()
+        if poller is not None:
+            poller.start()
+        while not tracer.stop_event.is_set():
+            tracer.step()
+    finally:
+        if tracer is not None:
+            tracer.close()
+        if poller is not None:
+            poller.stop()
+        sink.close()
+        if relay is not None:
+            relay.close()
+    return 0
