@@ -1,5 +1,6 @@
 """`ghostgpu tracer` as a real process (BPF off, so no root): JSON lines alone, or streaming to a
-collector with the CRI relay and the PodResources poller, stopped by SIGTERM."""
+collector with the CRI relay and the PodResources poller, stopped by SIGTERM; and the agent's
+`info` record as NVML comes and its GPUs change."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +23,10 @@ from tests.helpers.fake_collector import FakeCollector
 from tests.helpers.podresources_server import Container, Pod, PodResourcesServer
 from tests.helpers.polling import wait_until
 from tests.unit.test_cri_relay import RawRuntime
+from tracer.agent import Tracer
+from tracer.config import TracerConfig
+from tracer.events import NvmlGpu, NvmlView
+from tracer.sinks import CallbackSink
 
 ROOT = Path(__file__).resolve().parents[2]
 UUID0 = "GPU-6a1cd0c3-0000-4000-8000-000000000000"
@@ -111,3 +118,52 @@ def test_a_bad_collector_address_is_one_line(tmp_path: Path) -> None:
     assert proc.wait(30) == 2
     err = (tmp_path / "stderr").read_text()
     assert err.strip().count("\n") == 0 and "collector address 'no-port-here'" in err
+
+
+class ScriptedNvml:
+    """Stands in for tracer.nvml.NvmlSource: each read() returns the view a test set last."""
+
+    def __init__(self, view: NvmlView) -> None:
+        self.view = view
+        self.reads = 0
+
+    def read(self) -> NvmlView:
+        self.reads += 1
+        return self.view
+
+    def close(self) -> None:
+        pass
+
+
+def test_info_after_ready_and_when_nvml_or_its_gpus_change() -> None:
+    out: list[dict[str, Any]] = []
+    cfg = TracerConfig(node_name="node-i", bpf="off", nvml_interval_s=0.001)
+    tracer = Tracer(cfg, CallbackSink(out.append))
+    nvml = ScriptedNvml(NvmlView(available=False, error="NVML: driver not loaded"))
+    tracer.nvml_source = nvml  # type: ignore[assignment]
+    gpu0 = NvmlGpu(index=0, uuid="GPU-a", minor=0, name="H100", memory_total_bytes=80 << 30)
+
+    def infos() -> list[dict[str, Any]]:
+        return [r for r in out if r["event"] == "info"]
+
+    def step_until(count: int, what: str) -> None:
+        wait_until(lambda: tracer.step(timeout_ms=1) or len(infos()) == count, what)
+
+    try:
+        tracer.start()
+        kinds = [r["event"] for r in out]
+        assert kinds.index("info") == kinds.index("ready") + 1
+        assert infos()[0]["nvml"] is False and infos()[0]["nvml_error"] == "NVML: driver not loaded"
+        nvml.view = NvmlView(available=True, driver_version="550.54.15", gpus=(gpu0,))
+        step_until(2, "info once NVML answers")
+        assert infos()[1]["gpus"] == [{"index": 0, "uuid": "GPU-a", "name": "H100", "minor": 0,
+                                       "memory_total_bytes": 80 << 30}]
+        reads = nvml.reads
+        wait_until(lambda: tracer.step(timeout_ms=1) or nvml.reads >= reads + 5, "five more NVML reads")
+        assert len(infos()) == 2, "the same GPUs again are no news"
+        nvml.view = NvmlView(available=True, driver_version="550.54.15",
+                             gpus=(gpu0, replace(gpu0, index=1, uuid="GPU-b", minor=1)))
+        step_until(3, "info for the second GPU")
+        assert [g["uuid"] for g in infos()[2]["gpus"]] == ["GPU-a", "GPU-b"]
+    finally:
+        tracer.close()
