@@ -145,8 +145,11 @@ class Demo:
         p = DemoPod(container_id=cid, sandbox_id=secrets.token_hex(32), pod=pod, pod_uid=pod_uid,
                     container=container, image=f"ghostgpu/demo-{container}:1", exited=exited)
         self.pods[comm] = p
-        # The holder's comm is the name it was exec'd by (kernel: basename of the path), so a
-        # link named after the role makes `ps` read well while coreutils sleep does the holding.
+        # A process's comm is the basename of the path it was exec'd by, so links named after the
+        # role make every event read well: the init is sh (it opens the devices), then it execs
+        # coreutils sleep to hold them.
+        (self.workdir / "sh").mkdir(exist_ok=True)
+        os.symlink(shutil.which("sh") or "/bin/sh", self.workdir / "sh" / comm)
         os.symlink(shutil.which("sleep") or "/bin/sleep", self.workdir / comm)
         dirs = []
         for mountpoint, cpuset in _cgroup_hierarchies():
@@ -181,7 +184,8 @@ class Demo:
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
                "DEMO_EXEC": str(self.workdir / comm), "DEMO_HOLD_S": hold}
         proc = subprocess.Popen(
-            ["unshare", "--pid", "--mount", "--fork", "--mount-proc", "--", "sh", "-c", _INIT, comm, *procs],
+            ["unshare", "--pid", "--mount", "--fork", "--mount-proc", "--", str(self.workdir / "sh" / comm),
+             "-c", _INIT, comm, *procs],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if hold == "forever" else subprocess.DEVNULL,
             stderr=subprocess.PIPE, env=env)
         with self._lock:

@@ -184,11 +184,16 @@ def event_line(ev: stream_pb2.NodeEvent) -> str | None:
     if body == "holder":
         h = ev.holder
         kind = _HOLDER_KINDS.get(h.kind, "holder")
-        if kind not in ("open", "close", "exit", "mmap"):
-            return None
-        ioctls = sum(i.count for i in h.ioctls)
-        extra = f" after {ioctls} ioctls" if ioctls else ""
-        return f"{when} {kind:8} {_process_text(h.process)} {h.device}{extra}".rstrip()
+        if kind not in ("open", "close", "exit", "mmap") or h.device_kind in ("control", "uvm"):
+            return None  # control devices alone make no consumer: their opens are noise here
+        extra = []
+        if h.HasField("held_ns"):
+            extra.append(f"held a GPU for {h.held_ns / 1e6:.0f} ms")
+        if ioctls := sum(i.count for i in h.ioctls):
+            extra.append(f"{ioctls} ioctls")
+        tail = f" ({', '.join(extra)})" if extra else ""
+        device = f" {h.device}" if h.device else ""
+        return f"{when} {kind:8} {_process_text(h.process)}{device}{tail}"
     if body in ("finding", "resolved"):
         c = getattr(ev, body)
         cls = class_from_proto(getattr(c, "class"))

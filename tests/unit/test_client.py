@@ -328,3 +328,24 @@ def test_watch_redraws_on_findings_and_survives_a_collector_restart(server: Serv
     # Piped, a table prints once per change, not on every 2 s redraw.
     printed = [tuple(t) for t in watch.tables()]
     assert all(a != b for a, b in itertools.pairwise(printed))
+
+
+def test_event_lines_under_the_live_view() -> None:
+    from ghostgpu.v1 import node_pb2
+
+    proc = node_pb2.Process(pid=321, ns_pid=1, comm="demo-batch", container_id="ab" * 32)
+    opened = stream_pb2.NodeEvent(seq=1, ts_unix_ns=time.time_ns(), holder=node_pb2.HolderEvent(
+        kind=node_pb2.HolderEvent.KIND_OPEN, process=proc, device="/dev/nvidia0", device_kind="gpu"))
+    control = stream_pb2.NodeEvent(seq=2, holder=node_pb2.HolderEvent(
+        kind=node_pb2.HolderEvent.KIND_OPEN, process=proc, device="/dev/nvidiactl", device_kind="control"))
+    exited = stream_pb2.NodeEvent(seq=3, holder=node_pb2.HolderEvent(
+        kind=node_pb2.HolderEvent.KIND_EXIT, process=proc, held_ns=52_000_000))
+    line = view.event_line(opened)
+    assert line is not None
+    assert line.endswith(" open     pid 321 (demo-batch, pid 1 inside) in container abababababab"
+                         "a /dev/nvidia0")
+    assert view.event_line(control) is None  # control devices alone make no consumer
+    assert (view.event_line(exited) or "").endswith("in container abababababab"
+                                                    "a (held a GPU for 52 ms)")
+    notice = stream_pb2.NodeEvent(seq=4, notice=stream_pb2.Notice(what="nvml", message="no driver"))
+    assert (view.event_line(notice) or "").endswith("notice   nvml: no driver")
