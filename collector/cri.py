@@ -54,6 +54,8 @@ class CriStats:
     fetches_total: int = 0  # lookups run (each is one or more calls)
     last_call_latency_s: float = 0.0
     last_fetch_latency_s: float = 0.0
+    call_seconds_total: float = 0.0  # summed latency of every call (mean = this / calls_total)
+    fetch_seconds_total: float = 0.0  # summed latency of every lookup (mean = this / fetches_total)
     cached: int = 0  # entries in the cache now
     pending: int = 0  # lookups queued or running now
     failures_by_node: dict[str, int] = field(default_factory=dict)
@@ -104,7 +106,7 @@ class CriResolver:
         self._closed = False
         self._hits = self._misses = self._fetches = self._calls = self._failures = 0
         self._node_failures: dict[str, int] = {}
-        self._last_call_s = self._last_fetch_s = 0.0
+        self._last_call_s = self._last_fetch_s = self._call_total_s = self._fetch_total_s = 0.0
         self._threads = [threading.Thread(target=self._work, name=f"cri-resolver-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -162,6 +164,7 @@ class CriResolver:
                 calls_total=self._calls, failures_total=self._failures, cache_hits_total=self._hits,
                 cache_misses_total=self._misses, fetches_total=self._fetches,
                 last_call_latency_s=self._last_call_s, last_fetch_latency_s=self._last_fetch_s,
+                call_seconds_total=self._call_total_s, fetch_seconds_total=self._fetch_total_s,
                 cached=len(self._cache), pending=sum(1 for e in self._cache.values() if e.queued),
                 failures_by_node=dict(self._node_failures),
             )
@@ -228,6 +231,7 @@ class CriResolver:
             with self._cond:
                 self._calls += 1
                 self._last_call_s = latency_s
+                self._call_total_s += latency_s
                 if not ok:
                     self._failures += 1
                     self._node_failures[node] = self._node_failures.get(node, 0) + 1
@@ -276,6 +280,7 @@ class CriResolver:
         with self._cond:
             self._fetches += 1
             self._last_fetch_s = now - start
+            self._fetch_total_s += now - start
             if self._cache.get(key) is not entry:
                 return  # evicted or forgotten meanwhile: nobody wants this answer
             old = entry.info
