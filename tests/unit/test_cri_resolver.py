@@ -104,6 +104,8 @@ def test_burst_of_lookups_makes_one_set_of_calls(fake: FakeCri, make, changes: C
     assert changes.count(cid) == 1
     s = r.stats()
     assert s.cache_misses_total == 1 and s.fetches_total == 1 and s.calls_total == 3 and s.failures_total == 0
+    assert 0 < s.last_call_latency_s <= s.call_seconds_total <= s.fetch_seconds_total
+    assert s.fetch_seconds_total == s.last_fetch_latency_s
 
 
 def test_k8s_info_fields(fake: FakeCri, make) -> None:
