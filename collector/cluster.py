@@ -1,0 +1,253 @@
+"""The cluster-wide consumer table and the findings lifecycle.
+
+For each node consumer: CRI's answer for its container (`resolve(node, container_id)`, which
+never blocks) and the node's PodResources allocations go through `collector.k8s.enrich` to the
+final class. When CRI's answer for a container changes, `on_cri_change` re-enriches that
+container's consumers.
+
+A cluster consumer whose final class is in ghostgpu.api.FINDING_CLASSES is an open finding, keyed
+by (node, consumer key). A class change or the consumer's disappearance resolves it (and a new
+class may open another). Every change is written to the store (history) and pushed to watchers.
+A watcher has a bounded queue: one that falls behind is dropped (its RPC ends with
+RESOURCE_EXHAUSTED) rather than ever slowing ingest. Runs on the collector's event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from collector.cri_fetch import normalize_container_id
+from collector.k8s import NO_CONTAINER, enrich
+from collector.nodes import Changes, ConsumerKey, NodeState
+from collector.store import FindingRow, Store
+from ghostgpu.api import FINDING_CLASSES
+from ghostgpu.cluster import ClusterConsumer, K8sInfo, cluster_consumer_from_proto, cluster_consumer_to_proto
+from ghostgpu.v1 import query_pb2
+
+Resolve = Callable[[str, str], K8sInfo]
+WATCH_QUEUE_MAX = 10_000
+
+
+@dataclass
+class FindingRec:
+    id: int
+    node: str
+    key: ConsumerKey
+    cls: str
+    opened_unix_ns: int
+    consumer: ClusterConsumer  # its latest state while open
+    resolved_unix_ns: int = 0
+
+    def to_proto(self) -> query_pb2.Finding:
+        return query_pb2.Finding(id=self.id, node=self.node,
+                                 consumer=cluster_consumer_to_proto(self.consumer),
+                                 opened_unix_ns=self.opened_unix_ns, resolved_unix_ns=self.resolved_unix_ns)
+
+    def row(self) -> FindingRow:
+        pid, gpu, uuid = self.key
+        return FindingRow(self.id, self.node, self.consumer.k8s.namespace, self.cls, f"{pid}/{gpu}/{uuid}",
+                          self.opened_unix_ns, self.resolved_unix_ns,
+                          cluster_consumer_to_proto(self.consumer).SerializeToString())
+
+
+class Watcher:
+    """One WatchFindings call: its filter, its bounded queue, and a wake-up for its handler."""
+
+    def __init__(self, node: str, namespace: str, classes: Iterable[str], max_queue: int | None = None):
+        self.node, self.namespace, self.classes = node, namespace, frozenset(classes)
+        self.max_queue = max_queue or WATCH_QUEUE_MAX
+        self.items: deque[query_pb2.FindingEvent] = deque()
+        self.wake = asyncio.Event()
+        self.dropped = False
+
+    def matches(self, rec: FindingRec) -> bool:
+        return ((not self.node or rec.node == self.node)
+                and (not self.namespace or rec.consumer.k8s.namespace == self.namespace)
+                and (not self.classes or rec.cls in self.classes))
+
+    def push(self, event: query_pb2.FindingEvent) -> None:
+        if self.dropped:
+            return
+        if len(self.items) >= self.max_queue:
+            self.dropped = True
+            self.items.clear()
+        else:
+            self.items.append(event)
+        self.wake.set()
+
+
+def _same(a: ClusterConsumer, b: ClusterConsumer) -> bool:
+    return a.consumer == b.consumer and a.k8s == b.k8s and a.allocated == b.allocated
+
+
+class ClusterTable:
+    def __init__(self, nodes: dict[str, NodeState], resolve: Resolve | None, store: Store | None,
+                 next_finding_id: int = 1, open_findings: Iterable[FindingRow] = ()) -> None:
+        self.nodes = nodes
+        self.resolve = resolve
+        self.store = store
+        self.rows: dict[str, dict[ConsumerKey, ClusterConsumer]] = {}
+        self.by_cid: dict[str, dict[str, set[ConsumerKey]]] = {}
+        self.open: dict[str, dict[ConsumerKey, FindingRec]] = {}
+        self.watchers: set[Watcher] = set()
+        self._next_id = next_finding_id
+        self._ops: list[tuple] = []
+        self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
+        for row in open_findings:  # still open when the collector stopped: the node's snapshot decides
+            cc = cluster_consumer_from_proto(query_pb2.ClusterConsumer.FromString(row.consumer))
+            rec = FindingRec(row.id, row.node, cc.consumer.key, row.cls, row.opened_unix_ns, cc)
+            self.open.setdefault(row.node, {})[rec.key] = rec
+
+    # ---- updates -----------------------------------------------------------------------------
+
+    def update(self, ns: NodeState, changes: Changes) -> None:
+        """Re-enrich the consumers `changes` names (every one of the node when `full`)."""
+        rows = self.rows.setdefault(ns.node, {})
+        keys: Iterable[ConsumerKey] = changes.keys
+        if changes.full:
+            keys = dict.fromkeys([*rows, *ns.consumers, *self.open.get(ns.node, ())])
+        now = time.time_ns()
+        for key in keys:
+            self._refresh(ns, rows, key, now)
+        self._flush()
+
+    def on_cri_change(self, node: str, container_id: str) -> None:
+        """CRI's answer for a container changed: re-enrich its consumers on that node."""
+        ns = self.nodes.get(node)
+        keys = self.by_cid.get(node, {}).get(normalize_container_id(container_id))
+        if ns is None or not keys:
+            return
+        rows = self.rows.setdefault(node, {})
+        now = time.time_ns()
+        for key in list(keys):
+            self._refresh(ns, rows, key, now)
+        self._flush()
+
+    def _refresh(self, ns: NodeState, rows: dict[ConsumerKey, ClusterConsumer], key: ConsumerKey,
+                 now: int) -> None:
+        node = ns.node
+        c = ns.consumers.get(key)
+        old = rows.get(key)
+        new: ClusterConsumer | None = None
+        if c is not None:
+            k8s = self.resolve(node, c.container_id) if c.container_id and self.resolve else NO_CONTAINER
+            final, allocated = enrich(c, k8s, ns.allocations)
+            if old is None:
+                rec = self.open.get(node, {}).get(key)
+                since = rec.consumer.since_unix_ns if rec is not None and rec.consumer.since_unix_ns else now
+            else:
+                since = old.since_unix_ns
+            new = ClusterConsumer(final, k8s, allocated, node_class=c.cls, since_unix_ns=since,
+                                  updated_unix_ns=now)
+            if old is not None and _same(old, new):
+                new = old
+        if new is old and old is not None:
+            return
+        self._index(node, key, old, new)
+        if new is None:
+            rows.pop(key, None)
+        else:
+            rows[key] = new
+        self._lifecycle(node, key, new, now)
+
+    def _index(self, node: str, key: ConsumerKey, old: ClusterConsumer | None,
+               new: ClusterConsumer | None) -> None:
+        by_cid = self.by_cid.setdefault(node, {})
+        old_cid = normalize_container_id(old.consumer.container_id) if old else ""
+        new_cid = normalize_container_id(new.consumer.container_id) if new else ""
+        if old_cid == new_cid:
+            return
+        if old_cid and (keys := by_cid.get(old_cid)) is not None:
+            keys.discard(key)
+            if not keys:
+                del by_cid[old_cid]
+        if new_cid:
+            by_cid.setdefault(new_cid, set()).add(key)
+
+    def _lifecycle(self, node: str, key: ConsumerKey, cc: ClusterConsumer | None, now: int) -> None:
+        opens = self.open.setdefault(node, {})
+        rec = opens.get(key)
+        cls = str(cc.consumer.cls) if cc is not None else ""
+        is_finding = cls in FINDING_CLASSES
+        if rec is not None and (not is_finding or rec.cls != cls):
+            rec.resolved_unix_ns = now
+            del opens[key]
+            self._dirty.pop(rec.id, None)
+            self._emit(query_pb2.FindingEvent.KIND_RESOLVED, rec)
+            rec = None
+        if not is_finding or cc is None:
+            return
+        if rec is None:
+            rec = FindingRec(self._next_id, node, key, cls, now, cc)
+            self._next_id += 1
+            opens[key] = rec
+            self._emit(query_pb2.FindingEvent.KIND_OPENED, rec)
+        elif rec.consumer is not cc and not _same(rec.consumer, cc):
+            rec.consumer = cc
+            self._emit(query_pb2.FindingEvent.KIND_CHANGED, rec, write=False)
+            self._dirty[rec.id] = rec
+        else:
+            rec.consumer = cc
+
+    def _emit(self, kind: int, rec: FindingRec, write: bool = True) -> None:
+        if write:
+            self._ops.append(Store.op_finding(rec.row()))
+        event = None
+        for w in self.watchers:
+            if w.matches(rec):
+                if event is None:
+                    event = query_pb2.FindingEvent(kind=kind,  # type: ignore[arg-type]
+                                                   finding=rec.to_proto())
+                w.push(event)
+
+    def flush_changed(self) -> None:
+        """Write the open findings that changed since the last call. A finding that only changed
+        (memory, names) is written at most once per call, not at every batch that touched it;
+        opening and resolving are written at once. The collector calls this every second and
+        before reading the history."""
+        self._ops.extend(Store.op_finding(rec.row()) for rec in self._dirty.values())
+        self._dirty.clear()
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._ops and self.store is not None:
+            self.store.submit(self._ops)
+        self._ops = []
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def consumers(self, node: str = "", namespace: str = "", pod: str = "",
+                  classes: Iterable[str] = ()) -> list[ClusterConsumer]:
+        wanted = frozenset(classes)
+        out = []
+        for n in ([node] if node else sorted(self.rows)):
+            for cc in self.rows.get(n, {}).values():
+                if namespace and cc.k8s.namespace != namespace:
+                    continue
+                if pod and cc.k8s.pod != pod:
+                    continue
+                if wanted and str(cc.consumer.cls) not in wanted:
+                    continue
+                out.append(cc)
+        out.sort(key=lambda cc: (cc.consumer.node, -1 if cc.consumer.gpu is None else cc.consumer.gpu,
+                                 cc.consumer.pid))
+        return out
+
+    def open_findings(self) -> list[FindingRec]:
+        return sorted((r for opens in self.open.values() for r in opens.values()), key=lambda r: r.id)
+
+    def watch(self, watcher: Watcher, include_open: bool) -> None:
+        """Register a watcher; with include_open, first queue the open findings it matches as OPENED."""
+        if include_open:
+            for rec in self.open_findings():
+                if watcher.matches(rec):
+                    watcher.push(query_pb2.FindingEvent(kind=query_pb2.FindingEvent.KIND_OPENED,
+                                                        finding=rec.to_proto()))
+        self.watchers.add(watcher)
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self.watchers.discard(watcher)

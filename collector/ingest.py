@@ -1,0 +1,392 @@
+"""The NodeStream.Connect servicer: one bidirectional stream per tracer (proto/ghostgpu/v1/stream.proto).
+
+Per stream, two coroutines on the collector's event loop: a reader that parses, validates and
+applies what the tracer sends, and a writer that sends what the collector owes it (the Welcome,
+Acks once the batch is committed, CRI relay Commands). Requests arrive as raw bytes: the servicer
+parses them itself, so a malformed message is INVALID_ARGUMENT (gRPC's own deserializer would say
+INTERNAL), and a batch whose events are all new is stored as the very bytes that came in.
+
+Rules (shared spec, "Stream protocol", items 2, 4, 5): the first message must be a Hello of a
+supported API version naming a node; a new Hello for a node replaces (aborts) its older stream;
+a batch is validated whole before anything changes; events at or below the stored seq are
+duplicates (counted, not stored again); an Ack covers only committed events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from collector.cluster import ClusterTable
+from collector.cri_fetch import CriCallError, CriTransport
+from collector.nodes import BatchError, NodeState, validate_batch
+from collector.store import Position, Store
+from ghostgpu import __version__
+from ghostgpu.api import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
+from ghostgpu.v1 import stream_pb2
+
+log = logging.getLogger(__name__)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_ACK = object()
+MAX_INFLIGHT_BATCHES = 32  # per stream, uncommitted: past it the reader waits (back-pressure on the tracer)
+PENDING_BYTES_MAX = 64 << 20  # all streams: event bytes queued for the writer
+
+
+class StreamAbort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class Session:
+    """One connected stream of one tracer."""
+
+    def __init__(self, hello: stream_pb2.Hello, state: NodeState) -> None:
+        self.hello = hello
+        self.node = hello.node
+        self.state = state
+        self.out: asyncio.Queue[Any] = asyncio.Queue()
+        self.active = True
+        self.cri_relay = "cri-relay" in hello.capabilities
+        self.committed_seq = 0
+        self.acked_seq = 0
+        self.ack_queued = False
+        self.inflight = 0
+        self.drained = asyncio.Event()
+        self.drained.set()
+        self.commands: dict[int, concurrent.futures.Future[bytes]] = {}
+
+    def end(self, code: grpc.StatusCode | None, details: str = "") -> None:
+        """Finish the stream: OK when code is None, else abort with the code."""
+        self.active = False
+        self.out.put_nowait(StreamAbort(code, details) if code is not None else None)
+
+    def queue_ack(self) -> None:
+        if not self.ack_queued:
+            self.ack_queued = True
+            self.out.put_nowait(_ACK)
+
+
+class Ingest:
+    """The stream servicer and the CRI relay; every method but relay_call runs on the event loop."""
+
+    def __init__(self, nodes: dict[str, NodeState], cluster: ClusterTable, store: Store, event_log_max: int,
+                 max_batch_events: int = MAX_BATCH_EVENTS) -> None:
+        self.nodes = nodes
+        self.cluster = cluster
+        self.store = store
+        self.event_log_max = event_log_max
+        self.max_batch_events = max_batch_events
+        self.sessions: dict[str, Session] = {}
+        self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._command_ids = itertools.count(1)
+        self._done: list[tuple[Session, tuple[str, str, str], int, BaseException | None]] = []
+        self._done_lock = threading.Lock()
+        self._drain_scheduled = False
+        for pos in store.load_positions():
+            self.durable[pos.key] = pos.delivered_seq
+            self.nodes.setdefault(pos.node, NodeState(pos.node)).positions[pos.key] = pos
+
+    # ---- the handler ----------------------------------------------------------------------------
+
+    async def connect(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        self.loop = asyncio.get_running_loop()
+        it = requests.__aiter__()
+        try:
+            raw = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        try:
+            hello = self._hello(raw)
+            session = await self._open(hello)
+        except StreamAbort as e:
+            await context.abort(e.code, e.details)
+        pos = session.state.position
+        assert pos is not None
+        await context.write(stream_pb2.CollectorMessage(welcome=stream_pb2.Welcome(
+            api_version=API_VERSION, collector_version=__version__, acked_seq=pos.delivered_seq,
+            max_batch_events=self.max_batch_events)))
+        reader = asyncio.create_task(self._read(session, it))
+        try:
+            await self._write(session, context)
+        finally:
+            reader.cancel()
+            self._close(session)
+
+    def _hello(self, raw: bytes) -> stream_pb2.Hello:
+        msg = self._parse(raw)
+        if msg.WhichOneof("msg") != "hello":
+            raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "stream must start with Hello")
+        hello = stream_pb2.Hello.FromString(msg.hello.SerializeToString())
+        problem = version_mismatch(hello.api_version, f"tracer on node {hello.node or '(unnamed)'}")
+        if problem:
+            raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        if not hello.node:
+            raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "Hello.node is empty: start the tracer with --node-name NAME")
+        return hello
+
+    @staticmethod
+    def _parse(raw: bytes) -> stream_pb2.TracerMessage:
+        if not raw:
+            raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT, "empty TracerMessage")
+        try:
+            return stream_pb2.TracerMessage.FromString(raw)
+        except DecodeError as e:
+            raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"malformed TracerMessage ({len(raw)} bytes): {e}") from None
+
+    async def _open(self, hello: stream_pb2.Hello) -> Session:
+        node = hello.node
+        state = self.nodes.setdefault(node, NodeState(node))
+        session = Session(hello, state)
+        old = self.sessions.get(node)
+        self.sessions[node] = session
+        if old is not None:
+            old.end(grpc.StatusCode.ABORTED, f"replaced by a newer stream from node {node}")
+        try:
+            if self.store.failed is not None:
+                raise StreamAbort(grpc.StatusCode.UNAVAILABLE,
+                                  f"collector cannot store events: {self.store.failed}")
+            # What the older stream handed the writer is committed (or failed) before acked_seq is read.
+            await asyncio.wrap_future(self.store.barrier())
+            if self.sessions.get(node) is not session:
+                raise StreamAbort(grpc.StatusCode.ABORTED, f"replaced by a newer stream from node {node}")
+        except BaseException:
+            self._close(session)
+            raise
+        key = (node, hello.boot_id, hello.instance_id)
+        pos = state.positions.get(key) or Position(node, hello.boot_id, hello.instance_id)
+        pos.delivered_seq = self.durable.get(key, 0)
+        state.begin(hello, pos)
+        self.store.submit([Store.op_position(pos)])
+        log.info("node %s connected (tracer %s, instance %s, acked seq %d)", node, hello.tracer_version,
+                 hello.instance_id, pos.delivered_seq)
+        return session
+
+    def _close(self, session: Session) -> None:
+        session.active = False
+        for fut in session.commands.values():
+            if not fut.done():
+                fut.set_exception(CriCallError(grpc.StatusCode.UNAVAILABLE,
+                                               f"the stream of node {session.node} ended before it answered"))
+        session.commands.clear()
+        if self.sessions.get(session.node) is session:
+            del self.sessions[session.node]
+            session.state.end()
+            log.info("node %s disconnected", session.node)
+
+    async def _write(self, session: Session, context: grpc.aio.ServicerContext) -> None:
+        while True:
+            item = await session.out.get()
+            if item is _ACK:
+                session.ack_queued = False
+                if session.committed_seq > session.acked_seq:
+                    session.acked_seq = session.committed_seq
+                    ack = stream_pb2.Ack(seq=session.acked_seq)
+                    await context.write(stream_pb2.CollectorMessage(ack=ack))
+            elif item is None:
+                return
+            elif isinstance(item, StreamAbort):
+                await context.abort(item.code, item.details)
+            else:
+                await context.write(item)
+
+    async def _read(self, session: Session, it: AsyncIterator[bytes]) -> None:
+        try:
+            async for raw in it:
+                if not session.active:
+                    return
+                self._handle(session, raw)
+                if session.inflight >= MAX_INFLIGHT_BATCHES or self.store.pending_bytes > PENDING_BYTES_MAX:
+                    await session.drained.wait()
+            await session.drained.wait()  # the tracer half-closed: ack what it sent, then end OK
+            if session.active:
+                session.queue_ack()
+                session.end(None)
+        except StreamAbort as e:
+            session.end(e.code, e.details)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            pass  # the writer ended the stream (replaced, shutting down, a bad message): reads stop too
+        except Exception as e:
+            if not session.active:
+                return  # the stream was already ending: whatever the read raised does not matter
+            log.exception("stream of node %s failed", session.node)
+            session.end(grpc.StatusCode.INTERNAL, f"collector error: {e}")
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def _handle(self, session: Session, raw: bytes) -> None:
+        msg = self._parse(raw)
+        kind = msg.WhichOneof("msg")
+        state = session.state
+        # Last heard, by the collector's clock: a busy tracer never sends a Heartbeat (only on silence).
+        state.last_heartbeat_unix_ns = time.time_ns()
+        if kind == "events":
+            self._batch(session, msg.events, raw)
+        elif kind == "snapshot":
+            snap = msg.snapshot
+            self.cluster.update(state, state.apply_snapshot(snap))
+            self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
+        elif kind == "heartbeat":
+            if msg.heartbeat.HasField("stats"):
+                state.set_stats(msg.heartbeat.stats)
+                self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
+        elif kind == "result":
+            self._result(session, msg.result)
+        elif kind == "hello":
+            raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "Hello sent twice on one stream")
+        else:
+            log.debug("node %s sent a message this collector does not know; ignored", session.node)
+
+    def _batch(self, session: Session, batch: stream_pb2.EventBatch, raw: bytes) -> None:
+        events = batch.events
+        try:
+            seqs, bodies = validate_batch(events, self.max_batch_events)
+        except BatchError as e:
+            raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT, f"node {session.node}: {e}") from None
+        state = session.state
+        pos = state.position
+        assert pos is not None
+        acc = state.accept(seqs)
+        n = len(seqs)
+        ops = []
+        size = 0
+        if acc.start < n and self.event_log_max > 0:
+            start = max(acc.start, n - self.event_log_max)
+            if start == 0:
+                blob = raw  # every event is new: store the bytes as they came
+            else:
+                part = stream_pb2.EventBatch(events=events[start:])
+                blob = stream_pb2.TracerMessage(events=part).SerializeToString()
+            ops.append(Store.op_events(pos, seqs[start], seqs[-1], n - start, blob))
+            size = len(blob)
+        ops.append(Store.op_position(pos))
+        session.inflight += 1
+        session.drained.clear()
+        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, acc.last_seq), size)
+        if acc.start < n:
+            changes = state.apply_events(events, seqs, bodies, acc.start)
+            if changes.keys or changes.full:
+                self.cluster.update(state, changes)
+
+    def _committed_elsewhere(self, session: Session, key: tuple[str, str, str], seq: int,
+                             error: BaseException | None) -> None:
+        """Writer thread: hand the commit to the loop, waking it once per group commit rather than
+        once per batch (each wake-up is a write to the loop's self-pipe)."""
+        with self._done_lock:
+            self._done.append((session, key, seq, error))
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile: nobody is left to ack
+                loop.call_soon_threadsafe(self._drain_committed)
+
+    def _drain_committed(self) -> None:
+        with self._done_lock:
+            done, self._done = self._done, []
+            self._drain_scheduled = False
+        for args in done:
+            self._committed(*args)
+
+    def _committed(self, session: Session, key: tuple[str, str, str], seq: int,
+                   error: BaseException | None) -> None:
+        session.inflight -= 1
+        if error is not None:
+            session.end(grpc.StatusCode.UNAVAILABLE, f"collector cannot store events: {error}")
+        else:
+            if seq > self.durable.get(key, 0):
+                self.durable[key] = seq
+            if seq > session.committed_seq:
+                session.committed_seq = seq
+                if session.active:
+                    session.queue_ack()
+        if session.inflight == 0:
+            session.drained.set()
+
+    # ---- CRI relay -----------------------------------------------------------------------------
+
+    def _result(self, session: Session, result: stream_pb2.CommandResult) -> None:
+        fut = session.commands.pop(result.id, None)
+        if fut is None or fut.done():
+            log.debug("node %s answered command %d, which nobody waits for", session.node, result.id)
+            return
+        if result.WhichOneof("body") != "cri":
+            fut.set_exception(CriCallError(grpc.StatusCode.INTERNAL, f"tracer on node {session.node} "
+                                           "answered a CRI command without a CRI result"))
+            return
+        r = result.cri
+        if r.code == 0:
+            fut.set_result(bytes(r.response))
+        else:
+            where = f"via the tracer on node {session.node}" + (f", {r.endpoint}" if r.endpoint else "")
+            code = _CODES.get(r.code, grpc.StatusCode.UNKNOWN)
+            fut.set_exception(CriCallError(code, f"{r.message} ({where})"))
+
+    def relay_call(self, node: str, method: str, request: bytes, timeout_s: float) -> bytes:
+        """One CRI call through the node's tracer (blocking; call it off the event loop)."""
+        loop = self.loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None  # a worker thread, as it should be
+        if running is not None and running is loop:
+            raise RuntimeError("relay_call blocks: call it from a worker thread, not the event loop")
+        fut: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        command_id = next(self._command_ids)
+
+        def send() -> None:
+            session = self.sessions.get(node)
+            if session is None or not session.active or not session.cri_relay:
+                fut.set_exception(CriCallError(grpc.StatusCode.UNAVAILABLE,
+                                               f"node {node} has no connected tracer offering cri-relay"))
+                return
+            session.commands[command_id] = fut
+            req = stream_pb2.CriRequest(method=method, request=request,
+                                        timeout_ms=max(1, int(timeout_s * 1000)))
+            command = stream_pb2.Command(id=command_id, cri=req)
+            session.out.put_nowait(stream_pb2.CollectorMessage(command=command))
+
+        if loop is None or loop.is_closed():
+            raise CriCallError(grpc.StatusCode.UNAVAILABLE, f"node {node} has no connected tracer")
+        loop.call_soon_threadsafe(send)
+        try:
+            return fut.result(timeout_s + 1.0)  # the tracer's own CRI timeout, plus the round trip
+        except concurrent.futures.TimeoutError:
+            loop.call_soon_threadsafe(self._forget_command, node, command_id)
+            raise CriCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the tracer on node {node} did not answer "
+                               f"CRI {method} within {timeout_s:g} s") from None
+
+    def _forget_command(self, node: str, command_id: int) -> None:
+        session = self.sessions.get(node)
+        if session is not None:
+            session.commands.pop(command_id, None)
+
+    def relay_for(self, node: str) -> CriTransport | None:
+        """The relay transport for a node whose tracer is connected with cri-relay, else None."""
+        session = self.sessions.get(node)
+        if session is None or not session.cri_relay:
+            return None
+        return partial(self.relay_call, node)
+
+    def shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            session.end(grpc.StatusCode.UNAVAILABLE, "collector shutting down; reconnect later")
+

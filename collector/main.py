@@ -1,0 +1,249 @@
+"""`ghostgpu collector`, and the Collector class that `ghostgpu up` and the tests embed.
+
+    c = Collector(["127.0.0.1:0", "unix:///run/ghostgpu.sock"], db_path="/tmp/c.db")
+    c.start()                 # binds, loads the database; raises ListenError / StoreError
+    c.addresses               # ["127.0.0.1:41234", "unix:///run/ghostgpu.sock"]
+    ...                       # tracers connect to c.address; clients query it
+    c.stop(grace_s=1.0)       # ends streams (UNAVAILABLE), commits what was accepted, closes
+
+Threads: one asyncio loop owns every piece of in-memory state (nodes, the cluster table,
+findings, watchers) and serves gRPC; one writer thread owns SQLite (collector/store.py); the CRI
+resolver's workers (collector/cri.py) call CRI through a tracer's relay or a local socket and
+hand their answers back to the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+from collector.cluster import ClusterTable
+from collector.ingest import Ingest
+from collector.nodes import NodeState
+from collector.query import QueryService
+from collector.server import ListenError, check_listen, start_server
+from collector.store import Store, StoreError
+from ghostgpu import __version__
+from ghostgpu.api import MAX_BATCH_EVENTS
+from ghostgpu.cluster import K8sInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
+DEFAULT_LISTEN = "0.0.0.0:7450"
+FINDINGS_FLUSH_S = 1.0  # changed open findings reach the history at most this late
+T = TypeVar("T")
+
+
+class Resolver(Protocol):
+    def get(self, node: str, container_id: str) -> K8sInfo: ...
+
+
+ResolverFactory = Callable[[Callable[[str], Any], Callable[[str, str], None]], Resolver]
+
+
+class Collector:
+    def __init__(self, listen: list[str] | str, db_path: str, retention_days: float = 7.0,
+                 event_log_max: int = 1_000_000, cri_endpoint: str | None = None, cri_ttl_s: float = 30.0,
+                 node_name: str | None = None, *, resolver_factory: ResolverFactory | None = None,
+                 max_batch_events: int = MAX_BATCH_EVENTS) -> None:
+        self.listen = [listen] if isinstance(listen, str) else list(listen)
+        for addr in self.listen:
+            check_listen(addr)
+        if retention_days <= 0:
+            raise ValueError(f"--retention-days {retention_days}: must be more than 0")
+        if event_log_max < 0:
+            raise ValueError(f"--event-log-max {event_log_max}: must be 0 (keep none) or more")
+        if cri_ttl_s <= 0:
+            raise ValueError(f"--cri-ttl-s {cri_ttl_s}: must be more than 0")
+        self.db_path = db_path
+        self.retention_days = retention_days
+        self.event_log_max = event_log_max
+        self.cri_endpoint = cri_endpoint
+        self.cri_ttl_s = cri_ttl_s
+        self.node_name = node_name
+        self.max_batch_events = max_batch_events
+        self._resolver_factory = resolver_factory
+        self.addresses: list[str] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._direct: Any = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._grace_s = 1.0
+        self.resolver: Any = None
+
+    # ---- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> Collector:
+        """Open the database, bind every address, serve; raises ListenError or StoreError."""
+        if self.cri_endpoint:
+            from collector.cri import direct_transport
+
+            self._direct = direct_transport(self.cri_endpoint)  # ValueError names a malformed endpoint
+        self.store = Store(self.db_path, self.event_log_max, self.retention_days)
+        self.nodes: dict[str, NodeState] = {}
+        if self._resolver_factory is not None:
+            self.resolver = self._resolver_factory(self.transport_for, self._on_cri_change)
+        else:
+            from collector.cri import CriResolver
+
+            self.resolver = CriResolver(self.transport_for, self._on_cri_change, ttl_s=self.cri_ttl_s)
+        self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
+                                    self.store.max_finding_id() + 1, self.store.load_open_findings())
+        self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
+        failures = getattr(self.resolver, "node_failures", None)
+        self.query = QueryService(self.nodes, self.cluster, self.store, failures)
+        self._thread = threading.Thread(target=self._run, name="collector-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._close_helpers()
+            raise self._start_error
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self._stopped.set()
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.ingest.loop = self.loop
+        self._stop_event = asyncio.Event()
+        try:
+            server, self.addresses = await start_server(self.ingest.connect, self.query, self.listen)
+        except (ListenError, OSError) as e:
+            self._start_error = e if isinstance(e, ListenError) else ListenError(f"--listen: {e}")
+            return
+        self._ready.set()
+        while True:
+            try:
+                await asyncio.wait_for(self._stop_event.wait(), FINDINGS_FLUSH_S)
+                break
+            except TimeoutError:
+                self.cluster.flush_changed()
+        self.cluster.flush_changed()
+        self.ingest.shutdown()
+        self.query.shutdown()
+        await server.stop(self._grace_s)
+        await asyncio.to_thread(self.store.close)  # commits what was accepted; acks no longer matter
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """End every stream and watch, commit what was accepted, close. Idempotent."""
+        if self._thread is None:
+            return
+        self._grace_s = grace_s
+        loop, event = self.loop, self._stop_event
+        if loop is not None and event is not None and not self._stopped.is_set():
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(event.set)
+        self._thread.join(grace_s + 30.0)
+        self._close_helpers()
+
+    def _close_helpers(self) -> None:
+        close = getattr(self.resolver, "close", None)
+        if close is not None:
+            close()
+        channel = getattr(self._direct, "channel", None)
+        if channel is not None:
+            channel.close()
+        self.store.close()  # idempotent: after the loop's own close, only the connection is closed again
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the collector has stopped; False on timeout."""
+        return self._stopped.wait(timeout_s)
+
+    @property
+    def address(self) -> str:
+        """The first bound address, as a client dials it (0.0.0.0 and [::] become loopback)."""
+        addr = self.addresses[0]
+        for wildcard, loopback in (("0.0.0.0:", "127.0.0.1:"), ("[::]:", "[::1]:")):
+            if addr.startswith(wildcard):
+                return loopback + addr.removeprefix(wildcard)
+        return addr
+
+    @property
+    def port(self) -> int | None:
+        """The TCP port of the first TCP address (the chosen one for HOST:0), None if only unix."""
+        for addr in self.addresses:
+            if not addr.startswith("unix:"):
+                return int(addr.rpartition(":")[2])
+        return None
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The store's sticky write failure, if any: the collector then refuses every stream."""
+        return self.store.failed
+
+    # ---- glue between the loop and other threads ---------------------------------------------------
+
+    def call(self, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
+        """Run fn on the collector's loop (where its state lives) and return what it returns."""
+        assert self.loop is not None
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+        self.loop.call_soon_threadsafe(run)
+        return fut.result(timeout_s)
+
+    def transport_for(self, node: str) -> Any:
+        """The CRI transport for a node: the local socket for the collector's own node, else the
+        node's tracer relay, else the local socket (--collector-cri-endpoint), else None."""
+        if self._direct is not None and self.node_name and node == self.node_name:
+            return self._direct
+        return self.ingest.relay_for(node) or self._direct
+
+    def _on_cri_change(self, node: str, container_id: str) -> None:
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # stopping: nobody reads the table any more
+                loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
+
+
+def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
+    """The body of `ghostgpu collector`: exit 0 on SIGTERM/SIGINT, 2 on a bad flag, 1 if storage fails."""
+    listen = [a.strip() for a in (args.listen or DEFAULT_LISTEN).split(",") if a.strip()]
+    db = args.db or DEFAULT_DB
+    try:
+        collector = Collector(listen, db, args.retention_days, args.event_log_max,
+                              getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s)
+        collector.start()
+    except (ListenError, StoreError) as e:
+        print(f"ghostgpu: collector: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        flag = "" if str(e).startswith("--") else "--collector-cri-endpoint: "
+        print(f"ghostgpu: collector: {flag}{e}", file=sys.stderr)
+        return 2
+    print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database {db}",
+          file=sys.stderr, flush=True)
+    stop = threading.Event()
+    install_signals(stop.set)
+    rc = 0
+    while not stop.wait(0.5):
+        if collector.failed is not None:
+            print(f"ghostgpu: collector: {collector.failed}", file=sys.stderr)
+            rc = 1
+            break
+        if collector.wait(0):
+            rc = 1
+            break
+    collector.stop()
+    return rc

@@ -1,0 +1,189 @@
+"""The Query service (proto/ghostgpu/v1/query.proto): what `ghostgpu ps`, `findings` and
+dashboards ask the collector.
+
+Live state (consumers, open findings, node status) is answered from memory on the event loop, so
+an answer is one consistent moment. History (findings, the event log) is read from SQLite on the
+store's thread, after every write queued before the call, so a finding just opened is already in
+ListFindings. The API-version check happens before these handlers (collector/server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from collector.cluster import ClusterTable, Watcher
+from collector.nodes import NodeState
+from collector.store import FindingRow, Store, decode_blob
+from ghostgpu import __version__
+from ghostgpu.cluster import cluster_consumer_to_proto
+from ghostgpu.convert import class_from_proto
+from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
+
+T = TypeVar("T")
+DEFAULT_LIMIT = 1000
+MAX_LIMIT = 100_000
+
+
+def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequence[str],
+                    limit: int) -> Callable[[sqlite3.Connection], list[FindingRow]]:
+    """A read for Store.read(): findings opened or resolved at or after `since`, or open now;
+    the newest `limit` of them, oldest first."""
+    where = ["(opened_unix_ns >= ? OR resolved_unix_ns >= ? OR resolved_unix_ns = 0)"]
+    args: list[Any] = [since_unix_ns, since_unix_ns]
+    for column, value in (("node", node), ("namespace", namespace)):
+        if value:
+            where.append(f"{column} = ?")
+            args.append(value)
+    if classes:
+        where.append(f"class IN ({', '.join('?' * len(classes))})")
+        args.extend(classes)
+    sql = f"SELECT * FROM findings WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?"
+
+    def run(conn: sqlite3.Connection) -> list[FindingRow]:
+        rows = conn.execute(sql, (*args, limit)).fetchall()
+        return [FindingRow(*r) for r in reversed(rows)]
+
+    return run
+
+
+EventRow = tuple[str, str, str, int, bytes]  # node, boot_id, instance_id, codec, blob
+
+
+def select_events(node: str, instance_id: str, after_seq: int,
+                  limit: int) -> Callable[[sqlite3.Connection], list[EventRow]]:
+    """A read for Store.read(): with instance_id, the stored rows of that instance holding seqs
+    after `after_seq`, oldest first; without, the newest rows (enough for `limit` events)."""
+
+    def run(conn: sqlite3.Connection) -> list[EventRow]:
+        cols = "node, boot_id, instance_id, codec, blob, count"
+        if instance_id:
+            args: list[Any] = [instance_id, after_seq]
+            sql = f"SELECT {cols} FROM events WHERE instance_id = ? AND last_seq > ?"
+            if node:
+                sql += " AND node = ?"
+                args.append(node)
+            cursor = conn.execute(sql + " ORDER BY id", args)
+        else:
+            sql = f"SELECT {cols} FROM events" + (" WHERE node = ?" if node else "") + " ORDER BY id DESC"
+            cursor = conn.execute(sql, (node,) if node else ())
+        rows: list[EventRow] = []
+        total = 0
+        for *row, count in cursor:
+            rows.append(tuple(row))  # type: ignore[arg-type]
+            total += count
+            if total >= limit:
+                break
+        return rows if instance_id else rows[::-1]
+
+    return run
+
+
+def _classes(values: object) -> list[str]:
+    return [str(class_from_proto(v)) for v in values]  # type: ignore[attr-defined]
+
+
+def _limit(value: int) -> int:
+    return min(value or DEFAULT_LIMIT, MAX_LIMIT)
+
+
+def _stored_events(rows: list[EventRow], instance_id: str, after_seq: int,
+                   limit: int) -> list[query_pb2.StoredEvent]:
+    out: list[query_pb2.StoredEvent] = []
+    for node, boot_id, inst, codec, blob in rows:
+        batch = stream_pb2.TracerMessage.FromString(decode_blob(codec, blob)).events
+        for ev in batch.events:
+            if instance_id and ev.seq <= after_seq:
+                continue
+            out.append(query_pb2.StoredEvent(node=node, boot_id=boot_id, instance_id=inst, event=ev))
+    return out[:limit] if instance_id else out[-limit:]
+
+
+class QueryService(query_pb2_grpc.QueryServicer):
+    def __init__(self, nodes: dict[str, NodeState], cluster: ClusterTable, store: Store,
+                 cri_failures: Callable[[str], int] | None = None) -> None:
+        self.nodes = nodes
+        self.cluster = cluster
+        self.store = store
+        self.cri_failures = cri_failures
+        self._closing = False
+
+    async def ListConsumers(self, request: query_pb2.ListConsumersRequest,
+                            context: grpc.aio.ServicerContext) -> query_pb2.ListConsumersResponse:
+        rows = self.cluster.consumers(request.node, request.namespace, request.pod, _classes(request.classes))
+        return query_pb2.ListConsumersResponse(consumers=[cluster_consumer_to_proto(c) for c in rows],
+                                               ts_unix_ns=time.time_ns())
+
+    async def WatchFindings(self, request: query_pb2.WatchFindingsRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[query_pb2.FindingEvent]:
+        watcher = Watcher(request.node, request.namespace, _classes(request.classes))
+        self.cluster.watch(watcher, request.include_open)
+        try:
+            while True:
+                if self._closing:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "collector shutting down; watch again later")
+                if watcher.dropped:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"this watcher fell {watcher.max_queue} finding events behind "
+                                        "and was dropped; watch again with include_open to catch up")
+                if watcher.items:
+                    yield watcher.items.popleft()
+                    continue
+                watcher.wake.clear()
+                await watcher.wake.wait()
+        finally:
+            self.cluster.unwatch(watcher)
+
+    async def ListFindings(self, request: query_pb2.ListFindingsRequest,
+                           context: grpc.aio.ServicerContext) -> query_pb2.ListFindingsResponse:
+        read = select_findings(request.since_unix_ns, request.node, request.namespace,
+                               _classes(request.classes), _limit(request.limit))
+        self.cluster.flush_changed()
+        rows = await self._read(read, context)
+        findings = [query_pb2.Finding(id=r.id, node=r.node,
+                                      consumer=query_pb2.ClusterConsumer.FromString(r.consumer),
+                                      opened_unix_ns=r.opened_unix_ns, resolved_unix_ns=r.resolved_unix_ns)
+                    for r in rows]
+        return query_pb2.ListFindingsResponse(findings=findings)
+
+    async def NodeStatus(self, request: query_pb2.NodeStatusRequest,
+                         context: grpc.aio.ServicerContext) -> query_pb2.NodeStatusResponse:
+        names = [request.node] if request.node else sorted(self.nodes)
+        out = []
+        for name in names:
+            state = self.nodes.get(name)
+            if state is None:
+                continue
+            failures = self.cri_failures(name) if self.cri_failures else 0
+            out.append(state.status(cri_failures_total=failures))
+        if request.node and not out:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tracer of node {request.node} ever connected")
+        return query_pb2.NodeStatusResponse(nodes=out, collector_version=__version__)
+
+    async def ListEvents(self, request: query_pb2.ListEventsRequest,
+                         context: grpc.aio.ServicerContext) -> query_pb2.ListEventsResponse:
+        limit = _limit(request.limit)
+        read = select_events(request.node, request.instance_id, request.after_seq, limit)
+        rows = await self._read(read, context)
+        events = await asyncio.to_thread(_stored_events, rows, request.instance_id, request.after_seq, limit)
+        return query_pb2.ListEventsResponse(events=events)
+
+    async def _read(self, read: Callable[[sqlite3.Connection], T], context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await asyncio.wrap_future(self.store.read(read))
+        except sqlite3.Error as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"collector cannot read its database "
+                                f"{self.store.path}: {e}")
+            raise  # abort raised already; this line only tells type checkers so
+
+    def shutdown(self) -> None:
+        """End every watch with UNAVAILABLE (the collector is stopping)."""
+        self._closing = True
+        for watcher in list(self.cluster.watchers):
+            watcher.wake.set()

@@ -1,0 +1,155 @@
+"""The collector's gRPC server: grpc.aio on one event loop, TCP and unix listeners.
+
+Why asyncio rather than the thread-pool server: a tracer's stream lives as long as the tracer,
+so a thread-pool server parks a worker thread per node for ever, and its pool must be sized to
+the cluster. Holding 1,000 tracer streams, a bare echo server took 1,008 threads and 84 KiB per
+stream on the thread-pool server against 8 threads and 52 KiB on grpc.aio
+(bench/bench_collector_memory.py); for throughput with 50 tracers the two echo servers were
+within noise of each other (bench/bench_ingest.py), both limited by the simulated tracers. On
+the aio server a stream is two coroutines on the one loop that owns the collector's state.
+
+Message size limits come from ghostgpu.api: a larger message is refused by gRPC itself with
+RESOURCE_EXHAUSTED. The query service checks the client's `ghostgpu-api-version` metadata
+(missing = v1) and refuses an unsupported one with FAILED_PRECONDITION naming both versions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options, version_mismatch
+from ghostgpu.v1 import query_pb2_grpc, stream_pb2
+
+QUERY_PREFIX = "/ghostgpu.v1.Query/"
+# What the collector sends may be larger than what it accepts: ListConsumers of a 1,000-node
+# cluster with 20 consumers each is ~11 MB (bench/bench_collector_memory.py), past the 8 MiB
+# MAX_MESSAGE_BYTES that bounds what tracers and clients send. A client that reads such an answer
+# raises its own receive limit to match.
+MAX_RESPONSE_BYTES = 256 << 20
+SERVER_OPTIONS = [
+    *[o for o in channel_options() if o[0] != "grpc.max_send_message_length"],
+    ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+    # Two collectors on one port must not share it silently (gRPC sets SO_REUSEPORT by default).
+    ("grpc.so_reuseport", 0),
+    # Find tracers that vanished without a FIN (node power loss) within a minute.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class ListenError(ValueError):
+    """A --listen address that is malformed or cannot be bound: one line naming it."""
+
+
+def check_listen(addr: str) -> str:
+    """HOST:PORT (port 0 picks a free one), [IPv6]:PORT, or unix:///absolute/path; else ListenError."""
+    if addr.startswith("unix:"):
+        if not addr.startswith("unix:///"):
+            raise ListenError(f"--listen {addr!r}: a unix socket is written unix:///absolute/path")
+        return addr
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ListenError(f"--listen {addr!r}: use HOST:PORT (e.g. 0.0.0.0:7450; port 0 picks a free one) "
+                          "or unix:///path")
+    return addr
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a unix socket left by a collector that died, never one that is still served."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)
+        except OSError:
+            pass
+        else:
+            raise ListenError(f"--listen unix://{path}: another process serves this socket; stop it or "
+                              "pass another path")
+
+
+def client_version_problem(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """None when the client's API version is supported (missing metadata means v1)."""
+    value = next((v for k, v in metadata or () if k == API_VERSION_METADATA), None)
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    try:
+        version = int(text)
+    except ValueError:
+        return (f"client sent {API_VERSION_METADATA} {text!r}, not a number; this collector speaks "
+                f"ghostgpu API v{API_VERSION}")
+    return version_mismatch(version, "client")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+class ApiVersionInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses query calls from clients of an unsupported API version (the stream checks Hello)."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(QUERY_PREFIX):
+            return handler
+        problem = client_version_problem(handler_call_details.invocation_metadata)
+        return handler if problem is None else _refusal(handler, problem)
+
+
+async def start_server(connect: Callable[..., Any], query: Any,
+                       listen: Sequence[str]) -> tuple[grpc.aio.Server, list[str]]:
+    """Build, bind and start the server (on the running loop); (server, the bound addresses)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ApiVersionInterceptor()],
+                             maximum_concurrent_rpcs=None)
+    # Connect takes raw bytes: ingest parses them itself (see collector/ingest.py).
+    stream_handler = grpc.stream_stream_rpc_method_handler(
+        connect, request_deserializer=None,
+        response_serializer=stream_pb2.CollectorMessage.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("ghostgpu.v1.NodeStream", {"Connect": stream_handler}),))
+    query_pb2_grpc.add_QueryServicer_to_server(query, server)
+    bound = []
+    for addr in listen:
+        check_listen(addr)
+        if addr.startswith("unix:"):
+            _clear_stale_socket(addr.removeprefix("unix://"))
+        try:
+            port = server.add_insecure_port(addr)
+        except RuntimeError as e:
+            await server.stop(None)
+            raise ListenError(f"--listen {addr}: cannot listen there ({e}); pick a free port or a "
+                              "writable socket path") from None
+        if addr.startswith("unix:"):
+            bound.append(addr)
+        else:
+            bound.append(f"{addr.rpartition(':')[0]}:{port}")
+    await server.start()
+    return server, bound

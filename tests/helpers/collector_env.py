@@ -1,0 +1,66 @@
+"""A real collector in the test process, and a query client for it (real gRPC on loopback/unix)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from collector.main import Collector
+from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options
+from ghostgpu.v1 import query_pb2, query_pb2_grpc
+
+
+@contextlib.contextmanager
+def running_collector(tmp_path: Path, db_name: str = "collector.db", unix: bool = False,
+                      **kwargs: Any) -> Iterator[Collector]:
+    """A started Collector on 127.0.0.1:0 (and a unix socket in tmp_path when unix=True)."""
+    listen = ["127.0.0.1:0"] + ([f"unix://{tmp_path}/collector.sock"] if unix else [])
+    c = Collector(listen, str(tmp_path / db_name), **kwargs).start()
+    try:
+        yield c
+    finally:
+        c.stop(grace_s=0.5)
+
+
+class QueryClient:
+    """The Query service's stub with the API-version metadata on every call."""
+
+    def __init__(self, target: str, api_version: int | None = API_VERSION) -> None:
+        self.channel = grpc.insecure_channel(target, options=channel_options())
+        self.stub = query_pb2_grpc.QueryStub(self.channel)
+        self.metadata = [] if api_version is None else [(API_VERSION_METADATA, str(api_version))]
+
+    def consumers(self, **filters: Any) -> list[query_pb2.ClusterConsumer]:
+        req = query_pb2.ListConsumersRequest(**filters)
+        return list(self.stub.ListConsumers(req, metadata=self.metadata, timeout=10).consumers)
+
+    def findings(self, **filters: Any) -> list[query_pb2.Finding]:
+        req = query_pb2.ListFindingsRequest(**filters)
+        return list(self.stub.ListFindings(req, metadata=self.metadata, timeout=10).findings)
+
+    def status(self, node: str = "") -> list[query_pb2.TracerStatus]:
+        req = query_pb2.NodeStatusRequest(node=node)
+        return list(self.stub.NodeStatus(req, metadata=self.metadata, timeout=10).nodes)
+
+    def node(self, node: str) -> query_pb2.TracerStatus:
+        return self.status(node)[0]
+
+    def events(self, **filters: Any) -> list[query_pb2.StoredEvent]:
+        req = query_pb2.ListEventsRequest(**filters)
+        return list(self.stub.ListEvents(req, metadata=self.metadata, timeout=10).events)
+
+    def watch(self, **filters: Any) -> Any:
+        return self.stub.WatchFindings(query_pb2.WatchFindingsRequest(**filters), metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> QueryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

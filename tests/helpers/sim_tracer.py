@@ -1,0 +1,298 @@
+"""A simulated tracer: a real gRPC client speaking NodeStream.Connect directly.
+
+It sends Hello, Snapshots, EventBatches and Heartbeats as a node tracer would, records the
+Welcome and the Acks, and answers the collector's CRI relay Commands from a canned table or a
+callable (refusing methods outside the read-only list, as the real tracer does). Messages go out
+as bytes, so a test can also send malformed ones, and a benchmark can serialize its batches
+beforehand (`synthetic_batches`) and push them with a window of unacknowledged batches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options
+from ghostgpu.convert import consumer_to_proto
+from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.v1 import node_pb2, stream_pb2
+
+METHOD = "/ghostgpu.v1.NodeStream/Connect"
+READ_ONLY = frozenset({"Version", "ListContainers", "ContainerStatus", "ListPodSandbox", "PodSandboxStatus"})
+CriAnswer = Callable[[str, bytes], tuple[int, str, bytes]]  # (method, request) -> (code, message, response)
+CriTable = Mapping[str, "bytes | Message | tuple[int, str]"]
+SIM_ENDPOINT = "unix:///run/sim/cri.sock"
+
+
+class StreamEnded(AssertionError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"stream ended: {code.name}: {details}")
+        self.code, self.details = code, details
+
+
+def make_consumer(node: str, pid: int, gpu: int = 0, cls: ConsumerClass = ConsumerClass.HIDDEN,
+                  container_id: str = "", **fields: Any) -> Consumer:
+    """A plausible consumer of a container process on /dev/nvidia{gpu}."""
+    cgroup = (f"/kubepods.slice/kubepods-pod{pid}.slice/cri-containerd-{container_id}.scope"
+              if container_id else "/system.slice/train.service")
+    base = Consumer(
+        node=node, pid=pid, ns_pid=1 if container_id else pid, comm="python3", gpu=gpu,
+        gpu_uuid=f"GPU-{gpu:08x}-0000-4000-8000-000000000000", gpu_minor=gpu,
+        devices=[f"/dev/nvidia{gpu}", "/dev/nvidiactl", "/dev/nvidia-uvm"], container_id=container_id,
+        pod_uid="", runtime="containerd" if container_id else "", cls=cls, reason=f"{cls} by the sim tracer",
+        gpu_memory_bytes=None, exe="/usr/bin/python3.11", cmdline="python3 train.py --epochs 90", uid=1000,
+        ppid=1, state="S", start_time_ns=pid * 1_000_000, first_seen_ns=pid * 2_000_000, fds=[5, 6, 7],
+        cgroup_path=cgroup,
+    )
+    return replace(base, **fields)
+
+
+def finding(seq: int, consumer: Consumer, ts_unix_ns: int = 0) -> stream_pb2.NodeEvent:
+    return stream_pb2.NodeEvent(seq=seq, ts_unix_ns=ts_unix_ns or time.time_ns(),
+                                finding=consumer_to_proto(consumer))
+
+
+def resolved(seq: int, consumer: Consumer) -> stream_pb2.NodeEvent:
+    return stream_pb2.NodeEvent(seq=seq, ts_unix_ns=time.time_ns(), resolved=consumer_to_proto(consumer))
+
+
+def holder(seq: int, pid: int, container_id: str = "", kind: int = node_pb2.HolderEvent.KIND_OPEN,
+           device: str = "/dev/nvidia0", ts_unix_ns: int = 0) -> stream_pb2.NodeEvent:
+    cgroup = (f"/kubepods.slice/kubepods-podx.slice/cri-containerd-{container_id}.scope"
+              if container_id else "")
+    process = node_pb2.Process(pid=pid, ns_pid=1, comm="python3", container_id=container_id,
+                               runtime="containerd" if container_id else "", cgroup_path=cgroup, alive=True)
+    h = node_pb2.HolderEvent(kind=kind, source="bpf", ts_ns=seq * 1000, process=process, device=device, fd=5,
+                             cgroup_id=4242)  # type: ignore[arg-type]
+    return stream_pb2.NodeEvent(seq=seq, ts_unix_ns=ts_unix_ns or time.time_ns(), holder=h)
+
+
+def allocations(rows: Sequence[tuple[str, str, str, Sequence[str]]], available: bool = True,
+                error: str = "") -> stream_pb2.Allocations:
+    return stream_pb2.Allocations(available=available, error=error, read_unix_ns=time.time_ns(), containers=[
+        stream_pb2.ContainerAllocation(namespace=ns, pod=pod, container=c, resource_names=["nvidia.com/gpu"],
+                                       device_ids=list(ids)) for ns, pod, c, ids in rows])
+
+
+def message_bytes(**body: Any) -> bytes:
+    """A serialized TracerMessage, e.g. message_bytes(events=stream_pb2.EventBatch(...))."""
+    return stream_pb2.TracerMessage(**body).SerializeToString()
+
+
+def batch_bytes(events: Sequence[stream_pb2.NodeEvent]) -> bytes:
+    return message_bytes(events=stream_pb2.EventBatch(events=events))
+
+
+def synthetic_batches(node: str, batches: int, batch_events: int, *, start_seq: int = 1, consumers: int = 20,
+                      finding_every: int = 20) -> list[bytes]:
+    """Serialized batches of holder events, one finding (a memory update of one of `consumers`
+    hidden container consumers) every `finding_every` events, seqs from start_seq on."""
+    pool = [make_consumer(node, 10_000 + i, gpu=i % 8, container_id=f"{i:02x}" * 32)
+            for i in range(consumers)]
+    out = []
+    seq = start_seq
+    for _ in range(batches):
+        events = []
+        for _ in range(batch_events):
+            if finding_every and seq % finding_every == 0:
+                c = pool[(seq // finding_every) % consumers]
+                events.append(finding(seq, replace(c, gpu_memory_bytes=(seq % 97) << 20)))
+            else:
+                events.append(holder(seq, 10_000 + seq % consumers, pool[seq % consumers].container_id,
+                                     device=f"/dev/nvidia{seq % 8}"))
+            seq += 1
+        out.append(batch_bytes(events))
+    return out
+
+
+class SimTracer:
+    def __init__(self, target: str, node: str, *, boot_id: str = "sim-boot", instance_id: str | None = None,
+                 api_version: int = API_VERSION, capabilities: Sequence[str] = ("cri-relay",),
+                 cri: CriTable | CriAnswer | None = None, tracer_version: str = "sim-0.1",
+                 max_send_bytes: int | None = None) -> None:
+        self.target, self.node = target, node
+        self.boot_id = boot_id
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.api_version = api_version
+        self.capabilities = list(capabilities)
+        self.cri = cri
+        self.tracer_version = tracer_version
+        self.welcome: stream_pb2.Welcome | None = None
+        self.acked_seq = 0
+        self.next_seq = 1
+        self.status: tuple[grpc.StatusCode, str] | None = None  # set once the stream ended
+        self.commands: list[tuple[str, bytes]] = []  # CRI calls the collector relayed through us
+        self._cond = threading.Condition()
+        options = channel_options()
+        if max_send_bytes is not None:  # to reach the collector's own limit, send past ours
+            options = [o for o in options if o[0] != "grpc.max_send_message_length"]
+            options.append(("grpc.max_send_message_length", max_send_bytes))
+        self._channel = grpc.insecure_channel(target, options=options)
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._call: Any = None
+        self._reader: threading.Thread | None = None
+
+    # ---- the stream -----------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float = 10.0, hello: bytes | None = None) -> stream_pb2.Welcome:
+        """Open the stream and send Hello (or `hello` bytes); the Welcome, or StreamEnded."""
+        self._out = queue.SimpleQueue()
+        self.welcome, self.status = None, None
+        stub = self._channel.stream_stream(METHOD, request_serializer=None,
+                                           response_deserializer=stream_pb2.CollectorMessage.FromString)
+        self._call = stub(self._requests(), metadata=[(API_VERSION_METADATA, str(self.api_version))])
+        self._reader = threading.Thread(target=self._read, args=(self._call,), daemon=True,
+                                        name=f"sim-{self.node}")
+        self._reader.start()
+        self.send(hello if hello is not None else message_bytes(hello=stream_pb2.Hello(
+            api_version=self.api_version, node=self.node, boot_id=self.boot_id, instance_id=self.instance_id,
+            tracer_version=self.tracer_version, capabilities=self.capabilities)))
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.welcome is not None or self.status is not None,
+                                       timeout_s):
+                raise AssertionError(f"no Welcome from {self.target} within {timeout_s} s")
+            if self.welcome is None:
+                raise StreamEnded(*self.status)  # type: ignore[misc]
+            self.acked_seq = self.welcome.acked_seq
+            return self.welcome
+
+    def _requests(self) -> Iterator[bytes]:
+        out = self._out
+        while (item := out.get()) is not None:
+            yield item
+
+    def _read(self, call: Any) -> None:
+        try:
+            for msg in call:
+                kind = msg.WhichOneof("msg")
+                with self._cond:
+                    if kind == "welcome":
+                        self.welcome = msg.welcome
+                    elif kind == "ack":
+                        self.acked_seq = max(self.acked_seq, msg.ack.seq)
+                    self._cond.notify_all()
+                if kind == "command":
+                    self._answer(msg.command)
+            status = (call.code(), call.details() or "")
+        except grpc.RpcError as e:
+            status = (e.code(), e.details() or "")  # type: ignore[attr-defined]
+        with self._cond:
+            self.status = status
+            self._cond.notify_all()
+
+    def _answer(self, command: stream_pb2.Command) -> None:
+        if command.WhichOneof("body") != "cri":
+            resp = stream_pb2.CriResponse(code=grpc.StatusCode.UNIMPLEMENTED.value[0],
+                                          message="unknown command")
+        else:
+            req = command.cri
+            self.commands.append((req.method, bytes(req.request)))
+            code, message, response = self._cri_answer(req.method, bytes(req.request))
+            resp = stream_pb2.CriResponse(code=code, message=message, response=response,
+                                          endpoint=SIM_ENDPOINT)
+        self.send(message_bytes(result=stream_pb2.CommandResult(id=command.id, cri=resp)))
+
+    def _cri_answer(self, method: str, request: bytes) -> tuple[int, str, bytes]:
+        if method not in READ_ONLY:
+            return grpc.StatusCode.PERMISSION_DENIED.value[0], f"CRI method {method} is not read-only", b""
+        if self.cri is None:
+            return (grpc.StatusCode.UNAVAILABLE.value[0],
+                    f"no CRI socket on node {self.node} (looked at {SIM_ENDPOINT}); pass --cri-endpoint", b"")
+        if callable(self.cri):
+            return self.cri(method, request)
+        answer = self.cri.get(method)
+        if answer is None:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"sim tracer has no canned {method}", b""
+        if isinstance(answer, tuple):
+            return answer[0], answer[1], b""
+        return 0, "", answer if isinstance(answer, bytes) else answer.SerializeToString()
+
+    # ---- sending --------------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        self._out.put(data)
+
+    def send_snapshot(self, consumers: Sequence[Consumer] = (), seq: int | None = None,
+                      allocations: stream_pb2.Allocations | None = None,
+                      info: stream_pb2.NodeInfo | None = None,
+                      stats: stream_pb2.TracerStats | None = None) -> None:
+        snap = stream_pb2.Snapshot(seq=self.next_seq - 1 if seq is None else seq, ts_unix_ns=time.time_ns(),
+                                   consumers=[consumer_to_proto(c) for c in consumers])
+        for name, value in (("allocations", allocations), ("info", info), ("stats", stats)):
+            if value is not None:
+                getattr(snap, name).CopyFrom(value)
+        self.send(message_bytes(snapshot=snap))
+
+    def send_events(self, events: Sequence[stream_pb2.NodeEvent]) -> int:
+        """Send one EventBatch; its last seq (next_seq moves past it)."""
+        self.send(batch_bytes(events))
+        last = events[-1].seq if events else 0
+        self.next_seq = max(self.next_seq, last + 1)
+        return last
+
+    def heartbeat(self, stats: stream_pb2.TracerStats | None = None) -> None:
+        hb = stream_pb2.Heartbeat(ts_unix_ns=time.time_ns(), last_seq=self.next_seq - 1)
+        if stats is not None:
+            hb.stats.CopyFrom(stats)
+        self.send(message_bytes(heartbeat=hb))
+
+    def push(self, batches: Sequence[bytes], last_seqs: Sequence[int], window: int = 8,
+             timeout_s: float = 120.0) -> None:
+        """Send pre-serialized batches keeping at most `window` unacknowledged; return once the
+        last one is acknowledged."""
+        deadline = time.monotonic() + timeout_s
+        for i, data in enumerate(batches):
+            if i >= window:
+                self.wait_acked(last_seqs[i - window], max(0.0, deadline - time.monotonic()))
+            self.send(data)
+        if last_seqs:
+            self.wait_acked(last_seqs[-1], max(0.0, deadline - time.monotonic()))
+            self.next_seq = max(self.next_seq, last_seqs[-1] + 1)
+
+    # ---- waiting and closing --------------------------------------------------------------------
+
+    def wait_acked(self, seq: int, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.acked_seq >= seq or self.status is not None, timeout_s):
+                raise AssertionError(f"node {self.node}: seq {seq} not acked within {timeout_s} s "
+                                     f"(acked {self.acked_seq})")
+            if self.acked_seq < seq:
+                raise StreamEnded(*self.status)  # type: ignore[misc]
+
+    def wait_ended(self, timeout_s: float = 10.0) -> tuple[grpc.StatusCode, str]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.status is not None, timeout_s):
+                raise AssertionError(f"node {self.node}: stream still open after {timeout_s} s")
+            return self.status  # type: ignore[return-value]
+
+    def close(self, timeout_s: float = 10.0) -> tuple[grpc.StatusCode, str]:
+        """Half-close (the collector acks what it has and ends the stream); the final status."""
+        self._out.put(None)
+        return self.wait_ended(timeout_s)
+
+    def cancel(self) -> None:
+        """Drop the stream as a dying tracer does."""
+        if self._call is not None:
+            self._call.cancel()
+        self._out.put(None)
+        if self._reader is not None:
+            self._reader.join(5.0)
+
+    def stop(self) -> None:
+        if self._call is not None and self.status is None:
+            self.cancel()
+        self._channel.close()
+
+    def __enter__(self) -> SimTracer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
