@@ -79,8 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "--collector)")
     tracer.add_argument("--bpf", choices=("auto", "on", "off"), help="kernel tracing (default auto)")
     tracer.add_argument("--collector", help="stream to this collector: HOST:PORT or unix:///path")
-    tracer.add_argument("--spool-events", dest="spool_events", type=int, default=1_000_000,
-                        help="unacknowledged events kept while the collector is away (default 1000000)")
+    tracer.add_argument("--spool-events", dest="spool_events", type=int, default=100_000,
+                        help="events kept unacknowledged while the collector is out (default 100000, ~40MB)")
     _add_tracer_flags(tracer)
     _add_node_flags(tracer)
 

@@ -51,7 +51,7 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
     if not collector:
         return sinks, None, None
     target = api.collector_address(collector)
-    spool_events = getattr(args, "spool_events", None) or 1_000_000
+    spool_events = getattr(args, "spool_events", None) or 100_000
     if spool_events <= 0:
         raise ValueError(f"--spool-events {spool_events}: must be a positive number of events")
     relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)

@@ -46,7 +46,7 @@ COMMAND_REPLY_S = 5.0  # a command's answer that cannot be queued this soon is d
 
 @dataclass(frozen=True)
 class StreamOptions:
-    spool_events: int = 1_000_000  # unacknowledged events kept (--spool-events)
+    spool_events: int = 100_000  # unacknowledged events kept (--spool-events): ~40 MB at ~370 B each
     heartbeat_s: float = 5.0  # a Heartbeat after this much silence
     backoff_min_s: float = 0.1  # reconnect delay, doubling (with jitter) up to backoff_max_s
     backoff_max_s: float = 5.0
