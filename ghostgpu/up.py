@@ -1,0 +1,335 @@
+"""`ghostgpu up`: the collector and a tracer on this node, with the live `ps` view.
+
+The collector runs in this process (collector.main.Collector); the tracer is `ghostgpu tracer
+--collector ADDR` as a child in this process group, so it is the same tracer a cluster runs and
+talks to the collector over the same gRPC stream. The view is drawn from the query service,
+exactly as `ghostgpu ps` draws it, with the node's BPF/NVML status above the table and the
+latest events and findings under it, so a short-lived consumer gone before the next redraw is
+still seen. See ghostgpu/demo.py for `--demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ghostgpu import view
+from ghostgpu.client import ClientError, FindingWaker, Query, screen_signature
+from ghostgpu.demo import Demo, DemoError
+from ghostgpu.model import ConsumerClass
+from ghostgpu.v1 import query_pb2
+
+DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
+CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
+DEMO_TIMEOUT_S = 60.0
+TRACER_STOP_S = 10.0
+REDRAW_S = 1.0
+RECENT_LINES = 10
+
+log = logging.getLogger("ghostgpu.up")
+
+
+class UpError(Exception):
+    """One line to print before exiting 1."""
+
+
+def _port_free(address: str) -> str | None:
+    """None when HOST:PORT can be bound, else why not. gRPC binds with SO_REUSEPORT, so a second
+    collector would silently share the port with the first: a plain bind finds the listener."""
+    if address.startswith("unix:"):
+        return None
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def _client_address(address: str) -> str:
+    """Where a client on this host reaches a collector listening on `address`."""
+    host, sep, port = address.rpartition(":")
+    if address.startswith("unix:") or not sep:
+        return address
+    wildcard = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
+    return f"{wildcard.get(host, host)}:{port}"
+
+
+def _real_gpu_visible() -> bool:
+    """Whether this host's NVML (a real driver) sees a GPU; quiet either way."""
+    from tracer.nvml import NvmlSource
+
+    nvml_log = logging.getLogger("ghostgpu.nvml")
+    level = nvml_log.level
+    nvml_log.setLevel(logging.CRITICAL)
+    source = NvmlSource()
+    try:
+        seen = source.read()
+        return seen.available and bool(seen.gpus)
+    finally:
+        source.close()
+        nvml_log.setLevel(level)
+
+
+def _local_cri_endpoint() -> str | None:
+    from tracer.cri_relay import DEFAULT_SOCKETS, is_socket
+
+    return next((f"unix://{p}" for p in DEFAULT_SOCKETS if is_socket(p)), None)
+
+
+def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoint: str | None) -> list[str]:
+    """`ghostgpu tracer --collector ADDR` with every tracer flag `up` was given."""
+    cmd = [sys.executable, "-m", "ghostgpu.cli"] + (["-v"] if getattr(args, "verbose", False) else [])
+    cmd += ["tracer", "--collector", address, "--node-name", node]
+    for flag, dest in (("--config", "config"), ("--bpf", "bpf"), ("--jsonl", "jsonl"),
+                       ("--proc-root", "proc_root"), ("--sys-root", "sys_root"),
+                       ("--cgroup-root", "cgroup_root"), ("--grace-s", "grace_s"),
+                       ("--scan-interval-s", "scan_interval_s"),
+                       ("--podresources-endpoint", "podresources_endpoint")):
+        value = getattr(args, dest, None)
+        if value is not None:
+            cmd += [flag, str(value)]
+    for flag, dest in (("--vendor", "vendors"), ("--device-prefix", "device_prefixes")):
+        for value in getattr(args, dest, None) or []:
+            cmd += [flag, value]
+    if cri_endpoint:
+        cmd += ["--cri-endpoint", cri_endpoint]
+    return cmd
+
+
+class TracerChild:
+    """The tracer subprocess; keeps the tail of its stderr for the view and for its obituary."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=env, text=True, errors="replace")
+        self.stderr: collections.deque[str] = collections.deque(maxlen=50)
+        self._reader = threading.Thread(target=self._read, name="ghostgpu-tracer-stderr", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if line.strip():
+                self.stderr.append(line.rstrip())
+
+    def last_line(self) -> str:
+        self._reader.join(timeout=1.0)  # an exited tracer's last words may still be in the pipe
+        return self.stderr[-1] if self.stderr else "(no output on stderr)"
+
+    def stop(self) -> None:
+        """SIGTERM (the tracer detaches its BPF programs), then SIGKILL past TRACER_STOP_S."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=TRACER_STOP_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tracer %d did not stop within %g s of SIGTERM; killing it", self.proc.pid,
+                            TRACER_STOP_S)
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=1.0)
+
+
+def _open_db(args: argparse.Namespace) -> str:
+    db = args.db or DEFAULT_DB
+    if db != ":memory:":
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(db)), exist_ok=True)
+        except OSError as e:
+            raise UpError(f"cannot create the directory of the collector database {db}: {e.strerror}; "
+                          f"run as root or pass --db PATH (or --db :memory:)") from e
+    return db
+
+
+def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
+    from collector.main import Collector
+
+    busy = _port_free(listen)
+    if busy is not None:
+        raise UpError(f"cannot listen on {listen} ({busy}): another collector or `ghostgpu up` may be "
+                      f"running; pass --listen HOST:PORT (e.g. --listen 127.0.0.1:7451)")
+    collector = Collector(listen=[listen], db_path=_open_db(args), retention_days=args.retention_days,
+                          event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
+                          cri_ttl_s=args.cri_ttl_s, node_name=node)
+    try:
+        collector.start()
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            collector.stop()
+        raise UpError(f"cannot start the collector on {listen} ({e}); pass --listen HOST:PORT or --db PATH"
+                      ) from e
+    return collector
+
+
+def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
+    stop = threading.Event()
+    install_signals(stop.set)
+    node = cfg.node_name
+    demo: Demo | None = None
+    collector: Any = None
+    tracer: TracerChild | None = None
+    try:
+        if args.demo:
+            demo = Demo(fake_nvml=not _real_gpu_visible()).start()
+        cri = demo.cri_endpoint if demo else (args.collector_cri_endpoint or _local_cri_endpoint())
+        collector = _start_collector(args, args.listen or "127.0.0.1:7450", node, cri)
+        address = _client_address(collector.addresses[0])
+        env = {**os.environ, **(demo.tracer_env() if demo else {})}
+        tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
+        tracer = TracerChild(tracer_command(args, address, node, tracer_cri), env)
+        if demo:
+            demo.start_short_lived()
+        return LiveView(Query(address), node, tracer, stop, demo, args).run()
+    except (UpError, DemoError) as e:
+        print(f"ghostgpu: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if tracer is not None:
+            tracer.stop()
+        if collector is not None:
+            collector.stop()
+        if demo is not None:
+            demo.close()
+
+
+class LiveView:
+    """Redraws the view on findings and every REDRAW_S until stopped (or once, for --once)."""
+
+    def __init__(self, query: Query, node: str, tracer: TracerChild, stop: threading.Event,
+                 demo: Demo | None, args: argparse.Namespace) -> None:
+        self.query, self.node, self.tracer, self.stop, self.demo = query, node, tracer, stop, demo
+        self.once = bool(args.once)
+        self.db = args.db or DEFAULT_DB
+        self.address = query.address
+        self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
+        self.instance_id, self.after_seq = "", 0
+        self.short_lived_seen = 0
+        self.tracer_lines_shown = 0
+        self._lock = threading.Lock()
+
+    def _on_finding(self, ev: query_pb2.FindingEvent) -> None:
+        with self._lock:
+            self.recent.append((time.time_ns(), view.finding_event_line(ev)))
+
+    def _poll_events(self, status: query_pb2.TracerStatus | None) -> None:
+        if status is None or not status.instance_id:
+            return
+        if status.instance_id != self.instance_id:
+            self.instance_id, self.after_seq = status.instance_id, 0
+        batch = self.query.events(self.node, self.instance_id, self.after_seq)
+        short_id = self.demo.container_ids()["short-lived"] if self.demo else None
+        for stored in batch:
+            ev = stored.event
+            self.after_seq = max(self.after_seq, ev.seq)
+            if ev.WhichOneof("body") not in ("holder", "notice"):
+                continue  # findings come from the collector, with CRI's verdict in them
+            if short_id and ev.WhichOneof("body") == "holder" and ev.holder.process.container_id == short_id:
+                self.short_lived_seen += 1
+            line = view.event_line(ev)
+            if line:
+                with self._lock:
+                    self.recent.append((ev.ts_unix_ns, line))
+
+    def _tracer_lines(self) -> None:
+        """The tracer's stderr under the view, but not the warnings it also sent as notices."""
+        lines = list(self.tracer.stderr)
+        fresh, self.tracer_lines_shown = lines[self.tracer_lines_shown:], len(lines)
+        with self._lock:
+            shown = [line for _, line in self.recent]
+            for line in fresh:
+                text = line.split(": ", 2)[-1] if line.startswith("ghostgpu: ") else line
+                if not any(text in s for s in shown):
+                    self.recent.append((time.time_ns(), f"{time.strftime('%H:%M:%S')} tracer   {line}"))
+
+    def _status(self) -> query_pb2.TracerStatus | None:
+        return next((n for n in self.query.nodes(self.node) if n.node == self.node), None)
+
+    def _screen(self) -> tuple[str, bool]:
+        """(the view, whether --once may print it)."""
+        status = self._status()
+        self._poll_events(status)
+        consumers = self.query.consumers(node=self.node)
+        self._tracer_lines()
+        top = (f"ghostgpu up: collector {self.address} (db {self.db}), tracer pid {self.tracer.proc.pid}"
+               f"{'' if self.once else '; Ctrl-C stops both'}")
+        lines = [top]
+        if status is None:
+            lines.append(f"node {self.node} | waiting for the tracer to connect")
+        else:
+            lines.append(view.node_header(status, demo_gpu=bool(self.demo and self.demo.fake_nvml)))
+        if self.demo:
+            lines.append(self.demo.legend())
+        with self._lock:
+            recent = [line for _, line in sorted(self.recent, key=lambda x: x[0])][-RECENT_LINES:]
+        lines += ["", view.consumer_table(consumers, empty="(no process holds a GPU device file)"), "",
+                  "recent events and findings:", *(recent or ["(none yet)"])]
+        ready = status is not None and status.connected and status.HasField("info")
+        if ready and self.demo is not None:
+            ready = self._demo_seen(consumers)
+        return "\n".join(lines), ready
+
+    def _demo_seen(self, consumers: list[Any]) -> bool:
+        assert self.demo is not None
+        ids = self.demo.container_ids()
+        classes = {(c.consumer.container_id, c.consumer.cls) for c in consumers}
+        return ((ids["hidden"], ConsumerClass.HIDDEN) in classes and (ids["orphaned"], ConsumerClass.ORPHANED)
+                in classes and self.short_lived_seen > 0)
+
+    def run(self) -> int:
+        # include_open: findings opened before the stream was (re)established are shown too.
+        waker = FindingWaker(self.query, on_event=self._on_finding, node=self.node, include_open=True).start()
+        tty = sys.stdout.isatty() and not self.once
+        started = time.monotonic()
+        deadline = started + CONNECT_TIMEOUT_S + (DEMO_TIMEOUT_S if self.demo else 0)
+        last, screen = "", ""
+        try:
+            while not self.stop.is_set():
+                if self.tracer.proc.poll() is not None:
+                    if self.stop.is_set():
+                        break  # Ctrl-C reached the tracer too (same process group): not a failure
+                    code = self.tracer.proc.returncode
+                    print(f"ghostgpu: the tracer exited with status {code}: {self.tracer.last_line()}",
+                          file=sys.stderr)
+                    return code if code > 0 else 1
+                try:
+                    screen, ready = self._screen()
+                except ClientError as e:
+                    screen, ready = f"ghostgpu up: {e}", False
+                if self.once:
+                    if ready:
+                        print(screen, flush=True)
+                        return 0
+                    if time.monotonic() > deadline:
+                        print(screen, flush=True)
+                        what = "the demo consumers" if self.demo else "the tracer's first snapshot"
+                        print(f"ghostgpu: gave up waiting {time.monotonic() - started:.0f} s for {what}; "
+                              f"tracer said: {self.tracer.last_line()}", file=sys.stderr)
+                        return 1
+                elif tty:
+                    sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+                    sys.stdout.flush()
+                elif screen_signature(screen) != screen_signature(last):
+                    print(screen + "\n", flush=True)
+                    last = screen
+                waker.changed.wait(0.2 if self.once else REDRAW_S)
+                waker.changed.clear()
+            return 0
+        finally:
+            waker.stop()
+            self.query.close()

@@ -1,0 +1,212 @@
+"""`ghostgpu up` end to end: the embedded collector, the real tracer subprocess, the live view.
+
+Each run listens on a unix socket in the test's temp dir (no port to race for) and keeps its
+SQLite file there. The no-GPU test gives the tracer a fake NVML whose driver is "not loaded", so
+it reads the same on a machine with a real GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_root
+from tests.helpers.fakenvml import FakeNvml
+from tests.helpers.polling import poll, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_COMMS = ("demo-trainer", "demo-worker", "demo-batch")
+
+
+def needs_bpf(fn: Callable[..., None]) -> Callable[..., None]:
+    """root, BPF and namespaces: the tracer and the demo's containers."""
+    return pytest.mark.root(pytest.mark.bpf(pytest.mark.netns(fn)))
+
+
+def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "ghostgpu.cli", "up", "--listen", f"unix://{tmp_path}/collector.sock",
+            "--db", str(tmp_path / "collector.db"), "--node-name", "up-node", *args]
+
+
+def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FAKE_NVML_CONFIG")}
+    return {**env, **(extra or {})}
+
+
+def _processes_with(needle: str) -> list[int]:
+    """PIDs whose command line contains `needle` (the test's unique socket path)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
+            if needle in cmdline:
+                found.append(int(pid))
+    return found
+
+
+def _demo_leftovers(prefixes: list[str]) -> list[str]:
+    """Demo processes (by comm) and cgroup directories (by container ID prefix) still present."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                continue
+            if comm in DEMO_COMMS:
+                left.append(f"process {pid} ({comm}, state {state})")
+    for root in Path("/sys/fs/cgroup").glob("**/kubepods/besteffort"):
+        for pod in root.glob("pod*"):
+            left += [f"cgroup {c}" for c in pod.iterdir() if c.is_dir() and c.name[:12] in prefixes]
+    return left
+
+
+def assert_demo_gone(prefixes: list[str]) -> None:
+    """No demo process or cgroup is left. The killed orphan's parent is the host's init, which
+    reaps lazily (about 1 s on the test VM), so it may linger as a zombie for a while: poll."""
+    if poll(lambda: not _demo_leftovers(prefixes), timeout_s=10):
+        return
+    left = _demo_leftovers(prefixes)
+    assert all(x.endswith("state Z)") for x in left), left
+
+
+def _demo_workdirs() -> set[str]:
+    return {str(p) for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("ghostgpu-demo-*")}
+
+
+@needs_bpf
+def test_up_once_says_plainly_there_is_no_gpu(tmp_path: Path, root_bpf: None) -> None:
+    nvml = FakeNvml(tmp_path / "nvml.conf", fail_init="NVML_ERROR_DRIVER_NOT_LOADED")
+    done = subprocess.run(_up(tmp_path, "--once"), env=_environment(nvml.env()), capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"collector unix://{tmp_path}/collector.sock" in out
+    header = next(line for line in out.splitlines() if line.startswith("node up-node |"))
+    assert "tracer connected" in header and "BPF tracepoints attached" in header
+    assert "no NVIDIA GPU visible here (NVML: nvmlInit: NVIDIA kernel driver not loaded" in header
+    assert header.endswith("still watching device files")
+    assert re.search(r"^NODE +GPU +PID +CPID +NAMESPACE/POD/CONTAINER +CLASS +GPU-MEM +SINCE$", out, re.M)
+    assert _processes_with(str(tmp_path)) == []  # the tracer went with it
+
+
+@pytest.fixture
+def demo_guard() -> Iterator[set[str]]:
+    require_root()
+    before = _demo_workdirs()
+    yield before
+
+
+def _prefixes(out: str) -> list[str]:
+    legend = next(line for line in out.splitlines() if line.startswith("demo: planted"))
+    return re.findall(r"\(([0-9a-f]{12})[,)]", legend)
+
+
+@needs_bpf
+def test_up_demo_once_shows_hidden_orphaned_and_short_lived(tmp_path: Path, root_bpf: None,
+                                                           demo_guard: set[str]) -> None:
+    done = subprocess.run(_up(tmp_path, "--demo", "--once"), env=_environment(), capture_output=True,
+                          text=True, timeout=180, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    rows = {line.split()[4]: line.split() for line in out.splitlines() if line.startswith("up-node ")}
+    assert rows["ghostgpu-demo/hidden-trainer/trainer"][5] == "hidden", out
+    assert rows["ghostgpu-demo/orphaned-worker/worker"][5] == "orphaned", out
+    assert rows["ghostgpu-demo/hidden-trainer/trainer"][3] == "1"  # PID 1 of its own namespace
+    recent = out.split("recent events and findings:", 1)[1]
+    assert re.search(r"open +pid \d+ \(demo-batch, pid 1 inside\) in container [0-9a-f]{13} /dev/nvidia0",
+                     recent), out
+    assert re.search(r"finding (opened|changed) +hidden: pid \d+ \(demo-trainer\) ", recent), out
+    if "DEMO GPU" not in out:  # a machine with a real driver shows its own GPUs instead
+        assert "NVML driver" in out
+    prefixes = _prefixes(out)
+    assert len(prefixes) == 3
+    assert_demo_gone(prefixes)
+    assert _demo_workdirs() <= demo_guard
+    assert _processes_with(str(tmp_path)) == []
+
+
+def _client_json(tmp_path: Path, *command: str) -> list[dict[str, object]]:
+    done = subprocess.run([sys.executable, "-m", "ghostgpu.cli", *command, "--collector",
+                           f"unix://{tmp_path}/collector.sock", "-o", "json"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@needs_bpf
+def test_up_demo_cleans_up_on_sigterm(tmp_path: Path, root_bpf: None, demo_guard: set[str]) -> None:
+    proc = subprocess.Popen(_up(tmp_path, "--demo"), env=_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        lines.extend(proc.stdout)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any(" orphaned " in line and "orphaned-worker" in line for line in list(lines))
+                   and any(" hidden " in line for line in list(lines)), "the demo view", timeout_s=120)
+        # While it runs, `ghostgpu ps` and `findings` read the same collector from outside.
+        rows = _client_json(tmp_path, "ps", "-n", "ghostgpu-demo")
+        by_pod = {r["pod"]: r for r in rows}
+        assert by_pod["hidden-trainer"]["class"] == "hidden"
+        assert by_pod["hidden-trainer"]["container"] == "trainer"
+        assert by_pod["hidden-trainer"]["image"] == "ghostgpu/demo-trainer:1"
+        assert by_pod["orphaned-worker"]["class"] == "orphaned"
+        assert [r["pod"] for r in _client_json(tmp_path, "ps", "--class", "orphaned")] == ["orphaned-worker"]
+        findings = {f["pod"]: f for f in _client_json(tmp_path, "findings", "--since", "10m")}
+        hidden = findings["hidden-trainer"]
+        assert (hidden["class"], hidden["resolved"]) == ("hidden", None)
+        assert findings["orphaned-worker"]["class"] == "orphaned"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        reader.join(timeout=5)
+    assert proc.returncode == 0, err
+    prefixes = _prefixes("".join(lines))
+    assert_demo_gone(prefixes)
+    assert _demo_workdirs() <= demo_guard
+    assert _processes_with(str(tmp_path)) == []
+
+
+def test_port_taken_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "ghostgpu.cli", "up", "--listen", f"127.0.0.1:{port}",
+                               "--db", ":memory:"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 1
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1, done.stderr
+    assert err[0].startswith(f"ghostgpu: cannot listen on 127.0.0.1:{port} (Address already in use)")
+    assert "--listen HOST:PORT" in err[0]
+
+
+@needs_bpf
+def test_tracer_death_is_reported(tmp_path: Path, root_bpf: None) -> None:
+    bad = tmp_path / "missing-dir" / "events.jsonl"
+    done = subprocess.run(_up(tmp_path, "--once", "--jsonl", str(bad)), env=_environment(),
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ghostgpu: the tracer exited with status "), done.stderr
+    assert str(bad) in last or "missing-dir" in last
