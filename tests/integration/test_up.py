@@ -210,3 +210,28 @@ def test_tracer_death_is_reported(tmp_path: Path, root_bpf: None) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ghostgpu: the tracer exited with status "), done.stderr
     assert str(bad) in last or "missing-dir" in last
+
+
+@pytest.mark.root
+@pytest.mark.netns
+def test_demo_failing_half_way_leaves_nothing(monkeypatch: pytest.MonkeyPatch, demo_guard: set[str]) -> None:
+    """The hidden container is planted, then planting the orphan fails: start() undoes everything."""
+    from ghostgpu import demo as demo_module
+
+    real_hold = demo_module.Demo._hold
+    calls: list[str] = []
+
+    def hold_then_fail(self: demo_module.Demo, pod: demo_module.DemoPod) -> subprocess.Popen[bytes]:
+        calls.append(pod.pod)
+        if len(calls) > 1:
+            raise demo_module.DemoError("planting failed on purpose")
+        return real_hold(self, pod)
+
+    monkeypatch.setattr(demo_module.Demo, "_hold", hold_then_fail)
+    demo = demo_module.Demo(fake_nvml=True)
+    with pytest.raises(demo_module.DemoError, match="on purpose"):
+        demo.start()
+    assert calls == ["hidden-trainer", "orphaned-worker"]
+    assert_demo_gone([cid[:12] for cid in demo.container_ids().values()])
+    assert not demo.workdir.exists()
+    assert _demo_workdirs() <= demo_guard
