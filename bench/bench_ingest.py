@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: collector ingest, events/s from 50 concurrent simulated tracers over loopback TCP.
 
-Run:  .venv/bin/python bench/bench_ingest.py [--tracers 50] [--batch-events 2000,200]
+Run:  .venv/bin/python bench/bench_ingest.py [--tracers 50] [--batch-events 2000,200,50]
                                               [--events-per-tracer 20000] [--window 8] [--client-procs 2]
 
 Each target runs as its own process: the real `ghostgpu collector` (SQLite in a temp dir, default
@@ -231,7 +231,7 @@ def measure(target: str, args: argparse.Namespace, batch_events: int) -> dict[st
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tracers", type=int, default=50)
-    p.add_argument("--batch-events", default="2000,200", help="comma-separated batch sizes to measure")
+    p.add_argument("--batch-events", default="2000,200,50", help="comma-separated batch sizes to measure")
     p.add_argument("--events-per-tracer", type=int, default=20_000)
     p.add_argument("--window", type=int, default=8, help="unacknowledged batches per tracer")
     p.add_argument("--client-procs", type=int, default=2)
