@@ -84,8 +84,11 @@ def _cgroup_hierarchies() -> list[tuple[str, bool]]:
 class Demo:
     """The planted containers, their cgroups, the demo NVML and CRI; close() undoes all of it."""
 
-    def __init__(self, fake_nvml: bool, short_lived_every_s: float = SHORT_LIVED_EVERY_S) -> None:
+    def __init__(self, fake_nvml: bool, short_lived_every_s: float = SHORT_LIVED_EVERY_S,
+                 real_cri_endpoint: str | None = None) -> None:
+        """`real_cri_endpoint`: the node's runtime, which answers for every container not the demo's."""
         self.fake_nvml = fake_nvml
+        self.real_cri_endpoint = real_cri_endpoint
         self.short_lived_every_s = short_lived_every_s
         self.workdir = Path(tempfile.mkdtemp(prefix="ghostgpu-demo-"))
         self.cgroup_dirs: list[str] = []  # made by the demo, parents first
@@ -113,7 +116,7 @@ class Demo:
             pods = [self._pod("hidden-trainer", "trainer", "demo-trainer"),
                     self._pod("orphaned-worker", "worker", "demo-worker", exited=True),
                     self._pod("short-lived-batch", "batch", "demo-batch")]
-            self._cri = serve_cri(pods, str(self.workdir / "cri.sock"))
+            self._cri = serve_cri(pods, str(self.workdir / "cri.sock"), self.real_cri_endpoint)
             self._hold(self.pods["demo-trainer"])
             orphan = self._hold(self.pods["demo-worker"])
             # The shim dies and the init lives on, reparented: SIGKILL so it cannot take its child along.

@@ -185,9 +185,10 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
     collector: Any = None
     tracer: TracerChild | None = None
     try:
+        local_cri = args.collector_cri_endpoint or args.cri_endpoint or _local_cri_endpoint()
         if args.demo:
-            demo = Demo(fake_nvml=not _real_gpu_visible()).start()
-        cri = demo.cri_endpoint if demo else (args.collector_cri_endpoint or _local_cri_endpoint())
+            demo = Demo(fake_nvml=not _real_gpu_visible(), real_cri_endpoint=local_cri).start()
+        cri = demo.cri_endpoint if demo else local_cri
         collector = _start_collector(args, args.listen or "127.0.0.1:7450", node, cri)
         address = _client_address(collector.addresses[0])
         env = {**os.environ, **(demo.tracer_env() if demo else {})}

@@ -162,8 +162,11 @@ def test_up_demo_cleans_up_on_sigterm(tmp_path: Path, root_bpf: None, demo_guard
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        wait_until(lambda: any(" orphaned " in line and "orphaned-worker" in line for line in list(lines))
-                   and any(" hidden " in line for line in list(lines)), "the demo view", timeout_s=120)
+        def row(pod: str, cls: str) -> bool:
+            return any(x.startswith("up-node ") and x.split()[4:6] == [pod, cls] for x in list(lines))
+
+        wait_until(lambda: row("ghostgpu-demo/orphaned-worker/worker", "orphaned")
+                   and row("ghostgpu-demo/hidden-trainer/trainer", "hidden"), "the demo view", timeout_s=120)
         # While it runs, `ghostgpu ps` and `findings` read the same collector from outside.
         rows = _client_json(tmp_path, "ps", "-n", "ghostgpu-demo")
         by_pod = {r["pod"]: r for r in rows}
