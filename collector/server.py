@@ -23,18 +23,22 @@ from typing import Any
 
 import grpc
 
-from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options, version_mismatch
+from ghostgpu.api import (
+    API_VERSION,
+    API_VERSION_METADATA,
+    MAX_ANSWER_BYTES,
+    channel_options,
+    version_mismatch,
+)
 from ghostgpu.v1 import query_pb2_grpc, stream_pb2
 
 QUERY_PREFIX = "/ghostgpu.v1.Query/"
 # What the collector sends may be larger than what it accepts: ListConsumers of a 1,000-node
 # cluster with 20 consumers each is ~11 MB (bench/bench_collector_memory.py), past the 8 MiB
-# MAX_MESSAGE_BYTES that bounds what tracers and clients send. A client that reads such an answer
-# raises its own receive limit to match.
-MAX_RESPONSE_BYTES = 256 << 20
+# MAX_MESSAGE_BYTES that bounds what tracers and clients send; clients receive MAX_ANSWER_BYTES.
 SERVER_OPTIONS = [
     *[o for o in channel_options() if o[0] != "grpc.max_send_message_length"],
-    ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+    ("grpc.max_send_message_length", MAX_ANSWER_BYTES),
     # Two collectors on one port must not share it silently (gRPC sets SO_REUSEPORT by default).
     ("grpc.so_reuseport", 0),
     # Find tracers that vanished without a FIN (node power loss) within a minute.

@@ -15,7 +15,10 @@ API_VERSION = 1
 SUPPORTED_API_VERSIONS = frozenset({1})
 API_VERSION_METADATA = "ghostgpu-api-version"
 DEFAULT_COLLECTOR = "127.0.0.1:7450"
-MAX_MESSAGE_BYTES = 8 << 20  # a larger message is refused by gRPC with RESOURCE_EXHAUSTED
+MAX_MESSAGE_BYTES = 8 << 20  # what a tracer or client may send; larger is refused with RESOURCE_EXHAUSTED
+# What a client may receive: a whole cluster's ListConsumers answer (1,000 nodes x 20 consumers is
+# about 11 MB) must fit.
+MAX_ANSWER_BYTES = 256 << 20
 MAX_BATCH_EVENTS = 2000
 
 # Findings are consumers in one of these classes: the ones a GPU team must look at.
@@ -44,8 +47,9 @@ def collector_address(value: str | None) -> str:
     return addr
 
 
-def channel_options() -> list[tuple[str, int]]:
+def channel_options(receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel limits: tracers receive small commands; query clients pass MAX_ANSWER_BYTES."""
     return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", receive_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]

@@ -20,7 +20,13 @@ from typing import Any
 import grpc
 
 from ghostgpu import view
-from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options, collector_address
+from ghostgpu.api import (
+    API_VERSION,
+    API_VERSION_METADATA,
+    MAX_ANSWER_BYTES,
+    channel_options,
+    collector_address,
+)
 from ghostgpu.cluster import ClusterConsumer, cluster_consumer_from_proto
 from ghostgpu.convert import class_to_proto
 from ghostgpu.model import ConsumerClass
@@ -76,7 +82,7 @@ class Query:
     timeout_s: float = CALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.address, options=channel_options())
+        self.channel = grpc.insecure_channel(self.address, options=channel_options(MAX_ANSWER_BYTES))
         self.stub = query_pb2_grpc.QueryStub(self.channel)
         self.metadata = ((API_VERSION_METADATA, str(API_VERSION)),)
 
