@@ -97,7 +97,6 @@ class Demo:
         self.container_dirs: dict[str, list[str]] = {}
         self._cri: object | None = None
         self._stop = threading.Event()
-        self._runs = 0
         self._loop: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -154,25 +153,37 @@ class Demo:
         (self.workdir / "sh").mkdir(exist_ok=True)
         os.symlink(shutil.which("sh") or "/bin/sh", self.workdir / "sh" / comm)
         os.symlink(shutil.which("sleep") or "/bin/sleep", self.workdir / comm)
-        dirs = []
-        for mountpoint, cpuset in _cgroup_hierarchies():
-            directory = mountpoint
-            for part in ("kubepods", "besteffort", f"pod{pod_uid}", cid):
-                parent, directory = directory, os.path.join(directory, part)
-                if not os.path.isdir(directory):
-                    self._mkdir(parent, directory, cpuset)
-            dirs.append(directory)
+        dirs = [self._mkdirs(mountpoint, cpuset, ("kubepods", "besteffort", f"pod{pod_uid}", cid))
+                for mountpoint, cpuset in _cgroup_hierarchies()]
         if not dirs:
             raise DemoError("no cgroup hierarchy is mounted (see /proc/self/mountinfo); mount cgroup2 "
                             "on /sys/fs/cgroup")
         self.container_dirs[cid] = dirs
         return p
 
+    def _mkdirs(self, mountpoint: str, cpuset: bool, parts: tuple[str, ...]) -> str:
+        """mkdir -p of the container's cgroup; a shared level (kubepods, besteffort) that another
+        demo or runtime removes under our feet is made again, a few times."""
+        for attempt in range(3):
+            directory = mountpoint
+            try:
+                for part in parts:
+                    parent, directory = directory, os.path.join(directory, part)
+                    if not os.path.isdir(directory):
+                        self._mkdir(parent, directory, cpuset)
+                return directory
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise DemoError(f"cannot create cgroup {directory}: its parent keeps vanishing") from None
+        return directory
+
     def _mkdir(self, parent: str, directory: str, cpuset: bool) -> None:
         try:
             os.mkdir(directory)
         except FileExistsError:
             return  # made meanwhile by someone else: theirs to remove
+        except FileNotFoundError:
+            raise  # the parent was removed meanwhile: _mkdirs starts over
         except OSError as e:
             raise DemoError(f"cannot create cgroup {directory}: {e}; --demo needs a writable cgroupfs") from e
         self.cgroup_dirs.append(directory)
@@ -215,6 +226,9 @@ class Demo:
     # ---- the short-lived consumer -----------------------------------------------------------
 
     def start_short_lived(self) -> None:
+        """Start re-running the short-lived container (once; later calls do nothing)."""
+        if self._loop is not None or self._stop.is_set():
+            return
         self._loop = threading.Thread(target=self._short_lived_loop, name="ghostgpu-demo-batch", daemon=True)
         self._loop.start()
 
@@ -224,7 +238,6 @@ class Demo:
             proc = self._launch(pod, "demo-batch", "0.05")
             try:
                 proc.wait(timeout=READY_TIMEOUT_S)
-                self._runs += 1
             except subprocess.TimeoutExpired:
                 log.warning("demo: a short-lived run is stuck; killing it")
                 self._kill_container(pod.container_id)
@@ -258,8 +271,8 @@ class Demo:
         ids = self.container_ids()
         return ("demo: planted in namespace ghostgpu-demo: hidden = hidden-trainer (" + ids["hidden"][:12]
                 + "), orphaned = orphaned-worker (" + ids["orphaned"][:12] + "), short-lived = "
-                f"short-lived-batch ({ids['short-lived'][:12]}, re-run every {self.short_lived_every_s:g} s,"
-                f" {self._runs} runs); all removed on exit")
+                f"short-lived-batch ({ids['short-lived'][:12]}, re-run every {self.short_lived_every_s:g} s);"
+                " all removed on exit")
 
     # ---- tear-down --------------------------------------------------------------------------
 

@@ -194,8 +194,6 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
         tracer = TracerChild(tracer_command(args, address, node, tracer_cri), env)
-        if demo:
-            demo.start_short_lived()
         return LiveView(Query(address), node, tracer, stop, demo, args).run()
     except (UpError, DemoError) as e:
         print(f"ghostgpu: {e}", file=sys.stderr)
@@ -220,7 +218,8 @@ class LiveView:
         self.address = query.address
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
         self.instance_id, self.after_seq = "", 0
-        self.short_lived_seen = 0
+        self.short_lived_pids: set[int] = set()  # demo: runs of the short-lived container seen opening
+        self.short_lived_last = ""
         self.tracer_lines_shown = 0
         self._lock = threading.Lock()
 
@@ -240,12 +239,21 @@ class LiveView:
             self.after_seq = max(self.after_seq, ev.seq)
             if ev.WhichOneof("body") not in ("holder", "notice"):
                 continue  # findings come from the collector, with CRI's verdict in them
-            if short_id and ev.WhichOneof("body") == "holder" and ev.holder.process.container_id == short_id:
-                self.short_lived_seen += 1
             line = view.event_line(ev)
+            if short_id and ev.WhichOneof("body") == "holder" and ev.holder.process.container_id == short_id:
+                self._short_lived(ev, line)
             if line:
                 with self._lock:
                     self.recent.append((ev.ts_unix_ns, line))
+
+    def _short_lived(self, ev: Any, line: str | None) -> None:
+        h = ev.holder
+        if h.kind == h.KIND_OPEN and h.device_kind in ("gpu", "mig"):
+            self.short_lived_pids.add(h.process.pid)
+        elif h.kind == h.KIND_EXIT and h.HasField("held_ns"):
+            when = line.split()[0] if line else "?"
+            held_ms = h.held_ns / 1e6
+            self.short_lived_last = f"latest: pid {h.process.pid} held it {held_ms:.0f} ms, exited {when}"
 
     def _tracer_lines(self) -> None:
         """The tracer's stderr under the view, but not the warnings it also sent as notices."""
@@ -276,12 +284,17 @@ class LiveView:
             lines.append(view.node_header(status, demo_gpu=bool(self.demo and self.demo.fake_nvml)))
         if self.demo:
             lines.append(self.demo.legend())
+            latest = f"; {self.short_lived_last}" if self.short_lived_last else ""
+            lines.append(f"demo: short-lived: ghostgpu saw {len(self.short_lived_pids)} runs open the GPU "
+                         f"(one every {self.demo.short_lived_every_s:g} s){latest}")
         with self._lock:
             recent = [line for _, line in sorted(self.recent, key=lambda x: x[0])][-RECENT_LINES:]
         lines += ["", view.consumer_table(consumers, empty="(no process holds a GPU device file)"), "",
                   "recent events and findings:", *(recent or ["(none yet)"])]
         ready = status is not None and status.connected and status.HasField("info")
         if ready and self.demo is not None:
+            # Runs start once the tracer is attached: one before would be missed by design, not by ghostgpu.
+            self.demo.start_short_lived()
             ready = self._demo_seen(consumers)
         return "\n".join(lines), ready
 
@@ -290,7 +303,7 @@ class LiveView:
         ids = self.demo.container_ids()
         classes = {(c.consumer.container_id, c.consumer.cls) for c in consumers}
         return ((ids["hidden"], ConsumerClass.HIDDEN) in classes and (ids["orphaned"], ConsumerClass.ORPHANED)
-                in classes and self.short_lived_seen > 0)
+                in classes and bool(self.short_lived_pids))
 
     def run(self) -> int:
         # include_open: findings opened before the stream was (re)established are shown too.

@@ -7,6 +7,7 @@ it reads the same on a machine with a real GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -72,7 +73,8 @@ def _demo_leftovers(prefixes: list[str]) -> list[str]:
                 left.append(f"process {pid} ({comm}, state {state})")
     for root in Path("/sys/fs/cgroup").glob("**/kubepods/besteffort"):
         for pod in root.glob("pod*"):
-            left += [f"cgroup {c}" for c in pod.iterdir() if c.is_dir() and c.name[:12] in prefixes]
+            with contextlib.suppress(FileNotFoundError):  # another test's pod, removed meanwhile
+                left += [f"cgroup {c}" for c in pod.iterdir() if c.is_dir() and c.name[:12] in prefixes]
     return left
 
 
@@ -128,10 +130,11 @@ def test_up_demo_once_shows_hidden_orphaned_and_short_lived(tmp_path: Path, root
     assert rows["ghostgpu-demo/hidden-trainer/trainer"][5] == "hidden", out
     assert rows["ghostgpu-demo/orphaned-worker/worker"][5] == "orphaned", out
     assert rows["ghostgpu-demo/hidden-trainer/trainer"][3] == "1"  # PID 1 of its own namespace
-    recent = out.split("recent events and findings:", 1)[1]
-    assert re.search(r"open +pid \d+ \(demo-batch, pid 1 inside\) in container [0-9a-f]{13} /dev/nvidia0",
-                     recent), out
-    assert re.search(r"finding (opened|changed) +hidden: pid \d+ \(demo-trainer\) ", recent), out
+    # The short-lived runs, each gone in 50 ms, were each seen opening the GPU (by BPF). The recent
+    # lines themselves may have scrolled past them if other tests plant consumers on this host.
+    seen = re.search(r"^demo: short-lived: ghostgpu saw (\d+) runs open the GPU \(one every 3 s\)"
+                     r"(; latest: pid \d+ held it \d+ ms, exited \d\d:\d\d:\d\d)?$", out, re.M)
+    assert seen and int(seen.group(1)) >= 1, out
     if "DEMO GPU" not in out:  # a machine with a real driver shows its own GPUs instead
         assert "NVML driver" in out
     prefixes = _prefixes(out)
@@ -174,7 +177,9 @@ def test_up_demo_cleans_up_on_sigterm(tmp_path: Path, root_bpf: None, demo_guard
         assert by_pod["hidden-trainer"]["container"] == "trainer"
         assert by_pod["hidden-trainer"]["image"] == "ghostgpu/demo-trainer:1"
         assert by_pod["orphaned-worker"]["class"] == "orphaned"
-        assert [r["pod"] for r in _client_json(tmp_path, "ps", "--class", "orphaned")] == ["orphaned-worker"]
+        # -n: other tests on this host may plant consumers of their own meanwhile.
+        orphans = _client_json(tmp_path, "ps", "--class", "orphaned", "-n", "ghostgpu-demo")
+        assert [r["pod"] for r in orphans] == ["orphaned-worker"]
         findings = {f["pod"]: f for f in _client_json(tmp_path, "findings", "--since", "10m")}
         hidden = findings["hidden-trainer"]
         assert (hidden["class"], hidden["resolved"]) == ("hidden", None)
