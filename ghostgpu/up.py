@@ -285,7 +285,8 @@ class LiveView:
         if self.demo:
             lines.append(self.demo.legend())
             latest = f"; {self.short_lived_last}" if self.short_lived_last else ""
-            lines.append(f"demo: short-lived: ghostgpu saw {len(self.short_lived_pids)} runs open the GPU "
+            n = len(self.short_lived_pids)
+            lines.append(f"demo: short-lived: ghostgpu saw {n} run{'' if n == 1 else 's'} open the GPU "
                          f"(one every {self.demo.short_lived_every_s:g} s){latest}")
         with self._lock:
             recent = [line for _, line in sorted(self.recent, key=lambda x: x[0])][-RECENT_LINES:]
