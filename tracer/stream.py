@@ -344,7 +344,10 @@ class StreamSink:
                 self._report_overflow()
                 continue
             full = n_pending >= self._max_batch
-            if n_unsent or (n_pending and (stopping or full or now - first >= FLUSH_S)):
+            # Nothing in flight: the link is idle, so a lone finding leaves at once (detection
+            # latency); while batches await their acks, new events gather for up to FLUSH_S.
+            idle = n_inflight == 0
+            if n_unsent or (n_pending and (stopping or full or idle or now - first >= FLUSH_S)):
                 self._encode_pending()
                 self._send_unsent(session)
                 continue
