@@ -258,7 +258,8 @@ class CriResolver:
                 self._runtime[node] = runtime
             return runtime
 
-    def _fetch(self, node: str, cid: str) -> K8sInfo | CriCallError:
+    def _fetch(self, node: str, cid: str, early: Callable[[K8sInfo], None] | None = None,
+               ) -> K8sInfo | CriCallError:
         transport = self.transport_for(node)
         if transport is None:
             return CriCallError(grpc.StatusCode.UNAVAILABLE,
@@ -266,16 +267,29 @@ class CriResolver:
                                 "collector has no --collector-cri-endpoint")
         client = self._client(node, transport)
         try:
-            return fetch_k8s_info(client, cid, self._node_runtime(node, client))
+            return fetch_k8s_info(client, cid, self._node_runtime(node, client), early)
         except CriCallError as e:
             with self._cond:
                 self._runtime.pop(node, None)  # the runtime may come back upgraded: ask again
             return e
 
+    def _publish_early(self, key: tuple[str, str], entry: _Entry, info: K8sInfo) -> None:
+        """Names known before the sandbox check: show them now; the lookup goes on and may add more."""
+        with self._cond:
+            # Only a first answer: a refresh of a resolved entry keeps its complete answer until the
+            # new one is complete too, so names never flicker.
+            if self._cache.get(key) is not entry or entry.info.resolution == "resolved" or entry.info == info:
+                return
+            entry.info = info
+        try:
+            self.on_change(*key)
+        except Exception:
+            log.exception("CRI on_change callback failed for container %s on node %s", key[1], key[0])
+
     def _resolve(self, key: tuple[str, str], entry: _Entry) -> None:
         node, cid = key
         start = time.monotonic()
-        result = self._fetch(node, cid)
+        result = self._fetch(node, cid, lambda info: self._publish_early(key, entry, info))
         now = time.monotonic()
         with self._cond:
             self._fetches += 1

@@ -178,9 +178,23 @@ def _names(labels: Mapping[str, str], sandbox: cri.PodSandboxStatus | None,
             _first(labels.get(LABEL_CONTAINER_NAME, ""), metadata_name))
 
 
-def fetch_k8s_info(client: CriClient, container_id: str, runtime: str) -> K8sInfo:
-    """What CRI says about one container; raises CriCallError when CRI does not answer."""
+def fetch_k8s_info(client: CriClient, container_id: str, runtime: str,
+                   early: Callable[[K8sInfo], None] | None = None) -> K8sInfo:
+    """What CRI says about one container; raises CriCallError when CRI does not answer.
+
+    `early`, when given, hears the names as soon as ListContainers has answered for a running
+    container that carries the kubelet's pod labels: through a tracer's relay every call is a
+    round trip to the node, and the sandbox check that follows only ever adds an orphan verdict.
+    """
     listed = _pick(client.list_containers(container_id), container_id)
+    if early is not None and listed is not None and listed.state == cri.CONTAINER_RUNNING:
+        labels = dict(listed.labels)
+        if labels.get(LABEL_POD_NAME) and labels.get(LABEL_POD_NAMESPACE):
+            namespace, pod, pod_uid, container = _names(labels, None, listed.metadata.name)
+            early(K8sInfo(
+                resolution="resolved", namespace=namespace, pod=pod, pod_uid=pod_uid, container=container,
+                image=_first(listed.image.image, listed.image_ref),
+                container_state=cri.ContainerState.Name(listed.state), runtime=runtime))
     status: cri.ContainerStatus | None = None
     if listed is None:
         # Not listed: confirm with ContainerStatus, which also sees a container created just now.
