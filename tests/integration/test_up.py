@@ -168,8 +168,9 @@ def test_up_demo_cleans_up_on_sigterm(tmp_path: Path, root_bpf: None, demo_guard
         def row(pod: str, cls: str) -> bool:
             return any(x.startswith("up-node ") and x.split()[4:6] == [pod, cls] for x in list(lines))
 
-        wait_until(lambda: row("ghostgpu-demo/orphaned-worker/worker", "orphaned")
-                   and row("ghostgpu-demo/hidden-trainer/trainer", "hidden"), "the demo view", timeout_s=120)
+        wait_until(lambda: proc.poll() is not None or (row("ghostgpu-demo/orphaned-worker/worker", "orphaned")
+                   and row("ghostgpu-demo/hidden-trainer/trainer", "hidden")), "the demo view", timeout_s=120)
+        assert proc.poll() is None, f"up exited early: {proc.communicate()[1]}"
         # While it runs, `ghostgpu ps` and `findings` read the same collector from outside.
         rows = _client_json(tmp_path, "ps", "-n", "ghostgpu-demo")
         by_pod = {r["pod"]: r for r in rows}
