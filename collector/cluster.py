@@ -81,7 +81,10 @@ class Watcher:
 
 
 def _same(a: ClusterConsumer, b: ClusterConsumer) -> bool:
-    return a.consumer == b.consumer and a.k8s == b.k8s and a.allocated == b.allocated
+    # node_class counts too: enrich() gives the same final consumer (class and reason) to a holder the
+    # node calls pending and, a moment later, hidden when CRI makes it orphaned.
+    return (a.consumer == b.consumer and a.k8s == b.k8s and a.allocated == b.allocated
+            and a.node_class == b.node_class)
 
 
 class ClusterTable:
