@@ -241,6 +241,13 @@ class Ingest:
             self._batch(session, msg.events, raw)
         elif kind == "snapshot":
             snap = msg.snapshot
+            delivered = state.position.delivered_seq if state.position is not None else 0
+            if snap.seq < delivered:
+                # A snapshot reflects every event up to its seq, and the tracer sends it with its last
+                # seq after the Welcome: one older than events already received would roll state back.
+                raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"node {session.node}: Snapshot seq {snap.seq} is behind seq {delivered} "
+                                  "already received on this tracer's stream; send snapshots in order")
             self.cluster.update(state, state.apply_snapshot(snap))
             self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
         elif kind == "heartbeat":
