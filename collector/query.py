@@ -21,6 +21,7 @@ from collector.cluster import ClusterTable, Watcher
 from collector.nodes import NodeState
 from collector.store import FindingRow, Store, decode_blob
 from ghostgpu import __version__
+from ghostgpu.api import MAX_MESSAGE_BYTES
 from ghostgpu.cluster import cluster_consumer_to_proto
 from ghostgpu.convert import class_from_proto
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
@@ -28,6 +29,10 @@ from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 T = TypeVar("T")
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 100_000
+# A ListEvents answer stays within what every client receives (MAX_MESSAGE_BYTES, the default of
+# ghostgpu.api.channel_options), with room to spare: 1,000 holder events of processes with 10 KB
+# command lines are 10 MB. A client pages on with after_seq, so a shorter page loses nothing.
+EVENTS_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
 
 
 def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequence[str],
@@ -101,7 +106,15 @@ def _stored_events(rows: list[EventRow], instance_id: str, after_seq: int,
             if instance_id and ev.seq <= after_seq:
                 continue
             out.append(query_pb2.StoredEvent(node=node, boot_id=boot_id, instance_id=inst, event=ev))
-    return out[:limit] if instance_id else out[-limit:]
+    # With instance_id a page runs on from after_seq (cut at its end); without, it is the newest.
+    page = out[:limit] if instance_id else out[-limit:][::-1]
+    kept, size = [], 0
+    for stored in page:
+        size += stored.ByteSize() + 8  # the field's tag and length prefix
+        if kept and size > EVENTS_RESPONSE_BYTES:
+            break
+        kept.append(stored)
+    return kept if instance_id else kept[::-1]
 
 
 class QueryService(query_pb2_grpc.QueryServicer):
