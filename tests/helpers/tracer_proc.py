@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ghostgpu.wire import STREAMED_KINDS
+
 Record = dict[str, Any]
 
 
@@ -24,7 +26,9 @@ class TracerProcess:
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
         node_name: str = "test-node",
+        collector: str | None = None,
     ) -> None:
+        self.node_name = node_name
         self.path = workdir / "tracer.jsonl"
         self.stderr_path = workdir / "tracer.stderr"
         cmd = [
@@ -36,6 +40,7 @@ class TracerProcess:
             str(self.path),
             "--node-name",
             node_name,
+            *(["--collector", collector] if collector else []),
             *(args or []),
         ]
         full_env = {**os.environ, **(env or {})}
@@ -91,7 +96,8 @@ class TracerProcess:
         return [r for r in self.records if pred(r)]
 
     def stderr(self) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         return self.stderr_path.read_text()[-3000:]
 
     def stop(self, timeout_s: float = 10.0) -> int:
@@ -105,6 +111,19 @@ class TracerProcess:
         self._stderr.close()
         self._read_new()
         return self.proc.returncode
+
+    def kill(self) -> int:
+        """SIGKILL, as a crash or an OOM kill: no flush, nothing said to the collector."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._stderr.close()
+        self._read_new()
+        return self.proc.returncode
+
+    def streamed(self) -> list[Record]:
+        """The records so far of the kinds the tracer streams to a collector (not `ready`)."""
+        return self.matching(lambda r: r.get("event") in STREAMED_KINDS)
 
     def __enter__(self) -> TracerProcess:
         return self
