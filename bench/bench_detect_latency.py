@@ -13,8 +13,9 @@ lookup, no cached answer) whose shell waits for SIGUSR1 and then runs `exec 3</d
 when the query API shows that container's consumer classified and resolved (namespace and pod set
 by CRI): by default the first WatchFindings event that says so (the push path `ghostgpu ps
 --watch` follows), with --via poll the first ListConsumers answer (polled every --poll-ms, which
-itself loads a 2-core machine). The time it first appears (still unresolved) is recorded too. Goal: p50 < 20 ms, p99 < 100 ms; dcgm-exporter, the
-usual GPU metrics path, scrapes every 15 s. Prints a table, writes bench/results/detect_latency.json.
+itself loads a 2-core machine). The time it first appears (still unresolved) is recorded too.
+Goal: p50 < 20 ms, p99 < 100 ms; dcgm-exporter, the usual GPU metrics path, scrapes every 15 s.
+Prints a table, writes bench/results/detect_latency.json.
 """
 
 from __future__ import annotations
