@@ -6,8 +6,8 @@ allocations, and appends the record to the spool (tracer/spool.py). One sender t
 rest, as stream.proto and the issue 3 spec ("Stream protocol") say:
 
     connect -> Hello -> Welcome (drop spool <= acked_seq) -> Snapshot(seq = last assigned)
-    -> the spool's unacknowledged events -> live EventBatches, flushed at max_batch_events or
-    10 ms after their first event -> Heartbeat after heartbeat_s of silence
+    -> the spool's unacknowledged events -> live EventBatches: at once on an idle link, else at
+    max_batch_events or 10 ms after their first event -> Heartbeat after heartbeat_s of silence
 
 reading Acks (trim the spool) and Commands (CRI relay, answered on the same stream). A lost stream
 is retried with jittered exponential backoff; the snapshot (taken under the lock that assigns
@@ -202,10 +202,8 @@ class StreamSink:
             timeout = until_s - now
             with self._lock:
                 if self._spool.pending:
-                    due = self._first_pending_s + FLUSH_S - now
-                    if due <= 0 or len(self._spool.pending) >= self._max_batch:
-                        timeout = 0
-                    timeout = min(timeout, max(due, 0))
+                    full = len(self._spool.pending) >= self._max_batch
+                    timeout = 0 if full else min(timeout, max(self._first_pending_s + FLUSH_S - now, 0))
             if timeout <= 0:
                 self._encode_pending()
                 continue
@@ -343,10 +341,9 @@ class StreamSink:
             if overflowed:  # the collector fell behind while connected and has caught up again
                 self._report_overflow()
                 continue
-            full = n_pending >= self._max_batch
-            # Nothing in flight: the link is idle, so a lone finding leaves at once (detection
-            # latency); while batches await their acks, new events gather for up to FLUSH_S.
-            idle = n_inflight == 0
+            # An idle link (nothing in flight) sends a lone finding at once, for detection latency;
+            # while batches await their acks, new events gather for up to FLUSH_S.
+            full, idle = n_pending >= self._max_batch, n_inflight == 0
             if n_unsent or (n_pending and (stopping or full or idle or now - first >= FLUSH_S)):
                 self._encode_pending()
                 self._send_unsent(session)
