@@ -117,7 +117,10 @@ class Server:
 @pytest.fixture
 def server() -> Iterator[Server]:
     fake = FakeQuery()
-    fake.consumers = [UNRESOLVED, RESOLVED, HOST]
+    # Ages as of this test, not of the module's import (a full run reaches this file minutes later).
+    shift_ns = time.time_ns() - int(NOW_S * 1e9)
+    fake.consumers = [replace(c, since_unix_ns=c.since_unix_ns + shift_ns)
+                      for c in (UNRESOLVED, RESOLVED, HOST)]
     info = stream_pb2.NodeInfo(bpf=True, nvml=True, driver_version="550.54.15",
                                gpus=[stream_pb2.Gpu(index=0, uuid="GPU-aaaa", name="NVIDIA H100")])
     fake.nodes = [query_pb2.TracerStatus(node="gpu-node-1", connected=True, info=info,
