@@ -172,7 +172,8 @@ def test_ps_json_is_cluster_consumer_rows(server: Server, capsys: pytest.Capture
 
     assert main(["ps", "--collector", server.address, "-o", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows == [RESOLVED.to_json(), UNRESOLVED.to_json(), HOST.to_json()]
+    unresolved, resolved, host = server.fake.consumers
+    assert rows == [resolved.to_json(), unresolved.to_json(), host.to_json()]
     for key in ("node", "pid", "ns_pid", "comm", "gpu", "devices", "container_id", "class", "reason",
                 "gpu_memory_bytes", "namespace", "pod", "container", "image", "allocated"):
         assert key in rows[0]
