@@ -221,12 +221,7 @@ def _watch(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> i
     last_printed, screen = "", first
     try:
         while True:
-            if tty:
-                sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
-                sys.stdout.flush()
-            elif screen_signature(screen) != screen_signature(last_printed):
-                print(screen + "\n", flush=True)
-                last_printed = screen
+            last_printed = show(screen, last_printed, tty)
             waker.changed.wait(WATCH_REDRAW_S)
             waker.changed.clear()
             try:
@@ -243,6 +238,18 @@ _AGES = re.compile(r"\b\d+[smhd]\b")
 def screen_signature(screen: str) -> str:
     """What a piped watch compares: the screen without its ages, so only real changes print."""
     return _AGES.sub("", screen)
+
+
+def show(screen: str, last_printed: str, tty: bool) -> str:
+    """Redraw a live view: a terminal gets the screen every time; a pipe gets it only when something
+    other than an age changed (returns what was last printed)."""
+    if tty:
+        sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+        sys.stdout.flush()
+    elif screen_signature(screen) != screen_signature(last_printed):
+        print(screen + "\n", flush=True)
+        return screen
+    return last_printed
 
 
 def cmd_findings(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ghostgpu import view
-from ghostgpu.client import ClientError, FindingWaker, Query, screen_signature
+from ghostgpu.client import ClientError, FindingWaker, Query, show
 from ghostgpu.demo import Demo, DemoError
 from ghostgpu.model import ConsumerClass
 from ghostgpu.v1 import query_pb2
@@ -336,12 +336,8 @@ class LiveView:
                         print(f"ghostgpu: gave up waiting {time.monotonic() - started:.0f} s for {what}; "
                               f"tracer said: {self.tracer.last_line()}", file=sys.stderr)
                         return 1
-                elif tty:
-                    sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
-                    sys.stdout.flush()
-                elif screen_signature(screen) != screen_signature(last):
-                    print(screen + "\n", flush=True)
-                    last = screen
+                else:
+                    last = show(screen, last, tty)
                 waker.changed.wait(0.2 if self.once else REDRAW_S)
                 waker.changed.clear()
             return 0

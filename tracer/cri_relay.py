@@ -46,11 +46,11 @@ REDETECT_INTERVAL_S = 1.0  # with no socket found, look again at most this often
 MAX_RESPONSE_BYTES = (8 << 20) - (64 << 10)
 
 
-def socket_path(endpoint: str) -> str:
+def socket_path(endpoint: str, flag: str = "--cri-endpoint", example: str = "runtime.sock") -> str:
     """unix:///path or /path -> /path; anything else is a one-line ValueError naming the flag."""
     path = endpoint.removeprefix("unix://") if endpoint.startswith("unix://") else endpoint
     if not path.startswith("/"):
-        raise ValueError(f"--cri-endpoint {endpoint!r}: use unix:///absolute/path/to/runtime.sock")
+        raise ValueError(f"{flag} {endpoint!r}: use unix:///absolute/path/to/{example}")
     return path
 
 

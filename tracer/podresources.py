@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from ghostgpu.k8s import podresources_v1_pb2
+from tracer.cri_relay import socket_path
 
 log = logging.getLogger("ghostgpu.podresources")
 
@@ -39,10 +40,7 @@ _GPU_UUID = re.compile(r"\b(?:GPU|MIG)-[0-9A-Za-z-]+")
 
 
 def endpoint_path(endpoint: str) -> str:
-    path = endpoint.removeprefix("unix://") if endpoint.startswith("unix://") else endpoint
-    if not path.startswith("/"):
-        raise ValueError(f"--podresources-endpoint {endpoint!r}: use unix:///absolute/path/kubelet.sock")
-    return path
+    return socket_path(endpoint, "--podresources-endpoint", "kubelet.sock")
 
 
 def physical_id(device_id: str) -> str:
