@@ -249,6 +249,10 @@ class Tracer:
                 per_cmd[cmd] = per_cmd.get(cmd, 0) + n
             self.state.set_ioctl_counts(holder_pid, per_cmd)
 
+    def bpf_stats(self) -> dict[str, int]:
+        """The kernel counters as last read (a dict replaced whole, so any thread may read it)."""
+        return self._bpf_stats
+
     def _report_bpf_stats(self) -> None:
         stats = self.bpf.stats()
         for name, value in stats.items():

@@ -32,12 +32,9 @@ PODRESOURCES_INTERVAL_S = 10.0
 
 
 def _ringbuf_drops(tracer: Tracer) -> Callable[[], int]:
-    """The kernel ring buffer's drop count for TracerStats, as the agent last read it.
-
-    The agent refreshes its BPF counters on its own thread every ioctl poll; reading its last copy
-    (a dict swapped whole, never mutated) is safe from the stream's thread and costs no syscall.
-    """
-    return lambda: int(getattr(tracer, "_bpf_stats", {}).get("ringbuf_drops", 0))
+    """The kernel ring buffer's drop count for TracerStats, as the agent last read it on its own
+    thread (no syscall on the stream's thread)."""
+    return lambda: int(tracer.bpf_stats().get("ringbuf_drops", 0))
 
 
 def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
