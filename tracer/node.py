@@ -48,13 +48,12 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
     if not collector:
         return sinks, None, None
     target = api.collector_address(collector)
-    spool_events = getattr(args, "spool_events", None) or 100_000
-    if spool_events <= 0:
-        raise ValueError(f"--spool-events {spool_events}: must be a positive number of events")
+    spool_events = getattr(args, "spool_events", None)
+    options = StreamOptions() if spool_events is None else StreamOptions(spool_events=spool_events)
+    # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.
     relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)
     stream = StreamSink(target, cfg.node_name, relay=relay,
-                        capabilities=["podresources"] if poller_runs else [],
-                        options=StreamOptions(spool_events=spool_events))
+                        capabilities=["podresources"] if poller_runs else [], options=options)
     sinks.append(stream)
     return sinks, stream, relay
 

@@ -120,6 +120,14 @@ def test_a_bad_collector_address_is_one_line(tmp_path: Path) -> None:
     assert err.strip().count("\n") == 0 and "collector address 'no-port-here'" in err
 
 
+@pytest.mark.parametrize("spool_events", ["0", "-1"])
+def test_a_spool_of_no_events_is_refused(tmp_path: Path, spool_events: str) -> None:
+    proc = tracer(["--collector", "127.0.0.1:1", "--spool-events", spool_events], tmp_path)
+    assert proc.wait(30) == 2
+    err = (tmp_path / "stderr").read_text()
+    assert err.strip().count("\n") == 0 and "--spool-events" in err and f"got {spool_events}" in err
+
+
 class ScriptedNvml:
     """Stands in for tracer.nvml.NvmlSource: each read() returns the view a test set last."""
 
