@@ -270,12 +270,12 @@ class Ingest:
         state = session.state
         pos = state.position
         assert pos is not None
-        acc = state.accept(seqs)
+        first_new = state.accept(seqs)
         n = len(seqs)
         ops = []
         size = 0
-        if acc.start < n and self.event_log_max > 0:
-            start = max(acc.start, n - self.event_log_max)
+        if first_new < n and self.event_log_max > 0:
+            start = max(first_new, n - self.event_log_max)
             if start == 0:
                 blob = raw  # every event is new: store the bytes as they came
             else:
@@ -286,9 +286,9 @@ class Ingest:
         ops.append(Store.op_position(pos))
         session.inflight += 1
         session.drained.clear()
-        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, acc.last_seq), size)
-        if acc.start < n:
-            changes = state.apply_events(events, seqs, bodies, acc.start)
+        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, seqs[-1]), size)
+        if first_new < n:
+            changes = state.apply_events(events, seqs, bodies, first_new)
             if changes.keys or changes.full:
                 self.cluster.update(state, changes)
 

@@ -66,17 +66,6 @@ def _copy(msg: Any) -> Any:
 
 
 @dataclass
-class Accepted:
-    start: int  # index of the first event not yet stored; events before it are duplicates
-    duplicates: int
-    gaps: int
-    last_seq: int
-
-    def new(self, n: int) -> int:
-        return n - self.start
-
-
-@dataclass
 class Changes:
     keys: list[ConsumerKey] = field(default_factory=list)  # in event order: findings open in that order
     full: bool = False  # every consumer of the node may have changed (snapshot, allocations)
@@ -110,14 +99,15 @@ class NodeState:
     def end(self) -> None:
         self.connected = False
 
-    def accept(self, seqs: list[int]) -> Accepted:
-        """Count a validated batch against the position: what is new, duplicate, or missing."""
+    def accept(self, seqs: list[int]) -> int:
+        """Count a validated batch against the position (new, duplicate, missing events); the index
+        of its first new event (len(seqs) when every one is a duplicate)."""
         pos = self.position
         assert pos is not None
         delivered, last, n = pos.delivered_seq, seqs[-1], len(seqs)
         if last <= delivered:
             pos.duplicates_total += n
-            return Accepted(n, n, 0, last)
+            return n
         start = 0 if seqs[0] > delivered else bisect_right(seqs, delivered)
         first, new = seqs[start], n - start
         gaps = (last - first + 1 - new) + (first - delivered - 1)  # inside the batch, and before it
@@ -126,7 +116,7 @@ class NodeState:
         pos.duplicates_total += start
         pos.gaps_total += gaps
         pos.updated_unix_ns = time.time_ns()
-        return Accepted(start, start, gaps, last)
+        return start
 
     def apply_events(self, events: Sequence[stream_pb2.NodeEvent], seqs: list[int], bodies: list[str],
                      start: int) -> Changes:
