@@ -118,19 +118,19 @@ class TracerChild:
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, env=env, text=True, errors="replace")
-        self.stderr: collections.deque[str] = collections.deque(maxlen=50)
+        # (line number, line): numbered so the view can tell new lines once the tail is full.
+        self.stderr: collections.deque[tuple[int, str]] = collections.deque(maxlen=50)
         self._reader = threading.Thread(target=self._read, name="ghostgpu-tracer-stderr", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            if line.strip():
-                self.stderr.append(line.rstrip())
+        for n, line in enumerate(line for line in self.proc.stderr if line.strip()):
+            self.stderr.append((n, line.rstrip()))
 
     def last_line(self) -> str:
         self._reader.join(timeout=1.0)  # an exited tracer's last words may still be in the pipe
-        return self.stderr[-1] if self.stderr else "(no output on stderr)"
+        return self.stderr[-1][1] if self.stderr else "(no output on stderr)"
 
     def stop(self) -> None:
         """SIGTERM (the tracer detaches its BPF programs), then SIGKILL past TRACER_STOP_S."""
@@ -258,7 +258,9 @@ class LiveView:
     def _tracer_lines(self) -> None:
         """The tracer's stderr under the view, but not the warnings it also sent as notices."""
         lines = list(self.tracer.stderr)
-        fresh, self.tracer_lines_shown = lines[self.tracer_lines_shown:], len(lines)
+        fresh = [line for n, line in lines if n >= self.tracer_lines_shown]
+        if lines:
+            self.tracer_lines_shown = lines[-1][0] + 1
         with self._lock:
             shown = [line for _, line in self.recent]
             for line in fresh:
