@@ -33,6 +33,7 @@ from collector.cri_fetch import (
     fetch_k8s_info,
     normalize_container_id,
 )
+from collector.k8s import NO_CONTAINER
 from ghostgpu.cluster import K8sInfo
 
 __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriTransport", "direct_transport"]
@@ -40,7 +41,6 @@ __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriT
 log = logging.getLogger(__name__)
 
 PENDING_ERROR = "CRI lookup pending"
-NO_CONTAINER = K8sInfo(resolution="none")
 
 
 @dataclass(frozen=True)
