@@ -138,21 +138,6 @@ class CriResolver:
             entry.last_read = now
             return entry.info
 
-    def invalidate(self, node: str, container_id: str | None = None) -> None:
-        """Make a node's answers (or one container's) expire: the next get() refreshes them."""
-        cid = normalize_container_id(container_id) if container_id else None
-        with self._cond:
-            for (n, c), entry in self._cache.items():
-                if n == node and (cid is None or c == cid):
-                    entry.expires_at = 0.0
-
-    def forget_node(self, node: str) -> None:
-        """Drop everything about a node (it left the cluster): its entries and its runtime version."""
-        with self._cond:
-            for key in [k for k in self._cache if k[0] == node]:
-                del self._cache[key]
-            self._runtime.pop(node, None)
-
     def runtime(self, node: str) -> str:
         """The node's runtime as Version() named it, "" before the first answer."""
         with self._cond:

@@ -139,7 +139,6 @@ class Store:
         self._lock = threading.Lock()
         self._log_events = self._conn.execute("SELECT COALESCE(SUM(count), 0) FROM events").fetchone()[0]
         self._last_prune = 0.0
-        self.commits_total = 0
         self.failed: BaseException | None = None
         self._prune_retention()
         self._thread = threading.Thread(target=self._run, name="collector-store", daemon=True)
@@ -259,7 +258,6 @@ class Store:
         for attempt in range(3):
             try:
                 self._write(jobs)
-                self.commits_total += 1
                 return None
             except sqlite3.Error as e:
                 with contextlib.suppress(sqlite3.Error):  # a closed or broken connection cannot roll back
