@@ -55,6 +55,13 @@ def socket_path(endpoint: str, flag: str = "--cri-endpoint", example: str = "run
     return path
 
 
+def rpc_status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of a failed call; an RpcError that is not a call's outcome reads as UNKNOWN."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return code, details
+
+
 def is_socket(path: str) -> bool:
     try:
         return stat.S_ISSOCK(os.stat(path).st_mode)
@@ -125,8 +132,7 @@ class CriRelay:
         try:
             response = stub(request, timeout=timeout_s)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = exc.details() if hasattr(exc, "details") else str(exc)
+            code, details = rpc_status(exc)
             return stream_pb2.CriResponse(code=code.value[0], endpoint=self._path or "",
                                           message=f"CRI {method} on {self._path}: {details}")
         except Exception as exc:  # a grpc surprise must not kill the stream's command worker

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from ghostgpu.k8s import podresources_v1_pb2
-from tracer.cri_relay import socket_path
+from tracer.cri_relay import rpc_status, socket_path
 
 log = logging.getLogger("ghostgpu.podresources")
 
@@ -127,8 +127,7 @@ class PodResourcesPoller:
         try:
             response = call(podresources_v1_pb2.ListPodResourcesRequest(), timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = exc.details() if hasattr(exc, "details") else str(exc)
+            code, details = rpc_status(exc)
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.current_interval_s = min(self.current_interval_s * 2,
                                               self.interval_s * MAX_BACKOFF_FACTOR)
