@@ -100,27 +100,15 @@ def client_version_problem(metadata: Sequence[tuple[str, Any]] | None) -> str | 
     return version_mismatch(version, "client")
 
 
-def _refusal(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandler:
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-
-
-def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """The query handler on raw bytes, parsed here: a malformed request is INVALID_ARGUMENT, where
-    gRPC's own deserializer would answer UNKNOWN ("Unexpected DecodeError"; grpcio 1.85 aio)."""
+def _checked(handler: grpc.RpcMethodHandler, method: str, problem: str | None) -> grpc.RpcMethodHandler:
+    """The query handler on raw bytes: a client of an unsupported version (`problem`) is refused with
+    FAILED_PRECONDITION, and a malformed request is INVALID_ARGUMENT, where gRPC's own deserializer
+    would answer UNKNOWN ("Unexpected DecodeError"; grpcio 1.85 aio)."""
     parse, name = handler.request_deserializer, method.rpartition("/")[2]
 
     async def request(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        if problem is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         try:
             return parse(raw)
         except DecodeError as e:
@@ -146,7 +134,7 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
 
 class ApiVersionInterceptor(grpc.aio.ServerInterceptor):
     """Refuses query calls from clients of an unsupported API version (the stream checks Hello), and
-    parses the requests of the others itself (see _parsing)."""
+    parses the requests of the others itself (see _checked)."""
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -156,9 +144,7 @@ class ApiVersionInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not handler_call_details.method.startswith(QUERY_PREFIX):
             return handler
         problem = client_version_problem(handler_call_details.invocation_metadata)
-        if problem is not None:
-            return _refusal(handler, problem)
-        return _parsing(handler, handler_call_details.method)
+        return _checked(handler, handler_call_details.method, problem)
 
 
 async def start_server(connect: Callable[..., Any], query: Any,
