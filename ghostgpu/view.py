@@ -14,6 +14,7 @@ from typing import Any
 from ghostgpu.cluster import ClusterConsumer, cluster_consumer_from_proto
 from ghostgpu.convert import class_from_proto
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
+from ghostgpu.wire import holder_kind
 
 Column = tuple[str, Callable[[ClusterConsumer], str]]
 
@@ -40,6 +41,14 @@ def who(c: ClusterConsumer) -> str:
     return "host"
 
 
+def _gpu(c: ClusterConsumer) -> str:
+    return "-" if c.consumer.gpu is None else str(c.consumer.gpu)
+
+
+def _devices(c: ClusterConsumer) -> str:
+    return ",".join(d.removeprefix("/dev/") for d in c.consumer.devices) or "-"
+
+
 def _allocated(c: ClusterConsumer) -> str:
     return "unknown" if c.allocated is None else str(c.allocated).lower()
 
@@ -47,7 +56,7 @@ def _allocated(c: ClusterConsumer) -> str:
 def _columns(now_s: float, wide: bool) -> list[Column]:
     cols: list[Column] = [
         ("NODE", lambda c: c.consumer.node or "-"),
-        ("GPU", lambda c: "-" if c.consumer.gpu is None else str(c.consumer.gpu)),
+        ("GPU", _gpu),
         ("PID", lambda c: str(c.consumer.pid)),
         ("CPID", lambda c: "-" if c.consumer.ns_pid is None else str(c.consumer.ns_pid)),
         ("NAMESPACE/POD/CONTAINER", who),
@@ -60,7 +69,7 @@ def _columns(now_s: float, wide: bool) -> list[Column]:
             ("COMM", lambda c: c.consumer.comm or "?"),
             ("IMAGE", lambda c: c.k8s.image or "-"),
             ("ALLOCATED", _allocated),
-            ("DEVICES", lambda c: ",".join(d.removeprefix("/dev/") for d in c.consumer.devices) or "-"),
+            ("DEVICES", _devices),
             ("REASON", lambda c: c.consumer.reason),
         ]
     return cols
@@ -144,10 +153,10 @@ def findings_table(findings: Sequence[query_pb2.Finding], wide: bool = False) ->
         pod = f"{c.k8s.namespace}/{c.k8s.pod}" if c.k8s.pod else who(c)
         row = [_stamp(f.opened_unix_ns), _stamp(f.resolved_unix_ns) if f.resolved_unix_ns else "open",
                f.node or c.consumer.node, str(c.consumer.cls), pod, str(c.consumer.pid),
-               "-" if c.consumer.gpu is None else str(c.consumer.gpu), c.consumer.reason]
+               _gpu(c), c.consumer.reason]
         if wide:
             row[-1:-1] = [c.consumer.comm or "?", c.k8s.container or c.consumer.container_id[:13] or "-",
-                          ",".join(d.removeprefix("/dev/") for d in c.consumer.devices) or "-"]
+                          _devices(c)]
         rows.append(row)
     text = grid(header, rows)
     return text + "\n(no findings in this window)" if not rows else text
@@ -174,16 +183,13 @@ def finding_event_line(ev: query_pb2.FindingEvent) -> str:
             f"({c.consumer.comm or '?'}) {who(c)} on {f.node or c.consumer.node}: {c.consumer.reason}")
 
 
-_HOLDER_KINDS = {v: k.removeprefix("KIND_").lower() for k, v in node_pb2.HolderEvent.Kind.items()}
-
-
 def event_line(ev: stream_pb2.NodeEvent) -> str | None:
     """One line for a node event worth showing under a live view; None for the rest."""
     body = ev.WhichOneof("body")
     when = _clock(ev.ts_unix_ns)
     if body == "holder":
         h = ev.holder
-        kind = _HOLDER_KINDS.get(h.kind, "holder")
+        kind = holder_kind(h.kind)
         if kind not in ("open", "close", "exit", "mmap") or h.device_kind in ("control", "uvm"):
             return None  # control devices alone make no consumer: their opens are noise here
         extra = []

@@ -45,6 +45,11 @@ def ns_to_ts(ns: int) -> float:
     return round(ns / 1e9, 6)
 
 
+def holder_kind(kind: int) -> str:
+    """A HolderEvent.Kind as the record's `event` ("open", "exit", ...); "unknown" for one not known here."""
+    return _PB_TO_KIND.get(kind, "unknown")
+
+
 def _int_or(value: int | None, unset: int) -> int:
     return unset if value is None else int(value)
 
@@ -87,7 +92,7 @@ def holder_to_proto(rec: dict[str, Any]) -> node_pb2.HolderEvent:
 def holder_from_proto(msg: node_pb2.HolderEvent) -> dict[str, Any]:
     p = msg.process
     rec: dict[str, Any] = {
-        "event": _PB_TO_KIND.get(msg.kind, "unknown"), "ts_ns": msg.ts_ns, "source": msg.source, "pid": p.pid,
+        "event": holder_kind(msg.kind), "ts_ns": msg.ts_ns, "source": msg.source, "pid": p.pid,
         "tid": msg.tid, "gpu": _back(msg.gpu, -1), "gpu_uuid": msg.gpu_uuid, "device": msg.device or None,
         "device_kind": msg.device_kind or None, "fd": _back(msg.fd, -1), "devices": list(msg.devices),
         "class": None, "reason": "", "gpu_memory_bytes": None, "cgroup_id": msg.cgroup_id or None,
