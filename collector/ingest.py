@@ -130,7 +130,7 @@ class Ingest:
         msg = self._parse(raw)
         if msg.WhichOneof("msg") != "hello":
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "stream must start with Hello")
-        hello = stream_pb2.Hello.FromString(msg.hello.SerializeToString())
+        hello = msg.hello  # its message holds only this Hello: nothing to detach (unlike nodes._copy)
         problem = version_mismatch(hello.api_version, f"tracer on node {hello.node or '(unnamed)'}")
         if problem:
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, problem)
