@@ -91,7 +91,7 @@ class Ingest:
         self.max_batch_events = max_batch_events
         self.sessions: dict[str, Session] = {}
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
         self._command_ids = itertools.count(1)
         self._done: list[tuple[Session, tuple[str, str, str], int, BaseException | None]] = []
         self._done_lock = threading.Lock()
@@ -103,7 +103,6 @@ class Ingest:
     # ---- the handler ----------------------------------------------------------------------------
 
     async def connect(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-        self.loop = asyncio.get_running_loop()
         it = requests.__aiter__()
         try:
             raw = await it.__anext__()
