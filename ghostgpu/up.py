@@ -87,9 +87,10 @@ def _real_gpu_visible() -> bool:
 
 
 def _local_cri_endpoint() -> str | None:
-    from tracer.cri_relay import DEFAULT_SOCKETS, is_socket
+    from tracer.cri_relay import detect_socket
 
-    return next((f"unix://{p}" for p in DEFAULT_SOCKETS if is_socket(p)), None)
+    path = detect_socket()
+    return f"unix://{path}" if path else None
 
 
 def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoint: str | None) -> list[str]:

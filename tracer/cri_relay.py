@@ -69,6 +69,11 @@ def is_socket(path: str) -> bool:
         return False
 
 
+def detect_socket(candidates: tuple[str, ...] = DEFAULT_SOCKETS) -> str | None:
+    """The first of `candidates` that is a unix socket (the node's runtime, in probe order), else None."""
+    return next((path for path in candidates if is_socket(path)), None)
+
+
 class CriRelay:
     """Forwards allowlisted runtime.v1 calls to one socket: `endpoint`, or the first default found."""
 
@@ -91,11 +96,9 @@ class CriRelay:
 
     def _detect(self) -> None:
         self._next_detect_s = time.monotonic() + REDETECT_INTERVAL_S
-        for path in self._candidates:
-            if is_socket(path):
-                log.info("CRI relay: using %s", path)
-                self._path = path
-                return
+        self._path = detect_socket(self._candidates)
+        if self._path is not None:
+            log.info("CRI relay: using %s", self._path)
 
     def _channel_for_call(self) -> tuple[grpc.Channel | None, str]:
         """(channel, "") or (None, why not); looks for a socket again when none was found yet."""
