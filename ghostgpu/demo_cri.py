@@ -40,9 +40,14 @@ class DemoPod:
     image: str
     exited: bool = False  # the orphan: its shim died, so the runtime reports the container exited
 
-    def labels(self) -> dict[str, str]:
+    def pod_labels(self) -> dict[str, str]:
+        """The labels kubelet puts on a pod sandbox."""
         return {"io.kubernetes.pod.name": self.pod, "io.kubernetes.pod.namespace": DEMO_NAMESPACE,
-                "io.kubernetes.pod.uid": self.pod_uid, "io.kubernetes.container.name": self.container}
+                "io.kubernetes.pod.uid": self.pod_uid}
+
+    def labels(self) -> dict[str, str]:
+        """The labels kubelet puts on a container: its pod's, plus the container's name."""
+        return {**self.pod_labels(), "io.kubernetes.container.name": self.container}
 
     def container_msg(self, created_ns: int) -> cri.Container:
         return cri.Container(
@@ -106,8 +111,7 @@ class DemoRuntime(cri_grpc.RuntimeServiceServicer):
         return cri.PodSandbox(
             id=pod.sandbox_id, state=cri.SANDBOX_READY, created_at=self.created_ns,
             metadata=cri.PodSandboxMetadata(name=pod.pod, uid=pod.pod_uid, namespace=DEMO_NAMESPACE),
-            labels={"io.kubernetes.pod.name": pod.pod, "io.kubernetes.pod.namespace": DEMO_NAMESPACE,
-                    "io.kubernetes.pod.uid": pod.pod_uid},
+            labels=pod.pod_labels(),
         )
 
     def ListPodSandbox(self, request: Any, context: grpc.ServicerContext) -> Any:
