@@ -86,6 +86,20 @@ class Collector:
 
     def start(self) -> Collector:
         """Open the database, bind every address, serve; raises ListenError or StoreError."""
+        try:
+            self._build()
+        except BaseException:
+            self._close_helpers()  # what was opened before the failure (the CRI channel, the store)
+            raise
+        self._thread = threading.Thread(target=self._run, name="collector-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._close_helpers()
+            raise self._start_error
+        return self
+
+    def _build(self) -> None:
         if self.cri_endpoint:
             from collector.cri import direct_transport
 
@@ -103,13 +117,6 @@ class Collector:
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures)
-        self._thread = threading.Thread(target=self._run, name="collector-loop", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._start_error is not None:
-            self._close_helpers()
-            raise self._start_error
-        return self
 
     def _run(self) -> None:
         try:
@@ -159,7 +166,9 @@ class Collector:
         channel = getattr(self._direct, "channel", None)
         if channel is not None:
             channel.close()
-        self.store.close()  # idempotent: after the loop's own close, only the connection is closed again
+        store = getattr(self, "store", None)  # absent when start() failed before opening it
+        if store is not None:
+            store.close()  # idempotent: after the loop's own close, only the connection is closed again
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the collector has stopped; False on timeout."""

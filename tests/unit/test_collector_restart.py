@@ -150,6 +150,14 @@ def test_a_busy_port_is_refused_not_shared(tmp_path: Path) -> None:
             other.start()
 
 
+def test_a_start_that_fails_closes_what_it_opened(tmp_path: Path) -> None:
+    c = Collector(["127.0.0.1:0"], "/proc/version/collector.db", cri_endpoint=f"unix://{tmp_path}/cri.sock")
+    with pytest.raises(StoreError, match="cannot open or write it"):
+        c.start()
+    with pytest.raises(ValueError, match="closed channel"):  # the CRI socket's channel is closed
+        c._direct("Version", b"", 1.0)
+
+
 def test_a_database_that_cannot_be_written_ends_streams_and_stays_failed(tmp_path: Path) -> None:
     with running_collector(tmp_path) as c:
         with SimTracer(c.address, "n1") as t:
