@@ -24,9 +24,9 @@ from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.convert import consumer_to_proto
 from ghostgpu.model import Consumer, ConsumerClass
 from ghostgpu.v1 import node_pb2, stream_pb2
+from tracer.cri_relay import ALLOWED_METHODS
 
 METHOD = "/ghostgpu.v1.NodeStream/Connect"
-READ_ONLY = frozenset({"Version", "ListContainers", "ContainerStatus", "ListPodSandbox", "PodSandboxStatus"})
 CriAnswer = Callable[[str, bytes], tuple[int, str, bytes]]  # (method, request) -> (code, message, response)
 CriTable = Mapping[str, "bytes | Message | tuple[int, str]"]
 SIM_ENDPOINT = "unix:///run/sim/cri.sock"
@@ -201,7 +201,7 @@ class SimTracer:
         self.send(message_bytes(result=stream_pb2.CommandResult(id=command.id, cri=resp)))
 
     def _cri_answer(self, method: str, request: bytes) -> tuple[int, str, bytes]:
-        if method not in READ_ONLY:
+        if method not in ALLOWED_METHODS:  # the real tracer's list
             return grpc.StatusCode.PERMISSION_DENIED.value[0], f"CRI method {method} is not read-only", b""
         if self.cri is None:
             return (grpc.StatusCode.UNAVAILABLE.value[0],
