@@ -74,6 +74,7 @@ def resolver(containerd: Containerd, changes: Changes) -> Iterator[CriResolver]:
     with CriResolver(lambda node: transport if node == NODE else None, changes, ttl_s=0.3,
                      retry_initial_s=0.05, retry_max_s=0.5, call_timeout_s=2.0) as r:
         yield r
+    transport.channel.close()  # type: ignore[attr-defined]
 
 
 def settled(r: CriResolver, cid: str, what: str = "resolved", timeout_s: float = 10.0) -> K8sInfo:

@@ -72,6 +72,7 @@ def make(fake: FakeCri, changes: Changes) -> Iterator[Callable[..., CriResolver]
     yield build
     for r in made:
         r.close()
+    transport.channel.close()  # type: ignore[attr-defined]
 
 
 def resolved(r: CriResolver, cid: str, node: str = NODE, what: str = "resolved") -> K8sInfo:
