@@ -152,7 +152,6 @@ class NodeState:
 
     def apply_snapshot(self, snap: stream_pb2.Snapshot) -> Changes:
         """Replace the consumer table, info and allocations with the tracer's whole state."""
-        old = list(self.consumers)
         self.consumers = {}
         for msg in snap.consumers:
             c = self._consumer(msg)
@@ -164,7 +163,7 @@ class NodeState:
         if snap.HasField("stats"):
             self.set_stats(snap.stats)
         self.state_seq = snap.seq
-        return Changes(keys=list(dict.fromkeys([*old, *self.consumers])), full=True)
+        return Changes(full=True)  # ClusterTable.update refreshes every key, old and new, when full
 
     def set_allocations(self, msg: stream_pb2.Allocations) -> None:
         self.allocations_pb = _copy(msg)
