@@ -168,6 +168,8 @@ class Ingest:
             self._close(session)
             raise
         key = (node, hello.boot_id, hello.instance_id)
+        for stale in state.forget_instances(key, time.time_ns() - int(self.store.retention_s * 1e9)):
+            self.durable.pop(stale, None)
         pos = state.positions.get(key) or Position(node, hello.boot_id, hello.instance_id)
         pos.delivered_seq = self.durable.get(key, 0)
         state.begin(hello, pos)
@@ -318,8 +320,7 @@ class Ingest:
         if error is not None:
             session.end(grpc.StatusCode.UNAVAILABLE, f"collector cannot store events: {error}")
         else:
-            if seq > self.durable.get(key, 0):
-                self.durable[key] = seq
+            self.durable[key] = max(seq, self.durable.get(key, 0))
             if seq > session.committed_seq:
                 session.committed_seq = seq
                 if session.active:

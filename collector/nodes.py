@@ -99,6 +99,15 @@ class NodeState:
     def end(self) -> None:
         self.connected = False
 
+    def forget_instances(self, keep: tuple[str, str, str], before_unix_ns: int) -> list[tuple[str, str, str]]:
+        """Drop the positions of tracer instances other than `keep` last updated before
+        `before_unix_ns`, as the store's retention drops their rows (else every tracer restart would
+        add one for good); their keys."""
+        gone = [k for k, p in self.positions.items() if k != keep and p.updated_unix_ns < before_unix_ns]
+        for k in gone:
+            del self.positions[k]
+        return gone
+
     def accept(self, seqs: list[int]) -> int:
         """Count a validated batch against the position (new, duplicate, missing events); the index
         of its first new event (len(seqs) when every one is a duplicate)."""

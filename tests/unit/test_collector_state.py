@@ -236,6 +236,28 @@ def test_node_status_counts_and_reports(collector: Collector, q: QueryClient) ->
     assert st.last_heartbeat_unix_ns >= st.connected_unix_ns > 0 and st.tracer_version == "sim-0.1"
 
 
+def test_a_tracer_instance_silent_past_the_retention_is_forgotten(collector: Collector,
+                                                                  q: QueryClient) -> None:
+    tracers = [SimTracer(collector.address, "n1") for _ in range(3)]
+    keys = [("n1", t.boot_id, t.instance_id) for t in tracers]
+
+    def age_the_first() -> None:  # as if the first instance last spoke 8 days ago; the retention is 7
+        collector.nodes["n1"].positions[keys[0]].updated_unix_ns -= 8 * 86400 * 10**9
+
+    for i, t in enumerate(tracers):
+        if i == 2:
+            collector.call(age_the_first)
+        with t:
+            t.connect()
+            t.send_events([holder(s, 1) for s in range(1, 4 - i)])
+            t.wait_acked(3 - i)
+            t.close()
+    assert q.node("n1").events_ingested_total == 2 + 1  # the second and third instances'
+    kept = collector.call(lambda: [(k in collector.nodes["n1"].positions, k in collector.ingest.durable)
+                                   for k in keys])
+    assert kept == [(False, False), (True, True), (True, True)]
+
+
 def test_list_events_pages_by_instance_and_seq(collector: Collector, q: QueryClient) -> None:
     with SimTracer(collector.address, "n1") as t, SimTracer(collector.address, "n2") as t2:
         t.connect()
