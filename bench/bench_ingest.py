@@ -14,6 +14,11 @@ its pre-serialized batches (holder events, one finding every 20 events) keeping 
 unacknowledged. The rate is every tracer's last event acknowledged: events / (last ack - first
 send). For the collector, NodeStatus must then count every event ingested once, none lost or
 duplicated. Goal: >= 100,000 events/s. Writes bench/results/ingest.json.
+
+--paced EVENTS_PER_S [--duration-s 10] instead offers a steady total rate from the tracers for a
+fixed time, batched by the real tracer's policy (bench/ingest_paced.py), against the collector and
+echo-aio: offered vs acknowledged events/s, batch sizes, ack latency from event creation. Writes
+bench/results/ingest_paced.json.
 """
 
 from __future__ import annotations
@@ -235,7 +240,10 @@ def main() -> int:
     p.add_argument("--events-per-tracer", type=int, default=20_000)
     p.add_argument("--window", type=int, default=8, help="unacknowledged batches per tracer")
     p.add_argument("--client-procs", type=int, default=2)
-    p.add_argument("--targets", default="collector,echo-aio,echo-sync")
+    p.add_argument("--targets", help="default collector,echo-aio,echo-sync (--paced: collector,echo-aio)")
+    p.add_argument("--paced", type=float, metavar="EVENTS_PER_S",
+                   help="offer this many events/s in all, batched by the tracer's policy")
+    p.add_argument("--duration-s", type=float, default=10.0, help="--paced: how long to offer")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--client", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -246,6 +254,9 @@ def main() -> int:
         addr, first, count, batch, per, window = args.client
         run_clients(addr, int(first), int(count), int(batch), int(per), int(window))
         return 0
+    if args.paced:
+        return main_paced(args)
+    args.targets = args.targets or "collector,echo-aio,echo-sync"
     runs = []
     for batch_events in (int(x) for x in args.batch_events.split(",")):
         for target in args.targets.split(","):
@@ -272,6 +283,32 @@ def main() -> int:
     path = write_json("ingest", data)
     print(f"wrote {path.relative_to(ROOT)}")
     ok = all(r.get("exactly_once", True) for r in runs) and best is not None and best >= GOAL_EVENTS_PER_S
+    return 0 if ok else 1
+
+
+def main_paced(args: argparse.Namespace) -> int:
+    from bench.ingest_paced import measure_paced
+
+    runs = []
+    for target in (args.targets or "collector,echo-aio").split(","):
+        with tempfile.TemporaryDirectory(prefix="ghostgpu-bench-ingest-") as tmp:
+            r = measure_paced(target, args.tracers, args.client_procs, args.paced, args.duration_s,
+                              _spawn_server, _node_totals, tmp)
+        runs.append(r)
+        note = f" ({r['note']})" if r.get("note") else ""
+        print(f"{target:10s} paced: offered {r['offered_events_per_s']}, acked {r['acked_events_per_s']} "
+              f"events/s{note}", file=sys.stderr, flush=True)
+    rows = [[r["target"], r["offered_events_per_s"], r["acked_events_per_s"], r["batch_events"]["mean"],
+             r["batch_events"]["p50"], r["batch_events"]["p99"], r["ack_latency_ms"]["p50"],
+             r["ack_latency_ms"]["p99"], r["client_wake_late_ms"]["p99"], r["server_cpu_s"],
+             r["clients_cpu_s"], r.get("exactly_once", "-")] for r in runs]
+    print_table(["target", "offered/s", "acked/s", "batch mean", "p50", "p99", "ack ms p50", "p99",
+                 "client late ms p99", "server CPU s", "clients CPU s", "exactly once"], rows)
+    data = {"offered_events_per_s": args.paced, "duration_s": args.duration_s, "tracers": args.tracers,
+            "client_procs": args.client_procs, "runs": runs, "machine": machine()}
+    path = write_json("ingest_paced", data)
+    print(f"wrote {path.relative_to(ROOT)}")
+    ok = all(r["clients_kept_up"] and r["acked_events_per_s"] and r.get("exactly_once", True) for r in runs)
     return 0 if ok else 1
 
 
