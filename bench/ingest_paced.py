@@ -6,13 +6,14 @@ Each tracer's event i (0-based) is created at t0 + i / rate (t0 staggered across
 sender (a coroutine: each client process runs its tracers on one grpc.aio event loop) follows
 StreamSink._pump: pending events leave at once when nothing is in flight (every seq sent is
 acknowledged), otherwise when `max_batch_events` are pending or 10 ms after the first pending event
-was created; like the real sender it does not wake on an Ack. Events are encoded once per tracer as
-a pool of NodeEvent bodies without their seq; a send prefixes each with its seq field and frames
-them as tracer.spool.encode_events_message does (same bytes, checked at connect; varints from
-tables), so no protobuf work is done per event. Ack latency runs from an event's creation to the
-arrival (client side) of the first Ack covering it. The clients did not offer the rate, and no
-offered rate is reported, when the last event left more than 0.1 s after the window or the senders
-woke more than 10 ms late (p99, `client_wake_late_ms`).
+was created, as long as fewer than WINDOW_BATCHES batches await their Ack; with the window full they
+gather until an Ack frees it (the one time the sender wakes on an Ack, as the real one). Events are
+encoded once per tracer as a pool of NodeEvent bodies without their seq; a send prefixes each with
+its seq field and frames them as tracer.spool.encode_events_message does (same bytes, checked at
+connect; varints from tables), so no protobuf work is done per event. Ack latency runs from an
+event's creation to the arrival (client side) of the first Ack covering it. The clients did not
+offer the rate, and no offered rate is reported, when the last event left more than 0.1 s after the
+window or the senders woke more than 10 ms late (p99, `client_wake_late_ms`).
 
 Client processes run this file: `ingest_paced.py client ADDR FIRST COUNT TRACERS RATE DURATION`.
 """
@@ -25,7 +26,7 @@ import os
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import CLK_TCK, ROOT, cpu_ticks, status_kib
 
 PY = sys.executable
-FLUSH_S = 0.010  # tracer/stream.py FLUSH_S
+FLUSH_S = 0.010  # tracer/stream.py FLUSH_S (WINDOW_BATCHES is imported from there)
 POOL = 1000  # distinct event bodies per tracer (a multiple of the finding period, 20)
 LAT_RES = 1e5  # latency histogram buckets: 10 us
 LATE_RES = 1e4  # wake-lateness buckets: 0.1 ms
@@ -96,6 +97,7 @@ class PacedTracer:
         self.late: Counter[int] = Counter()
         self.last_send = 0.0
         self.acked = asyncio.Event()
+        self.ack_wake = asyncio.Event()  # every Ack: the sender waits on it while its window is full
 
     async def connect(self) -> None:
         import grpc
@@ -134,23 +136,36 @@ class PacedTracer:
             if msg.WhichOneof("msg") == "ack":
                 self.acks.append((time.monotonic(), msg.ack.seq))
                 self.acked_seq = max(self.acked_seq, msg.ack.seq)
+                self.ack_wake.set()
                 if self.acked_seq >= total:
                     self.acked.set()
 
     async def pace(self, pfx: list[bytes], rate: float, total: int, t0: float) -> None:
-        """The tracer's sender (StreamSink._pump); it does not wake on Acks, nor does the real one."""
+        """The tracer's sender (StreamSink._pump), window included."""
+        from tracer.stream import WINDOW_BATCHES
+
         period, sent, bodies, max_batch, mono = 1.0 / rate, 0, self.bodies, self.max_batch, time.monotonic
+        ends: deque[int] = deque()  # last seq of each batch awaiting its Ack
         while sent < total:
             now = mono()
             pending = (min(total, int((now - t0) * rate) + 1) if now >= t0 else 0) - sent
             first = t0 + sent * period  # creation of the oldest pending (or the next) event
+            while ends and ends[0] <= self.acked_seq:
+                ends.popleft()
+            window = len(ends) < WINDOW_BATCHES
             if pending > 0:
-                if self.acked_seq >= sent or pending >= max_batch or now >= first + FLUSH_S:
+                if not ends or (window and (pending >= max_batch or now >= first + FLUSH_S)):
                     n = min(pending, max_batch)
                     await self.call.write(frame(pfx, bodies, sent + 1, sent + n + 1))
                     sent += n
+                    ends.append(sent)
                     self.batches[n] += 1
                     self.last_send = now
+                    continue
+                if not window:
+                    self.ack_wake.clear()
+                    if ends[0] > self.acked_seq:  # no Ack slipped in since the check above
+                        await self.ack_wake.wait()
                     continue
                 wake = min(first + FLUSH_S, t0 + (sent + max_batch - 1) * period)
             else:

@@ -7,7 +7,8 @@ rest, as stream.proto and the issue 3 spec ("Stream protocol") say:
 
     connect -> Hello -> Welcome (drop spool <= acked_seq) -> Snapshot(seq = last assigned)
     -> the spool's unacknowledged events -> live EventBatches: at once on an idle link, else at
-    max_batch_events or 10 ms after their first event -> Heartbeat after heartbeat_s of silence
+    max_batch_events or 10 ms after their first event, at most WINDOW_BATCHES unacknowledged
+    -> Heartbeat after heartbeat_s of silence
 
 reading Acks (trim the spool) and Commands (CRI relay, answered on the same stream). A lost stream
 is retried with jittered exponential backoff; the snapshot (taken under the lock that assigns
@@ -38,7 +39,8 @@ from tracer.stream_session import Session, read_boot_id
 
 log = logging.getLogger("ghostgpu.stream")
 
-FLUSH_S = 0.010  # a batch leaves at most this long after its first event
+FLUSH_S = 0.010  # a batch leaves at most this long after its first event (while the window is open)
+WINDOW_BATCHES = 4  # unacknowledged at once: a collector behind gets fewer, larger, cheaper batches
 MAX_BATCH_BYTES = api.MAX_MESSAGE_BYTES // 2  # a batch of long command lines still fits a message
 _STATE_KINDS = frozenset(("finding", "resolved", "info", "allocations"))
 COMMAND_REPLY_S = 5.0  # a command's answer that cannot be queued this soon is dropped (the collector retries)
@@ -80,13 +82,8 @@ class StreamSink:
         self._allocations: dict[str, Any] | None = None
         self._max_batch = api.MAX_BATCH_EVENTS
         self._dropped_unreported = 0
-        self._overflowing = False
-        self._connected = False
-        self._welcomes = 0
-        self._connect_failures = 0
-        self._events_sent = 0
-        self._batches_sent = 0
-        self._closed = False
+        self._overflowing = self._connected = self._closed = False
+        self._welcomes = self._connect_failures = self._events_sent = self._batches_sent = 0
         # Sender-thread state.
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -342,9 +339,11 @@ class StreamSink:
                 self._report_overflow()
                 continue
             # An idle link (nothing in flight) sends a lone finding at once, for detection latency;
-            # while batches await their acks, new events gather for up to FLUSH_S.
-            full, idle = n_pending >= self._max_batch, n_inflight == 0
-            if n_unsent or (n_pending and (stopping or full or idle or now - first >= FLUSH_S)):
+            # while batches await their acks, new events gather for up to FLUSH_S, and for as long
+            # as the window is full (an ack wakes us).
+            window = session.inflight_batches() < WINDOW_BATCHES
+            due = window and (n_pending >= self._max_batch or now - first >= FLUSH_S)
+            if n_unsent or (n_pending and (stopping or n_inflight == 0 or due)):
                 self._encode_pending()
                 self._send_unsent(session)
                 continue
@@ -359,7 +358,7 @@ class StreamSink:
                 session.put(stream_pb2.TracerMessage(heartbeat=hb).SerializeToString(), self._put_deadline())
                 continue
             timeouts = [session.last_send_s + self.options.heartbeat_s - now]
-            if n_pending:
+            if n_pending and window:
                 timeouts.append(first + FLUSH_S - now)
             if oldest is not None:
                 timeouts.append(oldest + self.options.ack_timeout_s - now)
@@ -391,8 +390,9 @@ class StreamSink:
     def _on_ack(self, session: Session, seq: int) -> None:
         with self._lock:
             self._spool.ack(min(seq, self._seq))
+            waiting = bool(self._spool.pending)  # events held back while the window was full
         session.acked(seq)
-        if self._stopping.is_set():
+        if waiting or self._stopping.is_set():
             self._wake.set()  # close() waits for the last acks
 
     def _on_command(self, session: Session, command: stream_pb2.Command) -> None:

@@ -146,6 +146,10 @@ class Session:
             while self._unacked and self._unacked[0][0] <= seq:
                 self._unacked.popleft()
 
+    def inflight_batches(self) -> int:
+        with self._lock:
+            return len(self._unacked)
+
     def oldest_unacked_s(self) -> float | None:
         with self._lock:
             return self._unacked[0][1] if self._unacked else None

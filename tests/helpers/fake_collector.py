@@ -111,6 +111,12 @@ class FakeCollector(stream_pb2_grpc.NodeStreamServicer):
         with self._lock:
             self.received.append(Received(conn.number, time.monotonic(), msg))
 
+    def ack(self, seq: int) -> None:
+        """Acknowledge up to seq on the newest connection (with ack_limit holding acks back)."""
+        with self._lock:
+            conn = self.connections[-1]
+        conn.out.put(stream_pb2.CollectorMessage(ack=stream_pb2.Ack(seq=seq)))
+
     def send_command(self, command: stream_pb2.Command) -> None:
         """To the newest connection."""
         with self._lock:

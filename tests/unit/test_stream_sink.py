@@ -28,7 +28,7 @@ from tests.helpers.polling import wait_until
 from tests.unit.test_cri_relay import RawRuntime
 from tracer import records
 from tracer.cri_relay import CriRelay
-from tracer.stream import StreamOptions, StreamSink
+from tracer.stream import WINDOW_BATCHES, StreamOptions, StreamSink
 
 NODE = "node-a"
 FAST = StreamOptions(backoff_min_s=0.01, backoff_max_s=0.2, info_wait_s=0.0, heartbeat_s=30.0)
@@ -167,17 +167,40 @@ def test_a_partial_batch_leaves_within_10_ms_while_acks_are_pending(tcp_collecto
     sink.emit(notice(0))
     wait_until(lambda: len(tcp_collector.seqs()) == 1, "the first event, sent alone on an idle link")
     latencies = []
-    for round_ in range(5):
+    rounds = WINDOW_BATCHES - 1  # the window holds this many more unacknowledged batches
+    for round_ in range(rounds):
         start = time.monotonic()
         for i in range(3):
             sink.emit(notice(1 + round_ * 3 + i))
         wait_until(lambda r=round_: len(tcp_collector.seqs()) == 1 + 3 * (r + 1), "three more events")
         latencies.append(tcp_collector.messages("events")[-1].at_s - start)
     sizes = [len(r.msg.events.events) for r in tcp_collector.messages("events")]
-    assert sizes == [1] + [3] * 5, "three events emitted together travel as one batch"
+    assert sizes == [1] + [3] * rounds, "three events emitted together travel as one batch"
     # The flush timer is 10 ms; allow for a loaded 2-core machine, but not for a lost timer.
     assert sorted(latencies)[2] < 0.1, latencies
     assert min(latencies) >= 0.009, "while acks are pending, a partial batch waits for company up to 10 ms"
+
+
+def test_a_full_window_gathers_events_until_an_ack_frees_it(tcp_collector: FakeCollector,
+                                                           sinks: Sinks) -> None:
+    """A collector that falls behind gets fewer, larger batches: they cost it less per event."""
+    tcp_collector.ack_limit = 0
+    sink = sinks(tcp_collector.target)
+    wait_until(lambda: sink.stats()["connected"], "connected")
+    for seq in range(1, WINDOW_BATCHES + 1):
+        sink.emit(notice(seq))
+        wait_until(lambda s=seq: len(tcp_collector.seqs()) == s, f"batch {seq}")
+    assert sink.stats()["batches_sent"] == WINDOW_BATCHES  # the window is full
+    for i in range(5):
+        sink.emit(notice(WINDOW_BATCHES + 1 + i))
+    time.sleep(5 * 0.010)  # let the 10 ms flush timer lapse: with the window full, nothing may leave
+    for i in range(5):
+        sink.emit(notice(WINDOW_BATCHES + 6 + i))
+    assert len(tcp_collector.seqs()) == WINDOW_BATCHES and sink.stats()["batches_sent"] == WINDOW_BATCHES
+    tcp_collector.ack(WINDOW_BATCHES)
+    wait_until(lambda: len(tcp_collector.seqs()) == WINDOW_BATCHES + 10, "the gathered events")
+    sizes = [len(r.msg.events.events) for r in tcp_collector.messages("events")]
+    assert sizes == [1] * WINDOW_BATCHES + [10], "the ten events waited for the ack and left as one batch"
 
 
 def test_acks_trim_the_spool(tcp_collector: FakeCollector, sinks: Sinks) -> None:
