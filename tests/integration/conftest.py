@@ -27,14 +27,20 @@ def _bpf_ready() -> str | None:
     return None
 
 
-@pytest.fixture
-def root_bpf() -> None:
+def require_bpf() -> None:
+    """Skip (or, under CI, fail) a test, or a module-scoped fixture that starts a tracer, without
+    root, BPF or gcc."""
     require_root()
     reason = _bpf_ready()
     if reason:
         pytest.skip(reason)
     if not shutil.which("gcc"):
         pytest.skip("gcc is needed to build the test workload and the fake NVML")
+
+
+@pytest.fixture
+def root_bpf() -> None:
+    require_bpf()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ assertions pick rows by node and PID or container ID, never "all rows".
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,6 @@ import pytest
 
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import query_pb2
-from tests.conftest import require_root
 from tests.helpers.collector_env import QueryClient
 from tests.helpers.collector_proc import CollectorProcess, cluster_rows, ghostgpu_cli, ps_json, wait_rows
 from tests.helpers.container import FakeContainer
@@ -36,7 +34,7 @@ from tests.helpers.podresources_server import Pod as PrPod
 from tests.helpers.podresources_server import PodResourcesServer
 from tests.helpers.polling import poll, wait_until
 from tests.helpers.tracer_proc import Record, TracerProcess
-from tests.integration.conftest import GPU0_UUID, GPU1_UUID, _bpf_ready
+from tests.integration.conftest import GPU0_UUID, GPU1_UUID, require_bpf
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -49,14 +47,6 @@ HOLD_NVIDIA0 = ["/bin/sh", "-c", "exec 3</dev/nvidia0; sleep 300"]
 CLUSTER_KEYS = {"namespace", "pod", "container", "image", "allocated"}
 
 
-def require_bpf() -> None:
-    """The root_bpf fixture's checks, for module-scoped fixtures that start a tracer."""
-    require_root()
-    reason = _bpf_ready()
-    if reason:
-        pytest.skip(reason)
-    if not shutil.which("gcc"):
-        pytest.skip("gcc is needed to build the test workload and the fake NVML")
 
 
 def gpu_allocation(pod: str, gpu_uuid: str) -> PrPod:
