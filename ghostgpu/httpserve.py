@@ -1,0 +1,167 @@
+"""A small HTTP server for Prometheus scrapes and kubelet probes (collector /metrics, tracer health).
+
+    server = HttpServer("0.0.0.0:9400", {"/metrics": metrics_handler}, flag="--metrics-listen")
+    server.start()            # binds at once; HttpListenError names the flag and the address
+    server.address            # "127.0.0.1:9400" as a client dials it
+    server.stop()
+
+A handler takes the Request and returns a Response. It runs on the server's own thread (one per
+connection, so a slow scraper never holds up a probe); a handler that raises answers 500 with
+one line, logged once per distinct message. Bodies over 1 KiB are gzipped when the client
+accepts it, as Prometheus does: a 1,000-node /metrics page shrinks about twentyfold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+log = logging.getLogger("ghostgpu.http")
+
+TEXT = "text/plain; charset=utf-8"
+# The text exposition format the collector writes by hand (see the Prometheus exposition docs).
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+GZIP_MIN_BYTES = 1024
+SOCKET_TIMEOUT_S = 30.0  # a client that stops reading mid-response frees its thread after this
+
+
+class HttpListenError(ValueError):
+    """The listen address is malformed or cannot be bound; one line naming the flag."""
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str
+    query: Mapping[str, list[str]]
+    headers: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = TEXT
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[Request], Response]
+
+
+def parse_listen(addr: str, flag: str) -> tuple[str, int]:
+    """(host, port) of HOST:PORT, [IPv6]:PORT or :PORT (all interfaces); port 0 picks a free one."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise HttpListenError(f"{flag} {addr!r}: use HOST:PORT (e.g. 0.0.0.0:9400; port 0 picks a free one)")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class HttpServer:
+    def __init__(self, listen: str, routes: Mapping[str, Handler], flag: str = "--listen",
+                 name: str = "http") -> None:
+        self.host, self.port = parse_listen(listen, flag)
+        self.listen, self.flag, self.name = listen, flag, name
+        self.routes = dict(routes)
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._logged: set[str] = set()
+
+    def start(self) -> HttpServer:
+        handler = _make_handler(self)
+        try:
+            if ":" in self.host:
+                server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+                self._server = server_cls((self.host, self.port), handler)
+            else:
+                self._server = _Server((self.host, self.port), handler)
+        except OSError as e:
+            raise HttpListenError(f"{self.flag} {self.listen}: cannot bind: {e.strerror or e}; "
+                                  "pick a free port or another address") from None
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name=f"{self.name}-http", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT as a client dials it: the wildcard addresses become loopback."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def handle(self, request: Request) -> Response:
+        route = self.routes.get(request.path)
+        if route is None:
+            known = ", ".join(sorted(self.routes))
+            return Response(404, f"no such path {request.path}; this server has {known}\n".encode())
+        try:
+            return route(request)
+        except Exception as e:
+            line = f"{self.name} {request.path}: {type(e).__name__}: {e}"
+            if line not in self._logged:
+                self._logged.add(line)
+                log.exception("%s", line)
+            return Response(500, (line + "\n").encode())
+
+
+def _make_handler(server: HttpServer) -> type[BaseHTTPRequestHandler]:
+    class _Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection every scrape
+        timeout = SOCKET_TIMEOUT_S
+
+        def do_GET(self) -> None:
+            self._answer(head=False)
+
+        def do_HEAD(self) -> None:
+            self._answer(head=True)
+
+        def _answer(self, head: bool) -> None:
+            parts = urlsplit(self.path)
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            request = Request(parts.path, parse_qs(parts.query), headers)
+            response = server.handle(request)
+            body = response.body
+            encoding = ""
+            if len(body) >= GZIP_MIN_BYTES and "gzip" in request.headers.get("accept-encoding", ""):
+                body, encoding = gzip.compress(body, compresslevel=1), "gzip"
+            self.send_response(response.status)
+            self.send_header("Content-Type", response.content_type)
+            self.send_header("Content-Length", str(len(body)))
+            if encoding:
+                self.send_header("Content-Encoding", encoding)
+            for k, v in response.headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if not head:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per scrape every second would drown the logs
+
+    return _Handler
