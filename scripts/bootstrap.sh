@@ -70,7 +70,7 @@ make_venv() {
 install() {
   need_root "$@"
   apt_install python3-bpfcc python3-venv python3-dev linux-headers-amd64 gcc make psmisc lsof util-linux iproute2 strace \
-    containerd runc busybox-static
+    containerd runc busybox-static prometheus prometheus-alertmanager python3-yaml
   link_kernel_headers
   mount_tracefs
   make_venv
