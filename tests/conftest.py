@@ -11,7 +11,7 @@ import os
 import pytest
 
 REQUIRE_INTEGRATION = os.environ.get("GHOSTGPU_REQUIRE_INTEGRATION") == "1"
-STRICT_MARKERS = ("root", "bpf", "netns", "containerd")
+STRICT_MARKERS = ("root", "bpf", "netns", "containerd", "prometheus")
 
 
 @pytest.hookimpl(hookwrapper=True)
