@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ghostgpu.model import Consumer, ConsumerClass
 from tracer import records
@@ -28,15 +28,21 @@ from tracer.procfs import ProcScanner, parse_stat, read_process, ticks_to_boot_n
 from tracer.sinks import Sink
 from tracer.state import NodeState
 
+if TYPE_CHECKING:  # tracer.health imports prometheus_client (~85 ms): only with --health-listen
+    from tracer.health import AgentHealth
+
 log = logging.getLogger("ghostgpu.tracer")
 
 CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grace period ends
 
 
 class Tracer:
-    def __init__(self, cfg: TracerConfig, sink: Sink) -> None:
+    def __init__(self, cfg: TracerConfig, sink: Sink, health: AgentHealth | None = None) -> None:
         self.cfg = cfg
         self.sink = sink
+        self.health = health  # reported into at start, per loop step and per full scan; read by HTTP
+        if health is not None:
+            health.tracer = self
         self.catalog = DeviceCatalog(cfg.prefixes, cfg.proc_root)
         self.scanner = ProcScanner(self.catalog, cfg.proc_root)
         self.cgroups = CgroupIdResolver(cfg.cgroup_root)
@@ -85,7 +91,9 @@ class Tracer:
 
     def start(self) -> None:
         self._started_s = time.monotonic()
-        self._start_bpf()
+        off_reason = self._start_bpf()
+        if self.health is not None:
+            self.health.bpf_started(self.bpf.programs_attached if self.bpf is not None else 0, off_reason)
         self._read_nvml()
         if not self.nvml.available:
             self._notice("nvml", f"{self.nvml.error}; classes that need NVML are reported as unknown")
@@ -99,10 +107,13 @@ class Tracer:
             "startup_s": round(time.monotonic() - self._started_s, 3), "holders": len(self.state.holders),
         })
         self._emit_info()
+        if self.health is not None:
+            self.health.started()
 
-    def _start_bpf(self) -> None:
+    def _start_bpf(self) -> str:
+        """Attach the kernel side; '' when attached, else why it is off."""
         if self.cfg.bpf == "off":
-            return
+            return "--bpf off"
         from tracer.bpf_source import BpfSource, BpfUnavailable
 
         source = BpfSource(
@@ -117,12 +128,13 @@ class Tracer:
             if self.cfg.bpf == "on":
                 raise
             self._notice("bpf", f"{exc}; running on /proc scans every {self.cfg.scan_interval_s:g} s only")
-            return
+            return str(exc)
         self.bpf = source
         # LLVM's compile leaves ~25 MB of freed heap the allocator keeps (measured with bcc 0.26,
         # glibc 2.36): hand it back, the tracer never compiles again.
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ""
 
     def _device_ref(self, path: str) -> Any:
         ref = self.catalog.match(path)
@@ -175,6 +187,8 @@ class Tracer:
         waiting = any(c.cls is ConsumerClass.PENDING for c in self.consumers.values())
         if self._dirty or (waiting and self._is_due("classify", CLASSIFY_INTERVAL_S)):
             self._classify()
+        if self.health is not None:
+            self.health.stepped()  # after the work: a step stuck in NVML or /proc never gets here
 
     # --- sources --------------------------------------------------------------------------
 
@@ -206,7 +220,10 @@ class Tracer:
                 self._handle(ev)
         ts_ns = boot_ns()
         before = dict(self.state.holders)
+        scan_start_s = time.monotonic()
         view = self.scanner.scan(sorted(pids) if pids is not None else None)
+        if pids is None and self.health is not None:
+            self.health.scan_observed(time.monotonic() - scan_start_s)
         events = self.state.reconcile(view, ts_ns, scanned_pids=pids)
         if events and self.bpf is not None:
             self._read_ioctls()

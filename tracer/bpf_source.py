@@ -114,6 +114,7 @@ class BpfSource:
         self.bpf_dir, self.classify, self.proc_root = bpf_dir or BPF_DIR, classify, proc_root
         self.holder_filter = holder_filter  # False only to measure the filter (bench)
         self.start_s: float | None = None  # how long start() took (compile + load + attach)
+        self.programs_attached = 0  # tracepoint programs bcc attached (tail-call targets are not)
         self.have_group_dead = False  # from the exit tracepoint's format, at start()
         self._bpf: Any = None
         self._records: list[bytes] = []
@@ -171,6 +172,7 @@ class BpfSource:
         except Exception as exc:
             self.close()
             raise BpfUnavailable(f"setting up the ghostgpu BPF maps failed: {exc}") from None
+        self.programs_attached = int(self._bpf.num_open_tracepoints())
         self.start_s = time.monotonic() - t0
 
     def close(self) -> None:
@@ -181,6 +183,7 @@ class BpfSource:
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+        self.programs_attached = 0
 
     def _on_record(self, _ctx: Any, data: Any, size: int) -> int:  # bcc's ring buffer callback
         self._records.append(ctypes.string_at(data, size))

@@ -52,6 +52,7 @@ class TracerConfig:
     bpf_max_fds: int = 65536
     bpf_ringbuf_pages: int = 64
     ioctl_poll_interval_s: float = 1.0
+    health_listen: str = ""  # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +89,16 @@ class TracerConfig:
             raise ConfigError(f"bpf_ringbuf_pages: must be a power of two, got {pages}")
         if not self.node_name:
             raise ConfigError("node_name: empty; set --node-name or GHOSTGPU_NODE_NAME")
+        if self.health_listen:
+            # Lazily: httpserve pulls in http.server, which commands without a health server never need.
+            from ghostgpu.httpserve import HttpListenError, parse_listen
+
+            try:
+                parse_listen(self.health_listen, "--health-listen")
+            except HttpListenError:
+                raise ConfigError(f"health_listen (--health-listen, GHOSTGPU_HEALTH_LISTEN): "
+                                  f"{self.health_listen!r} is not HOST:PORT; use e.g. 0.0.0.0:9401 (port 0 "
+                                  "picks a free one), or leave it empty for no health server") from None
 
 
 def _coerce(key: str, typ: Any, raw: Any) -> Any:

@@ -6,8 +6,14 @@ relays the collector's CRI calls to this node's runtime socket, and reports PodR
 allocations (the poller also runs without a collector when --podresources-endpoint is given,
 writing `allocations` records to the JSON lines).
 
-SIGTERM/SIGINT stop it in order: the tracer loop first (no new records), then the poller, then
-the sinks, the stream flushing what the collector will still acknowledge within its deadline.
+With --health-listen HOST:PORT (config health_listen) it serves /healthz, /readyz and /metrics
+(tracer/health.py). That server binds first, before the stream or BPF, so a bad or busy address
+is one line and exit 2 with nothing loaded, and a slow start answers 503 on /readyz rather than
+refusing connections; stderr gets "ghostgpu: health: serving on HOST:PORT" with the bound port.
+
+SIGTERM/SIGINT stop it in order: the tracer loop first (no new records), then the health server,
+the poller, then the sinks, the stream flushing what the collector will still acknowledge within
+its deadline.
 `ghostgpu up` runs this same command as a subprocess, so everything is reachable from flags.
 """
 
@@ -15,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ghostgpu import api
 from tracer.agent import Tracer
@@ -25,6 +32,10 @@ from tracer.cri_relay import CriRelay
 from tracer.podresources import PodResourcesPoller
 from tracer.sinks import FanOut, JsonlSink, Sink
 from tracer.stream import StreamOptions, StreamSink
+
+if TYPE_CHECKING:
+    from ghostgpu.httpserve import HttpServer
+    from tracer.health import AgentHealth
 
 log = logging.getLogger("ghostgpu.tracer")
 
@@ -58,8 +69,33 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
     return sinks, stream, relay
 
 
+def start_health(cfg: TracerConfig, args: argparse.Namespace,
+                 ) -> tuple[AgentHealth | None, HttpServer | None]:
+    """(AgentHealth, HttpServer) serving --health-listen, or (None, None) when it is not set."""
+    listen = getattr(args, "health_listen", None) or cfg.health_listen
+    if not listen:
+        return None, None
+    from tracer.health import AgentHealth, start_health_server  # prometheus_client: only when asked
+
+    health = AgentHealth()
+    server = start_health_server(listen, health)  # HttpListenError names --health-listen: exit 2
+    print(f"ghostgpu: health: serving on {server.address} (/healthz, /readyz, /metrics)",
+          file=sys.stderr, flush=True)
+    return health, server
+
+
 def run_tracer(cfg: TracerConfig, args: argparse.Namespace,
                install_signals: Callable[[Callable[[], None]], None]) -> int:
+    health, health_server = start_health(cfg, args)
+    try:
+        return _run(cfg, args, install_signals, health, health_server)
+    finally:
+        if health_server is not None:
+            health_server.stop()  # a second stop is a no-op; this one covers a failed build_sinks
+
+
+def _run(cfg: TracerConfig, args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None],
+         health: AgentHealth | None, health_server: HttpServer | None) -> int:
     collector = getattr(args, "collector", None)
     pr_endpoint = getattr(args, "podresources_endpoint", None)
     poller_runs = bool(collector or pr_endpoint)
@@ -72,9 +108,11 @@ def run_tracer(cfg: TracerConfig, args: argparse.Namespace,
     try:
         if poller_runs:
             poller = PodResourcesPoller(pr_endpoint, sink.emit, PODRESOURCES_INTERVAL_S, node=cfg.node_name)
-        tracer = Tracer(cfg, sink)
+        tracer = Tracer(cfg, sink, health=health)
         if stream is not None:
             stream.ringbuf_dropped = _ringbuf_drops(tracer)
+            if health is not None:
+                health.stream = stream
         install_signals(tracer.stop)
         tracer.start()
         if poller is not None:
@@ -84,6 +122,8 @@ def run_tracer(cfg: TracerConfig, args: argparse.Namespace,
     finally:
         if tracer is not None:
             tracer.close()
+        if health_server is not None:
+            health_server.stop()  # the port is free before the stream's flush (up to 2 s)
         if poller is not None:
             poller.stop()
         sink.close()
