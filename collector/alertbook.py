@@ -1,0 +1,304 @@
+"""What the direct Alertmanager push sends: alert names, labels and texts per finding, and the book
+of alerts (label set -> latest state) with what each Alertmanager has taken.
+
+Labels are an alert's identity in Alertmanager, so a finding whose labels change (CRI names that
+arrive late) resolves its old label set and fires the new one. Empty label values are left out,
+as Alertmanager drops them anyway (removeEmptyLabels in its v2 handler): identity is computed on
+what Alertmanager will store. Not thread-safe: AlertPusher holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from ghostgpu.convert import class_from_proto
+from ghostgpu.v1 import query_pb2
+
+log = logging.getLogger("ghostgpu.alertpush")
+
+SOURCE = "ghostgpu-collector"
+# class -> (alertname, severity); deploy/prometheus/ghostgpu-rules.yaml uses the same.
+FINDING_ALERTS: dict[str, tuple[str, str]] = {
+    "hidden": ("GhostGPUHiddenConsumer", "critical"),
+    "orphaned": ("GhostGPUOrphanedConsumer", "critical"),
+    "ghost": ("GhostGPUGhostMemory", "warning"),
+    "unallocated": ("GhostGPUUnallocatedAccess", "warning"),
+    "unattributed": ("GhostGPUUnattributedConsumer", "warning"),
+}
+# alertname -> annotations. Plain str.format fields only, each one a label: {x} here is
+# {{ $labels.x }} in the rules file (a test compares the two), so both paths say the same words.
+_WHERE = "node {node} GPU {gpu} ({gpu_uuid}), pod {namespace}/{pod}, PID {pid} ({comm})"
+ALERT_ANNOTATIONS: dict[str, dict[str, str]] = {
+    "GhostGPUHiddenConsumer": {
+        "summary": "Hidden GPU consumer on " + _WHERE,
+        "description": (
+            "PID {pid} ({comm}) in container {container} of pod {namespace}/{pod} holds GPU {gpu} "
+            "({gpu_uuid}) on node {node}, but the NVIDIA driver does not list it: nvidia-smi, NVML and "
+            "dcgm-exporter cannot see it or its memory. Check that the pod requested this GPU "
+            "(ghostgpu ps --node {node} -o wide shows its devices and allocation); stop the process if "
+            "it should not have the GPU."),
+    },
+    "GhostGPUOrphanedConsumer": {
+        "summary": "Orphaned GPU consumer on " + _WHERE,
+        "description": (
+            "PID {pid} ({comm}) still holds GPU {gpu} ({gpu_uuid}) on node {node} although its owner is "
+            "gone: container {container} of pod {namespace}/{pod} exited or was removed, or its parent "
+            "died. The GPU and its memory stay taken until it ends: kill PID {pid} on node {node} (drain "
+            "and reboot the node if it cannot be killed) and find why the runtime left it behind."),
+    },
+    "GhostGPUGhostMemory": {
+        "summary": "Ghost GPU memory on " + _WHERE,
+        "description": (
+            "The NVIDIA driver lists PID {pid} on GPU {gpu} ({gpu_uuid}) of node {node}, but no such "
+            "process exists (or the PID was reused): GPU memory is held by a process that is gone. Look "
+            "for a leaked context or a stuck process, then reset GPU {gpu} (nvidia-smi --gpu-reset) or "
+            "drain and reboot node {node}."),
+    },
+    "GhostGPUUnallocatedAccess": {
+        "summary": "Unallocated GPU access on " + _WHERE,
+        "description": (
+            "The kubelet did not allocate GPU {gpu} ({gpu_uuid}) to container {container} of pod "
+            "{namespace}/{pod}, yet its PID {pid} ({comm}) opened it on node {node}: it bypasses the "
+            "device plugin (privileged, a hostPath /dev mount, NVIDIA_VISIBLE_DEVICES=all) and can "
+            "collide with the pod the GPU was given to. Remove that access and request the GPU through "
+            "resources.limits."),
+    },
+    "GhostGPUUnattributedConsumer": {
+        "summary": "Unattributed GPU consumer on " + _WHERE,
+        "description": (
+            "PID {pid} ({comm}) holds GPU {gpu} ({gpu_uuid}) on node {node} from outside any container, "
+            "and the NVIDIA driver does not list it. Find what started it (ps -o pid,user,args -p {pid} "
+            "on the node); if it is a node daemon that holds GPUs by design, add it to the tracer's "
+            "system_allowlist, else stop it."),
+    },
+}
+PLACEHOLDERS = ("node", "gpu", "gpu_uuid", "namespace", "pod", "container", "pid", "comm")
+BUILTIN_LABELS = ("alertname", "severity", "node", "gpu", "gpu_uuid", "class", "namespace", "pod",
+                  "container", "pid", "comm", "source")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # the legacy charset every Alertmanager accepts
+MAX_RESOLVED_ALERTS = 10_000  # resolved alerts kept for re-sending; past this the oldest go first
+
+Key = tuple[tuple[str, str], ...]
+Due = tuple[Key, int, dict[str, object]]  # label set, version, the JSON object to POST
+
+
+def check_label_name(name: str, flag: str) -> None:
+    if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+        raise ValueError(f"{flag} {name!r}: a label name is letters, digits and _ (not first a digit, "
+                         "not starting with __)")
+
+
+def rfc3339(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def finding_labels(f: query_pb2.Finding, extra: dict[str, str]) -> dict[str, str] | None:
+    """The alert's labels (empty values left out); None for a class that has no alert."""
+    cc = f.consumer
+    c, k8s = cc.consumer, cc.k8s
+    cls = str(class_from_proto(getattr(c, "class")))
+    if cls not in FINDING_ALERTS:
+        return None
+    alertname, severity = FINDING_ALERTS[cls]
+    labels = {"alertname": alertname, "severity": severity, "node": f.node or c.node,
+              "gpu": "" if c.gpu == -1 else str(c.gpu), "gpu_uuid": c.gpu_uuid, "class": cls,
+              "namespace": k8s.namespace, "pod": k8s.pod, "container": k8s.container,
+              "pid": str(c.process.pid), "comm": c.process.comm, "source": SOURCE, **extra}
+    return {k: v for k, v in labels.items() if v}
+
+
+def annotations(labels: dict[str, str]) -> dict[str, str]:
+    values = {k: labels.get(k, "") for k in PLACEHOLDERS}
+    return {name: text.format_map(values) for name, text in ALERT_ANNOTATIONS[labels["alertname"]].items()}
+
+
+def names_pending(f: query_pb2.Finding) -> bool:
+    """The CRI lookup for its container has not answered yet: names may come a moment later."""
+    k8s = f.consumer.k8s
+    return k8s.resolution == "unresolved" and not k8s.pod
+
+
+@dataclass
+class _Alert:
+    body: dict[str, object]  # the JSON object POSTed
+    version: int
+    owner: int  # finding ID: a newer finding with the same labels takes the alert over
+    resolved_mono: float | None = None
+
+
+@dataclass
+class _Finding:
+    id: int
+    starts_unix_s: float
+    fired: list[Key] = field(default_factory=list)  # label sets sent firing, not yet resolved
+    hold_until_mono: float | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class AlertBook:
+    def __init__(self, targets: list[str], extra_labels: dict[str, str], *, resend_s: float,
+                 resolved_keep_s: float, settle_s: float) -> None:
+        self.extra = extra_labels
+        self.resend_s, self.resolved_keep_s, self.settle_s = resend_s, resolved_keep_s, settle_s
+        self.alerts: dict[Key, _Alert] = {}
+        self.findings: dict[int, _Finding] = {}
+        self.resolved: dict[Key, float] = {}  # resolved alerts in resolution order (mono time)
+        self.taken_by: dict[str, dict[Key, tuple[int, float]]] = {t: {} for t in targets}  # version, mono
+        self.cycle_mono: dict[str, float] = dict.fromkeys(targets, 0.0)  # resend everything taken before
+        self.next_cycle_mono: dict[str, float] = dict.fromkeys(targets, 0.0)
+        self._version = 0
+        self._now = 0.0
+        self._unknown_classes: set[str] = set()
+
+    # ---- findings in ----------------------------------------------------------------------------
+
+    def apply(self, events: Iterable[query_pb2.FindingEvent], now_mono: float) -> bool:
+        """Take finding events (the latest per finding) and due holds; True when an alert changed."""
+        self._now = now_mono
+        changed = False
+        for event in events:
+            changed |= self._event(event)
+        for st in [s for s in self.findings.values() if s.hold_until_mono is not None]:
+            if st.hold_until_mono is not None and st.hold_until_mono <= now_mono:
+                st.hold_until_mono = None  # settle_s passed without names: send what is known
+                self._fire(st)
+                changed = True
+        if self.resolved and (len(self.resolved) > MAX_RESOLVED_ALERTS
+                              or self._first_resolved_mono() + self.resolved_keep_s <= now_mono):
+            self._expire(now_mono)
+        return changed
+
+    def _first_resolved_mono(self) -> float:
+        return next(iter(self.resolved.values()))
+
+    def _event(self, event: query_pb2.FindingEvent) -> bool:
+        f = event.finding
+        labels = finding_labels(f, self.extra)
+        if labels is None:
+            cls = str(class_from_proto(getattr(f.consumer.consumer, "class")))
+            if cls not in self._unknown_classes:
+                self._unknown_classes.add(cls)
+                log.warning("alertpush: finding class %r has no alert; findings of it are not pushed", cls)
+            return False
+        st = self.findings.get(f.id)
+        if event.kind == query_pb2.FindingEvent.KIND_RESOLVED:
+            ends_unix_s = f.resolved_unix_ns / 1e9 if f.resolved_unix_ns else time.time()
+            if st is None:
+                st = _Finding(f.id, f.opened_unix_ns / 1e9 or ends_unix_s)
+            self.findings.pop(f.id, None)
+            if not st.fired:  # resolved while held (or before we saw it open): one resolved alert
+                st.labels = labels
+                self._put(_key(labels), labels, st, ends_unix_s)
+            for key in st.fired:
+                self._resolve(key, st, ends_unix_s)
+            return True
+        if st is None:  # OPENED, or CHANGED of a finding opened before this watcher
+            st = self.findings[f.id] = _Finding(f.id, f.opened_unix_ns / 1e9 or time.time(), labels=labels)
+            if self.settle_s > 0 and names_pending(f):
+                st.hold_until_mono = self._now + self.settle_s
+                return False
+            self._fire(st)
+            return True
+        st.labels = labels
+        if st.hold_until_mono is not None:
+            if names_pending(f):
+                return False
+            st.hold_until_mono = None
+            self._fire(st)
+            return True
+        if _key(labels) in st.fired:
+            return False  # a change the labels do not show (memory, reason): nothing to send
+        for key in st.fired:  # labels are identity: the old set ends now, the new one fires
+            self._resolve(key, st, max(time.time(), st.starts_unix_s))
+        self._fire(st)
+        return True
+
+    def _fire(self, st: _Finding) -> None:
+        key = _key(st.labels)
+        st.fired = [key]
+        self._put(key, st.labels, st, None)
+
+    def _resolve(self, key: Key, st: _Finding, ends_unix_s: float) -> None:
+        alert = self.alerts.get(key)
+        if alert is not None and alert.owner == st.id:
+            self._put(key, dict(key), st, ends_unix_s)
+
+    def _put(self, key: Key, labels: dict[str, str], st: _Finding, ends_unix_s: float | None) -> None:
+        self._version += 1
+        body: dict[str, object] = {"labels": labels, "annotations": annotations(labels),
+                                   "startsAt": rfc3339(st.starts_unix_s)}
+        if ends_unix_s is not None:
+            body["endsAt"] = rfc3339(max(ends_unix_s, st.starts_unix_s))
+        self.alerts[key] = _Alert(body, self._version, st.id, None if ends_unix_s is None else self._now)
+        self.resolved.pop(key, None)
+        if ends_unix_s is not None:
+            self.resolved[key] = self._now
+
+    def _expire(self, now_mono: float) -> None:
+        """Forget resolved alerts every Alertmanager took and kept past resolved_keep_s; past
+        MAX_RESOLVED_ALERTS, the oldest whatever happened to them (bounded memory)."""
+        over = len(self.resolved) - MAX_RESOLVED_ALERTS
+        for key, resolved_mono in list(self.resolved.items()):
+            if over > 0:
+                over -= 1
+            elif now_mono - resolved_mono < self.resolved_keep_s:
+                break  # in resolution order: the rest are younger
+            elif not self._everywhere(key):
+                continue
+            del self.resolved[key]
+            del self.alerts[key]
+            for taken in self.taken_by.values():
+                taken.pop(key, None)
+
+    def _everywhere(self, key: Key) -> bool:
+        version = self.alerts[key].version
+        return all(t.get(key, (0, 0.0))[0] == version for t in self.taken_by.values())
+
+    # ---- alerts out -------------------------------------------------------------------------------
+
+    def due(self, target: str, now_mono: float, max_batch: int) -> tuple[list[Due], float]:
+        """(up to max_batch alerts `target` should get now, when to look again if none)."""
+        if now_mono >= self.next_cycle_mono[target]:
+            self.cycle_mono[target] = now_mono
+            self.next_cycle_mono[target] = now_mono + self.resend_s
+        cycle, taken = self.cycle_mono[target], self.taken_by[target]
+        batch = []
+        for key, alert in self.alerts.items():
+            got = taken.get(key)
+            if got is None or got[0] != alert.version or got[1] < cycle:
+                batch.append((key, alert.version, alert.body))
+                if len(batch) >= max_batch:
+                    break
+        next_mono = self.next_cycle_mono[target]
+        holds = [s.hold_until_mono for s in self.findings.values() if s.hold_until_mono is not None]
+        if holds:
+            next_mono = min(next_mono, min(holds))
+        if self.resolved and (expire_mono := self._first_resolved_mono() + self.resolved_keep_s) > now_mono:
+            next_mono = min(next_mono, expire_mono)
+        return batch, next_mono
+
+    def unsent_resolutions(self, target: str, max_batch: int) -> list[Due]:
+        taken = self.taken_by[target]
+        out = [(k, self.alerts[k].version, self.alerts[k].body) for k in self.resolved
+               if taken.get(k, (0, 0.0))[0] != self.alerts[k].version]
+        return out[-max_batch:]
+
+    def taken(self, target: str, sent: list[tuple[Key, int]], now_mono: float) -> None:
+        taken = self.taken_by[target]
+        for key, version in sent:
+            if key in self.alerts:
+                taken[key] = (version, now_mono)
+
+    def pending(self) -> int:
+        """Alerts some Alertmanager has not taken at their latest version, plus findings held to settle."""
+        held = sum(1 for s in self.findings.values() if s.hold_until_mono is not None)
+        return held + sum(1 for key in self.alerts if not self._everywhere(key))
+
+
+def _key(labels: dict[str, str]) -> Key:
+    return tuple(sorted(labels.items()))

@@ -1,0 +1,96 @@
+"""The direct push against Debian's real Alertmanager 0.25 on a loopback port (no root needed):
+an opened finding appears in GET /api/v2/alerts with the rule's labels, and leaves the active
+alerts when it resolves; names that arrive late replace the alert's label set; an HA pair of two
+real Alertmanagers both get it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from collector.alertpush import AlertPusher
+from ghostgpu.model import ConsumerClass
+from tests.helpers.alertpush_env import FindingTable, k8s
+from tests.helpers.polling import wait_until
+from tests.helpers.promstack import Alertmanager, alertmanager  # noqa: F401  (fixture)
+from tests.helpers.sim_tracer import make_consumer
+
+pytestmark = pytest.mark.prometheus
+
+CID = "ab" * 32
+
+
+@pytest.fixture
+def table() -> FindingTable:
+    return FindingTable("gpu-node-7")
+
+
+@pytest.fixture
+def pushers() -> Iterator[list[AlertPusher]]:
+    started: list[AlertPusher] = []
+    yield started
+    for p in started:
+        p.stop(timeout_s=1.0)
+
+
+def _push(table: FindingTable, pushers: list[AlertPusher], urls: list[str], **kw: float) -> AlertPusher:
+    pusher = AlertPusher(urls, extra_labels={"cluster": "test"}, **kw)
+    table.table.watch(pusher.watcher, include_open=True)
+    pusher.start()
+    pushers.append(pusher)
+    return pusher
+
+
+def test_a_pushed_finding_fires_in_alertmanager_and_resolves(alertmanager: Alertmanager,  # noqa: F811
+                                                             table: FindingTable,
+                                                             pushers: list[AlertPusher]) -> None:
+    table.names[CID] = k8s("ml", "train-3", "trainer")
+    pusher = _push(table, pushers, [alertmanager.url])
+    consumer = make_consumer("gpu-node-7", 31337, gpu=1, container_id=CID, comm="trainer.py")
+    t0 = time.monotonic()
+    table.add(consumer)
+    alert = alertmanager.wait_alert("GhostGPUHiddenConsumer", timeout_s=10, pid="31337")
+    latency_s = time.monotonic() - t0
+    print(f"finding opened -> alert listed by Alertmanager 0.25: {latency_s * 1000:.0f} ms (goal < 1 s)")
+    assert alert["labels"] == {
+        "alertname": "GhostGPUHiddenConsumer", "severity": "critical", "node": "gpu-node-7", "gpu": "1",
+        "gpu_uuid": "GPU-00000001-0000-4000-8000-000000000000", "class": "hidden", "namespace": "ml",
+        "pod": "train-3", "container": "trainer", "pid": "31337", "comm": "trainer.py",
+        "source": "ghostgpu-collector", "cluster": "test"}
+    assert alert["annotations"]["summary"].startswith("Hidden GPU consumer on node gpu-node-7 GPU 1")
+    assert alert["status"]["state"] == "active"
+    assert latency_s < 1.0
+    assert pusher.stats().posts_ok_total >= 1 and pusher.stats().posts_failed_total == 0
+
+    table.remove(consumer)
+    # Alertmanager 0.25 leaves resolved alerts (endsAt in the past) out of GET /api/v2/alerts.
+    alertmanager.wait_gone("GhostGPUHiddenConsumer", timeout_s=10, pid="31337")
+    wait_until(lambda: pusher.stats().pending == 0, "the resolution taken")
+
+
+def test_late_names_replace_the_label_set_in_alertmanager(alertmanager: Alertmanager,  # noqa: F811
+                                                          table: FindingTable,
+                                                          pushers: list[AlertPusher]) -> None:
+    _push(table, pushers, [alertmanager.url], settle_s=0.2)
+    table.add(make_consumer("gpu-node-7", 555, container_id=CID))  # CRI has not answered
+    bare = alertmanager.wait_alert("GhostGPUHiddenConsumer", timeout_s=10, pid="555")
+    assert "pod" not in bare["labels"] and "namespace" not in bare["labels"]
+    table.set_names(CID, k8s("ml", "late-0", "worker"))
+    alertmanager.wait_alert("GhostGPUHiddenConsumer", timeout_s=10, pid="555", pod="late-0")
+    wait_until(lambda: len(alertmanager.alerts(alertname="GhostGPUHiddenConsumer", pid="555")) == 1,
+               "the label set without names to resolve", 10)
+
+
+def test_both_alertmanagers_of_an_ha_pair_get_the_alert(alertmanager: Alertmanager,  # noqa: F811
+                                                        tmp_path: Path, table: FindingTable,
+                                                        pushers: list[AlertPusher]) -> None:
+    table.names[CID] = k8s("ml", "train-3", "trainer")
+    with Alertmanager(tmp_path / "second") as second:
+        _push(table, pushers, [f"{alertmanager.url},{second.url}"])
+        table.add(make_consumer("gpu-node-7", 4711, cls=ConsumerClass.ORPHANED, container_id=CID))
+        for am in (alertmanager, second):
+            alert = am.wait_alert("GhostGPUOrphanedConsumer", timeout_s=10, pid="4711")
+            assert alert["labels"]["severity"] == "critical" and alert["labels"]["pod"] == "train-3"
