@@ -100,6 +100,11 @@ class ClusterTable:
         self._next_id = next_finding_id
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
+        # For /metrics (collector/metrics.py): nodes whose rows changed since the renderer last took
+        # this set, and findings opened/resolved per (node, class) since the collector started.
+        self.changed_nodes: set[str] = set()
+        self.findings_opened: dict[tuple[str, str], int] = {}
+        self.findings_resolved: dict[tuple[str, str], int] = {}
         for row in open_findings:  # still open when the collector stopped: the node's snapshot decides
             cc = cluster_consumer_from_proto(query_pb2.ClusterConsumer.FromString(row.consumer))
             rec = FindingRec(row.id, row.node, cc.consumer.key, row.cls, row.opened_unix_ns, cc)
@@ -151,6 +156,7 @@ class ClusterTable:
         if new is old and old is not None:
             return
         self._index(node, key, old, new)
+        self.changed_nodes.add(node)
         if new is None:
             rows.pop(key, None)
         else:
@@ -178,6 +184,7 @@ class ClusterTable:
         is_finding = cls in FINDING_CLASSES
         if rec is not None and (not is_finding or rec.cls != cls):
             rec.resolved_unix_ns = now
+            self.findings_resolved[node, rec.cls] = self.findings_resolved.get((node, rec.cls), 0) + 1
             del opens[key]
             self._dirty.pop(rec.id, None)
             self._emit(query_pb2.FindingEvent.KIND_RESOLVED, rec)
@@ -188,6 +195,7 @@ class ClusterTable:
             rec = FindingRec(self._next_id, node, key, cls, now, cc)
             self._next_id += 1
             opens[key] = rec
+            self.findings_opened[node, cls] = self.findings_opened.get((node, cls), 0) + 1
             self._emit(query_pb2.FindingEvent.KIND_OPENED, rec)
         elif rec.consumer is not cc and not _same(rec.consumer, cc):
             rec.consumer = cc

@@ -18,6 +18,7 @@ import logging
 import random
 import threading
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,9 @@ __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriT
 log = logging.getLogger(__name__)
 
 PENDING_ERROR = "CRI lookup pending"
+# Upper bounds (le) of the call latency histogram: a relayed call on a quiet node answers in 1-5 ms, a
+# busy runtime in tens of ms; call_timeout_s (5 s) is the last finite bound.
+CALL_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class CriStats:
     cached: int = 0  # entries in the cache now
     pending: int = 0  # lookups queued or running now
     failures_by_node: dict[str, int] = field(default_factory=dict)
+    # Cumulative counts of calls that took at most CALL_LATENCY_BUCKETS_S[i] seconds (a Prometheus
+    # histogram's buckets; +Inf is calls_total and the sum is call_seconds_total).
+    call_latency_bucket_counts: tuple[int, ...] = (0,) * len(CALL_LATENCY_BUCKETS_S)
 
 
 @dataclass
@@ -106,6 +113,7 @@ class CriResolver:
         self._closed = False
         self._hits = self._misses = self._fetches = self._calls = self._failures = 0
         self._node_failures: dict[str, int] = {}
+        self._call_buckets = [0] * (len(CALL_LATENCY_BUCKETS_S) + 1)  # per bucket, the last is past 5 s
         self._last_call_s = self._last_fetch_s = self._call_total_s = self._fetch_total_s = 0.0
         self._threads = [threading.Thread(target=self._work, name=f"cri-resolver-{i}", daemon=True)
                          for i in range(workers)]
@@ -152,6 +160,7 @@ class CriResolver:
                 call_seconds_total=self._call_total_s, fetch_seconds_total=self._fetch_total_s,
                 cached=len(self._cache), pending=sum(1 for e in self._cache.values() if e.queued),
                 failures_by_node=dict(self._node_failures),
+                call_latency_bucket_counts=tuple(itertools.accumulate(self._call_buckets[:-1])),
             )
 
     def node_failures(self, node: str) -> int:
@@ -217,6 +226,7 @@ class CriResolver:
                 self._calls += 1
                 self._last_call_s = latency_s
                 self._call_total_s += latency_s
+                self._call_buckets[bisect_left(CALL_LATENCY_BUCKETS_S, latency_s)] += 1
                 if not ok:
                     self._failures += 1
                     self._node_failures[node] = self._node_failures.get(node, 0) + 1

@@ -1,0 +1,228 @@
+"""The collector's Prometheus /metrics (`ghostgpu collector --metrics-listen HOST:PORT`).
+
+    metrics = CollectorMetrics(nodes, cluster, call=collector.call, cri_stats=resolver.stats)
+    server = HttpServer(listen, {"/metrics": metrics.handle}, flag="--metrics-listen").start()
+
+A scrape runs on the HTTP server's thread. The collector's state lives on its event loop, so one
+Collector.call() copies there what changed (the rows of the nodes ClusterTable marked changed, every
+node's counters: references and integers, no formatting); the lines are then written off the loop
+(collector/metrics_render.py), cached per node, and only changed nodes are written again. The global
+families come from a prometheus_client CollectorRegistry owned by this object (never the global
+REGISTRY: tests run several collectors in one process), with the process, platform and GC collectors,
+appended to the page. Scrapes are serialized by a lock: the cache is theirs alone.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from collector.cluster import ClusterTable
+from collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
+from collector.metrics_render import (
+    ALERTMANAGER_METRICS,
+    COLLECTOR_METRICS,
+    EMPTY_CONSUMERS,
+    ConsumerChunk,
+    NodeStatus,
+    assemble,
+    render_consumers,
+    render_info,
+    render_status,
+)
+from collector.nodes import NodeState
+from ghostgpu import __version__
+from ghostgpu.api import API_VERSION
+from ghostgpu.cluster import ClusterConsumer
+from ghostgpu.httpserve import PROMETHEUS_TEXT, Request, Response
+
+__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "DEFAULT_MAX_PROCESS_SERIES", "CollectorMetrics"]
+
+T = TypeVar("T")
+DEFAULT_MAX_PROCESS_SERIES = 1000
+
+
+def _run_here(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+@dataclass
+class _Taken:
+    """What one scrape copied on the loop."""
+
+    rows: dict[str, tuple[ClusterConsumer, ...]]  # the nodes to render again (changed, or not cached)
+    status: list[NodeStatus]  # every node, sorted by name
+    identity: dict[str, tuple[str | None, Any]]  # node -> (tracer version, NodeInfo), replaced on change
+    tracers_connected: int
+
+
+@dataclass
+class _InfoCache:
+    version: str | None
+    info: Any  # held, so its id is never reused while cached: compared with `is`
+    text: tuple[str, ...]
+
+
+class CollectorMetrics:
+    def __init__(self, nodes: dict[str, NodeState], cluster: ClusterTable, *,
+                 call: Callable[[Callable[[], Any]], Any] = _run_here,
+                 cri_stats: Callable[[], CriStats] | None = None, push_stats: Callable[[], Any] | None = None,
+                 max_process_series: int = DEFAULT_MAX_PROCESS_SERIES) -> None:
+        if max_process_series < 0:
+            raise ValueError(f"--metrics-max-process-series {max_process_series}: must be 0 or more")
+        self.nodes, self.cluster = nodes, cluster
+        self.call = call
+        self.cri_stats, self.push_stats = cri_stats, push_stats
+        self.max_process_series = max_process_series
+        self._lock = threading.Lock()
+        self._consumers: dict[str, ConsumerChunk] = {}
+        self._info: dict[str, _InfoCache] = {}
+        self.tracers_connected = 0
+        self.capped = 0
+        self.cri = CriStats()  # as read at the latest scrape
+        self.registry = CollectorRegistry()
+        self.registry.register(_GlobalCollector(self))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+
+    # ---- on the collector's loop ------------------------------------------------------------------
+
+    def _take(self) -> _Taken:
+        cluster = self.cluster
+        changed, cluster.changed_nodes = cluster.changed_nodes, set()
+        names = sorted(self.nodes.keys() | cluster.rows.keys())
+        rows = {n: tuple(cluster.rows.get(n, {}).values()) for n in names
+                if n in changed or n not in self._consumers}
+        opened: dict[str, list[tuple[str, int]]] = {}
+        resolved: dict[str, list[tuple[str, int]]] = {}
+        for counts, into in ((cluster.findings_opened, opened), (cluster.findings_resolved, resolved)):
+            for (node, cls), n in sorted(counts.items()):
+                into.setdefault(node, []).append((cls, n))
+        status, identity, connected = [], {}, 0
+        for name in names:
+            ns = self.nodes.get(name)
+            if ns is None:
+                ns = NodeState(name)
+            ingested = spool = ringbuf = duplicates = 0
+            for p in ns.positions.values():
+                ingested += p.ingested_total
+                spool += max(p.gaps_total, p.spool_dropped_total)  # as Position.lost_total counts it
+                ringbuf += p.ringbuf_dropped_total
+                duplicates += p.duplicates_total
+            connected += ns.connected
+            status.append(NodeStatus(name, ns.connected, ns.last_heartbeat_unix_ns, ingested, spool, ringbuf,
+                                     duplicates, opened.get(name, ()), resolved.get(name, ())))
+            identity[name] = (ns.hello.tracer_version if ns.hello is not None else None, ns.info)
+        return _Taken(rows, status, identity, connected)
+
+    # ---- on the scraping thread --------------------------------------------------------------------
+
+    def render_nodes(self) -> str:
+        """The per-node families (ghostgpu_* from the collector's tables), cached per node."""
+        with self._lock:
+            return self._render_nodes_safe()
+
+    def page(self) -> bytes:
+        """The whole /metrics body: per-node families, then the registry's."""
+        with self._lock:
+            nodes = self._render_nodes_safe()
+            return nodes.encode("utf-8", "replace") + generate_latest(self.registry)
+
+    def _render_nodes_safe(self) -> str:
+        self.cri = self.cri_stats() if self.cri_stats is not None else CriStats()  # off the loop: it locks
+        try:
+            return self._render_nodes()
+        except BaseException:
+            self._consumers.clear()  # what the failed scrape took from the loop is gone: start over
+            self._info.clear()
+            raise
+
+    def _render_nodes(self) -> str:
+        taken: _Taken = self.call(self._take)
+        for node, rows in taken.rows.items():
+            self._consumers[node] = (render_consumers(node, rows, self._consumers.get(node)) if rows
+                                     else EMPTY_CONSUMERS)
+        chunks = []
+        failures = self.cri.failures_by_node
+        for s in taken.status:
+            version, info = taken.identity[s.node]
+            cached = self._info.get(s.node)
+            if cached is None or cached.info is not info or cached.version != version:
+                cached = self._info[s.node] = _InfoCache(version, info, render_info(s.node, version, info))
+            chunks.append((self._consumers[s.node], cached.text, render_status(s, failures.get(s.node, 0))))
+        alive = set(taken.identity)
+        for cache in (self._consumers, self._info):
+            for gone in cache.keys() - alive:
+                del cache[gone]
+        text, self.capped = assemble(chunks, self.max_process_series)
+        self.tracers_connected = taken.tracers_connected
+        return text
+
+    def handle(self, request: Request) -> Response:
+        return Response(200, self.page(), PROMETHEUS_TEXT)
+
+
+def _help(name: str) -> str:
+    return COLLECTOR_METRICS[name][1]
+
+
+class _GlobalCollector:
+    """The small global families, read when the registry is rendered (prometheus_client collector)."""
+
+    def __init__(self, metrics: CollectorMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        build = GaugeMetricFamily("ghostgpu_build_info", _help("ghostgpu_build_info"),
+                                  labels=["version", "api_version", "python_version"])
+        build.add_metric([__version__, str(API_VERSION), platform.python_version()], 1)
+        yield build
+        yield GaugeMetricFamily("ghostgpu_tracers_connected", _help("ghostgpu_tracers_connected"),
+                                value=m.tracers_connected)
+        cri = m.cri
+        yield CounterMetricFamily("ghostgpu_cri_calls_total", _help("ghostgpu_cri_calls_total"),
+                                  value=cri.calls_total)
+        buckets = [(repr(le), n) for le, n in zip(CALL_LATENCY_BUCKETS_S, cri.call_latency_bucket_counts,
+                                                   strict=True)]
+        buckets.append(("+Inf", cri.calls_total))
+        yield HistogramMetricFamily("ghostgpu_cri_call_duration_seconds",
+                                    _help("ghostgpu_cri_call_duration_seconds"), buckets=buckets,
+                                    sum_value=cri.call_seconds_total)
+        yield GaugeMetricFamily("ghostgpu_cri_cache_entries", _help("ghostgpu_cri_cache_entries"),
+                                value=cri.cached)
+        yield GaugeMetricFamily("ghostgpu_cri_lookups_pending", _help("ghostgpu_cri_lookups_pending"),
+                                value=cri.pending)
+        yield GaugeMetricFamily("ghostgpu_metrics_process_series_capped",
+                                _help("ghostgpu_metrics_process_series_capped"), value=m.capped)
+        if m.push_stats is not None:
+            yield from _alertmanager(m.push_stats())
+
+
+def _alertmanager(st: Any) -> Iterator[Metric]:
+    """ghostgpu_alertmanager_* from collector.alertpush.AlertPushStats."""
+    name = "ghostgpu_alertmanager_posts_total"
+    posts = CounterMetricFamily(name, _help(name), labels=["result"])
+    posts.add_metric(["ok"], st.posts_ok_total)
+    posts.add_metric(["error"], st.posts_failed_total)
+    yield posts
+    yield CounterMetricFamily("ghostgpu_alertmanager_alerts_sent_total",
+                              _help("ghostgpu_alertmanager_alerts_sent_total"), value=st.alerts_sent_total)
+    name = "ghostgpu_alertmanager_pending_alerts"
+    yield GaugeMetricFamily(name, _help(name), value=st.pending)
+    yield GaugeMetricFamily("ghostgpu_alertmanager_last_success_timestamp_seconds",
+                            _help("ghostgpu_alertmanager_last_success_timestamp_seconds"),
+                            value=st.last_success_unix_s or 0.0)

@@ -1,0 +1,267 @@
+"""The per-node part of the collector's /metrics page, written by hand in the text format 0.0.4.
+
+prometheus_client's generate_latest over custom collectors builds a Metric and a Sample object per
+series and formats each one: about 500 ms for 1,000 nodes x 20 consumers (prometheus-client 0.26,
+bench/bench_metrics_scrape.py). Here each node's lines are f-strings, cached per node by
+collector/metrics.py and rebuilt only for the nodes that changed, so a scrape mostly joins strings.
+
+Format rules followed (text exposition 0.0.4, as Prometheus 2.42 parses it): label values escape
+backslash, double quote and line feed and nothing else; HELP escapes backslash and line feed; HELP
+and TYPE come before a family's first sample; a family's lines are one contiguous group; every line,
+the last included, ends with a line feed; each (name, label set) appears once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ghostgpu.api import FINDING_CLASSES
+from ghostgpu.cluster import ClusterConsumer
+
+# name -> (type, help), every ghostgpu_* family the collector serves (README "## Metrics" documents them).
+COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
+    # Per node, rendered here.
+    "ghostgpu_consumers": (
+        "gauge", "GPU consumers (process x GPU) now, by node, GPU, final class and container"),
+    "ghostgpu_nonvisible_consumer_info": (
+        "gauge", "One series (=1) per non-visible consumer (an open finding), with its host pid and comm; "
+        "capped by --metrics-max-process-series, oldest kept"),
+    "ghostgpu_nonvisible_consumer_memory_bytes": (
+        "gauge", "GPU memory NVML reports for a non-visible consumer (only where NVML says); same cap"),
+    "ghostgpu_nonvisible_memory_bytes": (
+        "gauge", "Summed GPU memory NVML reports for non-visible consumers (never capped)"),
+    "ghostgpu_gpu_info": ("gauge", "GPUs the node's NVML reports (=1)"),
+    "ghostgpu_gpu_memory_total_bytes": ("gauge", "Total memory of each GPU, as NVML reports it"),
+    "ghostgpu_tracer_connected": ("gauge", "1 while the node's tracer stream is open"),
+    "ghostgpu_tracer_last_heartbeat_timestamp_seconds": (
+        "gauge", "When the collector last heard from the node's tracer (unix seconds)"),
+    "ghostgpu_tracer_info": ("gauge", "The node's tracer version (=1)"),
+    "ghostgpu_tracer_bpf_attached": ("gauge", "1 when the node's tracer has its BPF programs attached"),
+    "ghostgpu_tracer_nvml_available": ("gauge", "1 when the node's tracer can read NVML"),
+    "ghostgpu_tracer_events_ingested_total": ("counter", "Events stored from the node's tracers"),
+    "ghostgpu_tracer_events_lost_total": (
+        "counter", "Events the node's tracers lost: spool overflow (collector away too long) or BPF "
+        "ring-buffer drops"),
+    "ghostgpu_tracer_events_duplicate_total": ("counter", "Events received again (after a reconnect)"),
+    "ghostgpu_findings_opened_total": ("counter", "Findings opened since the collector started"),
+    "ghostgpu_findings_resolved_total": ("counter", "Findings resolved since the collector started"),
+    "ghostgpu_cri_resolution_failures_total": ("counter", "CRI calls for the node that did not answer"),
+    # Global, from the Collector's own prometheus_client registry (collector/metrics.py).
+    "ghostgpu_build_info": ("gauge", "The collector's ghostgpu version, API version and Python (=1)"),
+    "ghostgpu_tracers_connected": ("gauge", "Tracer streams open now"),
+    "ghostgpu_cri_calls_total": ("counter", "CRI calls made to resolve containers"),
+    "ghostgpu_cri_call_duration_seconds": ("histogram", "Latency of each CRI call"),
+    "ghostgpu_cri_cache_entries": ("gauge", "Containers in the CRI answer cache"),
+    "ghostgpu_cri_lookups_pending": ("gauge", "CRI lookups queued or running"),
+    "ghostgpu_metrics_process_series_capped": (
+        "gauge", "Non-visible consumers left out of the per-process families by "
+        "--metrics-max-process-series"),
+    "ghostgpu_alertmanager_posts_total": (
+        "counter", "POSTs to Alertmanager, by result (only with --alertmanager)"),
+    "ghostgpu_alertmanager_alerts_sent_total": ("counter", "Alerts Alertmanager accepted"),
+    "ghostgpu_alertmanager_pending_alerts": ("gauge", "Alerts waiting to be delivered to Alertmanager"),
+    "ghostgpu_alertmanager_last_success_timestamp_seconds": (
+        "gauge", "When a POST to Alertmanager last succeeded (unix seconds)"),
+}
+ALERTMANAGER_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_alertmanager_"))
+
+# Page order of the per-node families; a node's chunk holds one string per family, in this order.
+CONSUMERS, INFO, MEMORY, AGGREGATE_MEMORY = range(4)
+CONSUMER_FAMILIES = ("ghostgpu_consumers", "ghostgpu_nonvisible_consumer_info",
+                     "ghostgpu_nonvisible_consumer_memory_bytes", "ghostgpu_nonvisible_memory_bytes")
+INFO_FAMILIES = ("ghostgpu_gpu_info", "ghostgpu_gpu_memory_total_bytes", "ghostgpu_tracer_info",
+                 "ghostgpu_tracer_bpf_attached", "ghostgpu_tracer_nvml_available")
+STATUS_FAMILIES = ("ghostgpu_tracer_connected", "ghostgpu_tracer_last_heartbeat_timestamp_seconds",
+                   "ghostgpu_tracer_events_ingested_total", "ghostgpu_tracer_events_lost_total",
+                   "ghostgpu_tracer_events_duplicate_total", "ghostgpu_findings_opened_total",
+                   "ghostgpu_findings_resolved_total", "ghostgpu_cri_resolution_failures_total")
+NODE_FAMILIES = CONSUMER_FAMILIES + INFO_FAMILIES + STATUS_FAMILIES
+_FINDING_CLASSES = frozenset(FINDING_CLASSES)
+
+
+def escape(value: str) -> str:
+    """A label value as the text format writes it: only \\\\, \\" and \\n are escaped."""
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+def header(name: str) -> str:
+    kind, text = COLLECTOR_METRICS[name]
+    text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return f"# HELP {name} {text}\n# TYPE {name} {kind}\n"
+
+
+def node_label(node: str) -> str:
+    return f'node="{escape(node)}"'
+
+
+# One non-visible consumer's per-process lines, led by what the cap sorts by (oldest first):
+# (since_unix_ns, node, pid, gpu, info line, memory line or "" where NVML does not say). A plain tuple
+# sorts by itself and costs a third of a dataclass to build, 20,000 times in a cold scrape.
+ProcessSeries = tuple[int, str, int, str, str, str]
+INFO_LINE, MEMORY_LINE = 4, 5
+# (the row, its labels, its process, its ghostgpu_consumers line and ghostgpu_nonvisible_memory_bytes line
+# as the only member of its label set)
+LabelEntry = tuple[ClusterConsumer, str, "ProcessSeries | None", str, str]
+
+
+@dataclass(frozen=True)
+class ConsumerChunk:
+    """A node's consumer families: [consumers, info, memory, aggregate memory], the processes, and
+    each consumer's labels by the ClusterConsumer they came from (ClusterTable replaces a row that
+    changes, never edits it, so an object seen before has the same labels: a node whose one
+    consumer changed formats one consumer, not twenty)."""
+
+    text: tuple[str, str, str, str]
+    processes: tuple[ProcessSeries, ...]
+    labels: dict[int, LabelEntry]  # by id() of the row, which the entry holds (so the id is not reused)
+
+
+EMPTY_CONSUMERS = ConsumerChunk(("", "", "", ""), (), {})
+_escaped: dict[str, str] = {}  # escape()'s answers: pods, containers and GPU UUIDs recur on every scrape
+_ESCAPED_MAX = 200_000
+
+
+def _esc(value: str) -> str:
+    out = _escaped.get(value)
+    if out is None:
+        if len(_escaped) >= _ESCAPED_MAX:
+            _escaped.clear()
+        out = _escaped[value] = escape(value)
+    return out
+
+
+def _consumer_labels(node: str, nl: str, cc: ClusterConsumer) -> LabelEntry:
+    c, k, esc = cc.consumer, cc.k8s, _esc
+    cls = c.cls.value
+    gpu = "" if c.gpu is None else str(c.gpu)
+    labels = (f'{nl},gpu="{gpu}",gpu_uuid="{esc(c.gpu_uuid)}",class="{cls}",'
+              f'namespace="{esc(k.namespace)}",pod="{esc(k.pod)}",container="{esc(k.container)}"')
+    line = f"ghostgpu_consumers{{{labels}}} 1\n"
+    if cls not in _FINDING_CLASSES:
+        return cc, labels, None, line, ""
+    mem = c.gpu_memory_bytes
+    plabels = f'{labels},pid="{c.pid}",comm="{esc(c.comm)}"'
+    info = f"ghostgpu_nonvisible_consumer_info{{{plabels}}} 1\n"
+    memory = f"ghostgpu_nonvisible_consumer_memory_bytes{{{plabels}}} {mem}\n" if mem is not None else ""
+    aggregate = f"ghostgpu_nonvisible_memory_bytes{{{labels}}} {mem or 0}\n"
+    return cc, labels, (cc.since_unix_ns, node, c.pid, gpu, info, memory), line, aggregate
+
+
+def render_consumers(node: str, rows: Iterable[ClusterConsumer],
+                     previous: ConsumerChunk | None = None) -> ConsumerChunk:
+    """The node's consumer families; lines of rows already in `previous` are reused."""
+    nl = node_label(node)
+    get = previous.labels.get if previous is not None else {}.get
+    by_id: dict[int, LabelEntry] = {}
+    entries: list[LabelEntry] = []
+    for cc in rows:
+        i = id(cc)
+        entry = get(i)
+        if entry is None or entry[0] is not cc:
+            entry = _consumer_labels(node, nl, cc)
+        by_id[i] = entry
+        entries.append(entry)
+    procs = sorted([e[2] for e in entries if e[2] is not None])
+    first: dict[str, LabelEntry] = {}
+    more: dict[str, int] = {}  # label sets of several consumers (processes of one container on one GPU)
+    for e in entries:
+        if e[1] in first:
+            more[e[1]] = more.get(e[1], 1) + 1
+        else:
+            first[e[1]] = e
+    if not more:  # the lines are ready
+        consumers = "".join([e[3] for e in entries])
+        aggregate = "".join([e[4] for e in entries])
+    else:
+        memory: dict[str, int] = {}
+        for cc, labels, proc, _, _ in entries:
+            if proc is not None and labels in more:
+                memory[labels] = memory.get(labels, 0) + (cc.consumer.gpu_memory_bytes or 0)
+        consumers = "".join([e[3] if labels not in more else
+                             f"ghostgpu_consumers{{{labels}}} {more[labels]}\n"
+                             for labels, e in first.items()])
+        aggregate = "".join([e[4] if labels not in memory else
+                             f"ghostgpu_nonvisible_memory_bytes{{{labels}}} {memory[labels]}\n"
+                             for labels, e in first.items()])
+    info = "".join([p[INFO_LINE] for p in procs])
+    text = (consumers, info, "".join([p[MEMORY_LINE] for p in procs]), aggregate)
+    return ConsumerChunk(text, tuple(procs), by_id)
+
+
+def render_info(node: str, version: str | None, info: Any) -> tuple[str, str, str, str, str]:
+    """INFO_FAMILIES of a node from its Hello's tracer version and its NodeInfo (either may be None)."""
+    nl = node_label(node)
+    gpus = memory = bpf = nvml = ""
+    if info is not None:
+        driver = escape(info.driver_version)
+        gpu_lines, mem_lines = [], []
+        for g in info.gpus:
+            labels = f'{nl},gpu="{g.index}",gpu_uuid="{escape(g.uuid)}"'
+            gpu_lines.append(
+                f'ghostgpu_gpu_info{{{labels},name="{escape(g.name)}",driver_version="{driver}"}} 1\n')
+            mem_lines.append(f"ghostgpu_gpu_memory_total_bytes{{{labels}}} {g.memory_total_bytes}\n")
+        gpus, memory = "".join(gpu_lines), "".join(mem_lines)
+        bpf = f"ghostgpu_tracer_bpf_attached{{{nl}}} {int(info.bpf)}\n"
+        nvml = f"ghostgpu_tracer_nvml_available{{{nl}}} {int(info.nvml)}\n"
+    tracer = f'ghostgpu_tracer_info{{{nl},version="{escape(version)}"}} 1\n' if version is not None else ""
+    return (gpus, memory, tracer, bpf, nvml)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A node's counters, read on the collector's loop (they change with every batch)."""
+
+    node: str
+    connected: bool
+    heartbeat_unix_ns: int
+    ingested_total: int
+    spool_lost_total: int
+    ringbuf_lost_total: int
+    duplicates_total: int
+    opened: Sequence[tuple[str, int]]  # (class, findings opened), classes seen only
+    resolved: Sequence[tuple[str, int]]
+
+
+def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[str, ...]:
+    """STATUS_FAMILIES of a node; rebuilt every scrape (a few lines a node)."""
+    nl = node_label(s.node)
+    heartbeat = (f"ghostgpu_tracer_last_heartbeat_timestamp_seconds{{{nl}}} {s.heartbeat_unix_ns / 1e9!r}\n"
+                 if s.heartbeat_unix_ns else "")
+    lost = (f'ghostgpu_tracer_events_lost_total{{{nl},reason="spool_overflow"}} {s.spool_lost_total}\n'
+            f'ghostgpu_tracer_events_lost_total{{{nl},reason="ringbuf"}} {s.ringbuf_lost_total}\n')
+    opened = "".join([f'ghostgpu_findings_opened_total{{{nl},class="{escape(c)}"}} {n}\n'
+                      for c, n in s.opened])
+    resolved = "".join([f'ghostgpu_findings_resolved_total{{{nl},class="{escape(c)}"}} {n}\n'
+                        for c, n in s.resolved])
+    return (f"ghostgpu_tracer_connected{{{nl}}} {int(s.connected)}\n", heartbeat,
+            f"ghostgpu_tracer_events_ingested_total{{{nl}}} {s.ingested_total}\n", lost,
+            f"ghostgpu_tracer_events_duplicate_total{{{nl}}} {s.duplicates_total}\n", opened, resolved,
+            f"ghostgpu_cri_resolution_failures_total{{{nl}}} {cri_failures_total}\n")
+
+
+def assemble(chunks: Sequence[tuple[ConsumerChunk, tuple[str, ...], tuple[str, ...]]],
+             max_process_series: int) -> tuple[str, int]:
+    """(the per-node families as one page part, how many processes the cap left out). `chunks` is
+    per node, in page order: (consumer chunk, render_info(...), render_status(...))."""
+    total = sum(len(c[0].processes) for c in chunks)
+    capped = max(0, total - max_process_series)
+    kept: list[ProcessSeries] = []
+    if capped:
+        kept = heapq.nsmallest(max_process_series, (p for c in chunks for p in c[0].processes))
+    out: list[str] = []
+    for f, name in enumerate(CONSUMER_FAMILIES):
+        out.append(header(name))
+        if capped and f in (INFO, MEMORY):
+            out.extend([p[INFO_LINE if f == INFO else MEMORY_LINE] for p in kept])
+        else:
+            out.extend([c[0].text[f] for c in chunks])
+    for part, names in ((1, INFO_FAMILIES), (2, STATUS_FAMILIES)):
+        for f, name in enumerate(names):
+            out.append(header(name))
+            out.extend([c[part][f] for c in chunks])  # type: ignore[index]
+    return "".join(out), capped

@@ -1,0 +1,326 @@
+"""Collector /metrics rendered from the collector's own tables (collector/metrics.py, metrics_render.py):
+the page parses (prometheus_client's parser and promtool), label values are escaped, the per-node cache
+never serves a stale line, the process cap keeps the oldest findings, the findings counters move, and
+the CRI latency histogram counts calls. The real HTTP path with a simulated tracer is test_metrics_http.py.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import time
+from dataclasses import replace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from collector.cluster import ClusterTable
+from collector.cri import CALL_LATENCY_BUCKETS_S, CriCallError, CriResolver, CriStats
+from collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
+from collector.metrics_render import escape
+from collector.nodes import Changes, NodeState
+from collector.store import Position
+from ghostgpu.cluster import K8sInfo
+from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.v1 import stream_pb2
+from tests.helpers.polling import wait_until
+from tests.helpers.sim_tracer import make_consumer
+
+C = ConsumerClass
+
+
+class Cri:
+    """K8sInfo per container ID; a test changes an answer and calls ClusterTable.on_cri_change."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, K8sInfo] = {}
+
+    def get(self, node: str, container_id: str) -> K8sInfo:
+        return self.answers.get(container_id, K8sInfo("unresolved", error="CRI lookup pending"))
+
+
+def node_info(gpus: int = 2, bpf: bool = True, name: str = "NVIDIA H100 80GB HBM3") -> stream_pb2.NodeInfo:
+    return stream_pb2.NodeInfo(bpf=bpf, nvml=True, driver_version="550.54.15", gpus=[
+        stream_pb2.Gpu(index=i, uuid=f"GPU-{i:08x}-0000-4000-8000-000000000000", name=name, minor=i,
+                       memory_total_bytes=80 << 30) for i in range(gpus)])
+
+
+class World:
+    """Nodes, a ClusterTable and a resolver, changed the way ingest changes them."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeState] = {}
+        self.cri = Cri()
+        self.table = ClusterTable(self.nodes, self.cri.get, None)
+
+    def node(self, name: str, version: str = "0.4.0") -> NodeState:
+        ns = self.nodes.get(name)
+        if ns is None:
+            ns = self.nodes[name] = NodeState(name)
+            ns.begin(stream_pb2.Hello(node=name, tracer_version=version, instance_id="i-" + name),
+                     Position(name, "boot", "i-" + name))
+            ns.info = node_info()
+        return ns
+
+    def put(self, c: Consumer) -> None:
+        ns = self.node(c.node)
+        ns.consumers[c.key] = c
+        self.table.update(ns, Changes(keys=[c.key]))
+
+    def drop(self, c: Consumer) -> None:
+        ns = self.node(c.node)
+        ns.consumers.pop(c.key, None)
+        self.table.update(ns, Changes(keys=[c.key]))
+
+    def metrics(self, **kw: object) -> CollectorMetrics:
+        return CollectorMetrics(self.nodes, self.table, **kw)  # type: ignore[arg-type]
+
+
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)], through prometheus_client's own parser."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def typed_families(text: str) -> dict[str, str]:
+    """# TYPE lines: family name -> type, as Prometheus reads them."""
+    return {parts[2]: parts[3] for line in text.splitlines() if line.startswith("# TYPE ")
+            for parts in [line.split()]}
+
+
+def busy_world() -> World:
+    w = World()
+    w.cri.answers["aa" * 32] = K8sInfo("resolved", "ml", "train-0", container="trainer")
+    w.cri.answers["bb" * 32] = K8sInfo("resolved", "ml", "infer-0", container="server")
+    w.put(make_consumer("n1", 10, gpu=0, cls=C.HIDDEN, container_id="aa" * 32, gpu_memory_bytes=3 << 30))
+    w.put(make_consumer("n1", 11, gpu=1, cls=C.VISIBLE, container_id="bb" * 32, gpu_memory_bytes=1 << 30))
+    w.put(make_consumer("n1", 12, gpu=1, cls=C.UNATTRIBUTED))
+    w.put(make_consumer("n1", 13, gpu=1, cls=C.UNATTRIBUTED))  # same label set as pid 12: counted 2
+    gone = make_consumer("n2", 20, gpu=0, cls=C.HIDDEN, container_id="aa" * 32)
+    w.put(gone)
+    w.drop(gone)  # opened and resolved on n2
+    w.node("n3").info = None  # connected, no NodeInfo yet
+    return w
+
+
+# ---- format ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("raw", "written"), [
+    ("plain", "plain"),
+    ('say "hi"', 'say \\"hi\\"'),
+    ("C:\\dir", "C:\\\\dir"),
+    ("two\nlines", "two\\nlines"),
+    ('\\"\n', '\\\\\\"\\n'),
+    ("tab\tand ünï €", "tab\tand ünï €"),  # only \\, " and line feed are escaped
+    ("", ""),
+])
+def test_label_values_are_escaped_as_the_text_format_wants(raw: str, written: str) -> None:
+    assert escape(raw) == written
+    w = World()
+    w.cri.answers["aa" * 32] = K8sInfo("resolved", raw, raw, container=raw)
+    w.put(make_consumer(f"node-{raw}", 7, cls=C.HIDDEN, container_id="aa" * 32, comm=raw, gpu_memory_bytes=5))
+    got = samples(w.metrics().render_nodes())
+    (labels, value), = got["ghostgpu_nonvisible_consumer_info"]
+    assert value == 1
+    assert {k: labels[k] for k in ("node", "namespace", "pod", "container", "comm")} == {
+        "node": f"node-{raw}", "namespace": raw, "pod": raw, "container": raw, "comm": raw}
+
+
+def test_page_parses_and_every_family_is_declared() -> None:
+    w = busy_world()
+    m = w.metrics(cri_stats=lambda: CriStats(calls_total=3, call_seconds_total=0.02,
+                                             call_latency_bucket_counts=(1,) * 3 + (3,) * 9))
+    text = m.page().decode()
+    assert text.endswith("\n")
+    got = samples(text)
+    consumers = {(s["node"], s["gpu"], s["class"]): v for s, v in got["ghostgpu_consumers"]}
+    assert consumers == {("n1", "0", "hidden"): 1, ("n1", "1", "visible"): 1, ("n1", "1", "unattributed"): 2}
+    infos = {s["pid"]: s for s, _ in got["ghostgpu_nonvisible_consumer_info"]}
+    assert sorted(infos) == ["10", "12", "13"]  # hidden and unattributed are findings, visible is not
+    info = infos["10"]
+    assert info == {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-00000000-0000-4000-8000-000000000000",
+                    "class": "hidden", "namespace": "ml", "pod": "train-0", "container": "trainer",
+                    "pid": "10", "comm": "python3"}
+    assert got["ghostgpu_nonvisible_consumer_memory_bytes"] == [(info, 3 << 30)]  # NVML said only for pid 10
+    aggregate = {(s["class"], s["gpu"]): v for s, v in got["ghostgpu_nonvisible_memory_bytes"]}
+    assert aggregate == {("hidden", "0"): 3 << 30, ("unattributed", "1"): 0}
+    assert {s["node"] for s, _ in got["ghostgpu_tracer_connected"]} == {"n1", "n2", "n3"}
+    assert {s["node"] for s, _ in got["ghostgpu_tracer_bpf_attached"]} == {"n1", "n2"}  # n3: no NodeInfo
+    assert ({"node": "n1", "gpu": "1", "gpu_uuid": "GPU-00000001-0000-4000-8000-000000000000",
+             "name": "NVIDIA H100 80GB HBM3", "driver_version": "550.54.15"}, 1) in got["ghostgpu_gpu_info"]
+    assert got["ghostgpu_cri_call_duration_seconds_count"] == [({}, 3)]
+    assert ({"le": "0.005"}, 1) in got["ghostgpu_cri_call_duration_seconds_bucket"]
+    assert got["ghostgpu_build_info"][0][0]["api_version"] == "1"
+    assert "process_cpu_seconds_total" in got  # the process collector of the Collector's own registry
+    families = {n for n in typed_families(text) if n.startswith("ghostgpu_")}
+    assert families == set(COLLECTOR_METRICS) - ALERTMANAGER_METRICS
+    for name, kind in typed_families(text).items():
+        if name in COLLECTOR_METRICS:
+            assert kind == COLLECTOR_METRICS[name][0], name
+
+
+@pytest.mark.prometheus
+def test_promtool_check_metrics_prints_nothing() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is missing: apt-get install prometheus (scripts/bootstrap.sh)")
+    w = busy_world()
+    w.cri.answers["cc" * 32] = K8sInfo("resolved", 'we"ird\\ns', "pod\nx", container="c")
+    w.put(make_consumer("n4", 40, cls=C.HIDDEN, container_id="cc" * 32, comm='a"b\\c'))
+    body = w.metrics(cri_stats=CriStats).page()
+    done = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert (done.returncode, done.stdout + done.stderr) == (0, b"")
+
+
+# ---- cache ---------------------------------------------------------------------------------------
+
+def test_the_cache_never_serves_a_stale_line() -> None:
+    rng = random.Random(4)
+    w = World()
+    cached = w.metrics(max_process_series=6)
+    classes = [C.HIDDEN, C.VISIBLE, C.ORPHANED, C.UNATTRIBUTED, C.PENDING]
+    cids = [f"{i:02x}" * 32 for i in range(4)]
+    live: dict[tuple[str, int], Consumer] = {}
+    for step in range(300):
+        node = f"n{rng.randrange(5)}"
+        op = rng.randrange(8)
+        if op <= 2 or not live:  # a new consumer, or a new state of one (class, memory, comm)
+            pid = rng.randrange(1, 8)
+            c = make_consumer(node, pid, gpu=rng.randrange(2), cls=rng.choice(classes),
+                              container_id=rng.choice([*cids, ""]),
+                              gpu_memory_bytes=rng.choice([None, pid << 20]),
+                              comm=rng.choice(["python3", "tor\"ch"]))
+            live[node, pid] = c
+            w.put(c)
+        elif op == 3:
+            w.drop(live.pop(rng.choice(sorted(live))))
+        elif op == 4:  # CRI's answer for a container changed
+            cid = rng.choice(cids)
+            w.cri.answers[cid] = K8sInfo("resolved", "ns", f"pod-{step}", container="c")
+            for n in list(w.nodes):
+                w.table.on_cri_change(n, cid)
+        elif op == 5:  # NodeInfo replaced (a GPU appeared, BPF went away)
+            w.node(node).info = node_info(gpus=rng.randrange(1, 3), bpf=rng.random() < 0.5)
+        elif op == 6:  # a new tracer instance (version label), counters moving
+            ns = w.node(node)
+            ns.begin(stream_pb2.Hello(node=node, tracer_version=f"0.{step}"), Position(node, "b", f"i{step}"))
+            ns.position.ingested_total += step  # type: ignore[union-attr]
+        else:
+            w.node(node).connected = rng.random() < 0.5
+        fresh = w.metrics(max_process_series=6)
+        assert cached.render_nodes() == fresh.render_nodes(), f"step {step}, op {op}"
+        assert cached.capped == fresh.capped
+
+
+def test_an_unchanged_node_is_not_rendered_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World()
+    for n in ("a", "b"):
+        w.put(make_consumer(n, 1, cls=C.HIDDEN, container_id="aa" * 32))
+    m = w.metrics()
+    m.render_nodes()
+    rendered: list[str] = []
+    import collector.metrics as metrics_module
+
+    real = metrics_module.render_consumers
+
+    def spy(node: str, *args: object) -> object:
+        rendered.append(node)
+        return real(node, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(metrics_module, "render_consumers", spy)
+    m.render_nodes()
+    assert rendered == []
+    w.put(make_consumer("b", 2, cls=C.VISIBLE))
+    m.render_nodes()
+    assert rendered == ["b"]
+
+
+# ---- cap -----------------------------------------------------------------------------------------
+
+def test_the_cap_keeps_the_oldest_findings_and_counts_the_rest() -> None:
+    w = World()
+    for pid in range(1, 6):  # opened one after another: pid 1 is the oldest
+        w.put(make_consumer(f"n{pid % 2}", pid, cls=C.HIDDEN, gpu_memory_bytes=pid << 20))
+        wait_until(lambda: time.time_ns() > max(r.since_unix_ns for rows in w.table.rows.values()
+                                                for r in rows.values()), "the clock to move on")
+    w.put(make_consumer("n0", 9, cls=C.VISIBLE))
+    m = w.metrics(max_process_series=3)
+    got = samples(m.page().decode())
+    assert sorted(int(s["pid"]) for s, _ in got["ghostgpu_nonvisible_consumer_info"]) == [1, 2, 3]
+    assert sorted(int(s["pid"]) for s, _ in got["ghostgpu_nonvisible_consumer_memory_bytes"]) == [1, 2, 3]
+    assert got["ghostgpu_metrics_process_series_capped"] == [({}, 2)]
+    assert sum(v for _, v in got["ghostgpu_consumers"]) == 6  # the aggregates stay complete
+    assert sum(v for _, v in got["ghostgpu_nonvisible_memory_bytes"]) == sum(p << 20 for p in range(1, 6))
+    w.drop(make_consumer("n1", 1, cls=C.HIDDEN))  # the oldest resolves: pid 4 gets in
+    got = samples(m.page().decode())
+    assert sorted(int(s["pid"]) for s, _ in got["ghostgpu_nonvisible_consumer_info"]) == [2, 3, 4]
+    assert got["ghostgpu_metrics_process_series_capped"] == [({}, 1)]
+    none = samples(w.metrics(max_process_series=0).page().decode())
+    assert "ghostgpu_nonvisible_consumer_info" not in none
+    assert none["ghostgpu_metrics_process_series_capped"] == [({}, 4)]
+    with pytest.raises(ValueError, match="--metrics-max-process-series -1: must be 0 or more"):
+        w.metrics(max_process_series=-1)
+
+
+# ---- counters ------------------------------------------------------------------------------------
+
+def test_findings_counters_move_on_open_and_resolve() -> None:
+    w = World()
+    m = w.metrics()
+
+    def counts(name: str) -> dict[tuple[str, str], float]:
+        return {(s["node"], s["class"]): v for s, v in samples(m.render_nodes()).get(name, [])}
+
+    c = make_consumer("n1", 5, cls=C.HIDDEN, container_id="aa" * 32)
+    w.put(c)
+    assert counts("ghostgpu_findings_opened_total") == {("n1", "hidden"): 1}
+    assert counts("ghostgpu_findings_resolved_total") == {}
+    w.put(replace(c, gpu_memory_bytes=1 << 20))  # a change, not a new finding
+    assert counts("ghostgpu_findings_opened_total") == {("n1", "hidden"): 1}
+    w.cri.answers["aa" * 32] = K8sInfo("resolved", "ml", "p", container="c",
+                                       container_state="CONTAINER_EXITED")
+    w.table.on_cri_change("n1", "aa" * 32)  # hidden -> orphaned: one resolves, another opens
+    assert counts("ghostgpu_findings_opened_total") == {("n1", "hidden"): 1, ("n1", "orphaned"): 1}
+    assert counts("ghostgpu_findings_resolved_total") == {("n1", "hidden"): 1}
+    w.drop(c)
+    assert counts("ghostgpu_findings_resolved_total") == {("n1", "hidden"): 1, ("n1", "orphaned"): 1}
+
+
+def test_node_counters_sum_every_tracer_instance() -> None:
+    w = World()
+    ns = w.node("n1")
+    old = ns.position
+    assert old is not None
+    old.ingested_total, old.duplicates_total, old.gaps_total, old.spool_dropped_total = 100, 4, 7, 5
+    ns.begin(stream_pb2.Hello(node="n1", tracer_version="0.5"), Position("n1", "boot2", "i2"))
+    new = ns.position
+    assert new is not None
+    new.ingested_total, new.spool_dropped_total, new.ringbuf_dropped_total = 10, 2, 3
+    got = samples(w.metrics().render_nodes())
+    assert got["ghostgpu_tracer_events_ingested_total"] == [({"node": "n1"}, 110)]
+    assert got["ghostgpu_tracer_events_duplicate_total"] == [({"node": "n1"}, 4)]
+    lost = {s["reason"]: v for s, v in got["ghostgpu_tracer_events_lost_total"]}
+    assert lost == {"spool_overflow": 7 + 2, "ringbuf": 3}  # a gap and the spool count are one loss
+    assert got["ghostgpu_tracer_info"] == [({"node": "n1", "version": "0.5"}, 1)]
+
+
+def test_cri_call_latency_histogram_counts_each_call() -> None:
+    def slow_refusal(method: str, request: bytes, timeout_s: float) -> bytes:
+        time.sleep(0.03)  # the runtime's latency being measured, not a wait for a result
+        raise CriCallError(__import__("grpc").StatusCode.UNAVAILABLE, "runtime away")
+
+    r = CriResolver(lambda node: slow_refusal, lambda node, cid: None, retry_initial_s=5.0)
+    try:
+        r.get("n1", "ab" * 32)
+        wait_until(lambda: r.stats().calls_total >= 1, "one CRI call")
+        st = r.stats()
+    finally:
+        r.close()
+    buckets = dict(zip(CALL_LATENCY_BUCKETS_S, st.call_latency_bucket_counts, strict=True))
+    assert buckets[0.025] == 0 and buckets[5.0] == st.calls_total
+    assert list(st.call_latency_bucket_counts) == sorted(st.call_latency_bucket_counts)  # cumulative
+    assert st.failures_by_node == {"n1": st.calls_total}
