@@ -320,6 +320,13 @@ def test_a_bad_health_listen_env_exits_2(tmp_path: Path, monkeypatch: pytest.Mon
     assert err.strip().count("\n") == 0 and "GHOSTGPU_HEALTH_LISTEN" in err and "'no-port'" in err, err
 
 
+def test_a_bad_health_listen_flag_exits_2(tmp_path: Path) -> None:
+    proc = tracer(["--health-listen", "9401"], tmp_path)
+    assert proc.wait(60) == 2
+    err = (tmp_path / "stderr").read_text()
+    assert err.strip().count("\n") == 0 and "--health-listen" in err and "'9401'" in err, err
+
+
 def test_a_streaming_tracer_serves_its_health(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GHOSTGPU_HEALTH_LISTEN", "127.0.0.1:0")
     with FakeCollector() as collector:
