@@ -3,13 +3,17 @@
     c = Collector(["127.0.0.1:0", "unix:///run/ghostgpu.sock"], db_path="/tmp/c.db")
     c.start()                 # binds, loads the database; raises ListenError / StoreError
     c.addresses               # ["127.0.0.1:41234", "unix:///run/ghostgpu.sock"]
+    c.metrics_address         # "127.0.0.1:9400" with metrics_listen="127.0.0.1:9400", else None
     ...                       # tracers connect to c.address; clients query it
     c.stop(grace_s=1.0)       # ends streams (UNAVAILABLE), commits what was accepted, closes
 
 Threads: one asyncio loop owns every piece of in-memory state (nodes, the cluster table,
 findings, watchers) and serves gRPC; one writer thread owns SQLite (collector/store.py); the CRI
 resolver's workers (collector/cri.py) call CRI through a tracer's relay or a local socket and
-hand their answers back to the loop.
+hand their answers back to the loop. /metrics (metrics_listen) is served by its own HTTP threads
+(collector/metrics.py), which read the loop's state through call(); the Alertmanager pusher
+(alertmanager URLs, collector/alertpush.py) watches findings like any WatchFindings client and posts
+from its own thread, so a down Alertmanager never holds up ingest.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -33,6 +37,7 @@ from collector.store import Store, StoreError
 from ghostgpu import __version__
 from ghostgpu.api import MAX_BATCH_EVENTS
 from ghostgpu.cluster import K8sInfo
+from ghostgpu.httpserve import HttpListenError, HttpServer, parse_listen
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,10 @@ DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
 DEFAULT_LISTEN = "0.0.0.0:7450"
 FINDINGS_FLUSH_S = 1.0  # changed open findings reach the history at most this late
 T = TypeVar("T")
+
+
+class MetricsUnavailable(RuntimeError):
+    """A scrape came while the collector's loop is not running."""
 
 
 class Resolver(Protocol):
@@ -53,7 +62,10 @@ class Collector:
     def __init__(self, listen: list[str] | str, db_path: str, retention_days: float = 7.0,
                  event_log_max: int = 1_000_000, cri_endpoint: str | None = None, cri_ttl_s: float = 30.0,
                  node_name: str | None = None, *, resolver_factory: ResolverFactory | None = None,
-                 max_batch_events: int = MAX_BATCH_EVENTS) -> None:
+                 max_batch_events: int = MAX_BATCH_EVENTS, metrics_listen: str | None = None,
+                 metrics_max_process_series: int = 1000, alertmanager: Sequence[str] = (),
+                 alert_resend_s: float = 60.0, alert_labels: dict[str, str] | None = None,
+                 pusher_factory: Callable[..., Any] | None = None) -> None:
         self.listen = [listen] if isinstance(listen, str) else list(listen)
         for addr in self.listen:
             check_listen(addr)
@@ -63,6 +75,18 @@ class Collector:
             raise ValueError(f"--event-log-max {event_log_max}: must be 0 (keep none) or more")
         if cri_ttl_s <= 0:
             raise ValueError(f"--cri-ttl-s {cri_ttl_s}: must be more than 0")
+        if metrics_listen is not None:
+            parse_listen(metrics_listen, "--metrics-listen")  # HttpListenError: one line naming the flag
+        if metrics_max_process_series < 0:
+            raise ValueError(f"--metrics-max-process-series {metrics_max_process_series}: must be 0 or more")
+        if alert_resend_s <= 0:
+            raise ValueError(f"--alertmanager-resend-s {alert_resend_s}: must be more than 0")
+        self.metrics_listen = metrics_listen
+        self.metrics_max_process_series = metrics_max_process_series
+        self.alertmanager = list(alertmanager)
+        self.alert_resend_s = alert_resend_s
+        self.alert_labels = dict(alert_labels or {})
+        self._pusher_factory = pusher_factory  # tests: a stand-in for collector.alertpush.AlertPusher
         self.db_path = db_path
         self.retention_days = retention_days
         self.event_log_max = event_log_max
@@ -81,6 +105,10 @@ class Collector:
         self._stop_event: asyncio.Event | None = None
         self._grace_s = 1.0
         self.resolver: Any = None
+        self.metrics: Any = None  # collector.metrics.CollectorMetrics with metrics_listen
+        self._metrics_server: HttpServer | None = None
+        self.pusher: Any = None  # collector.alertpush.AlertPusher with alertmanager URLs
+        self._pusher_started = False
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -97,13 +125,19 @@ class Collector:
         if self._start_error is not None:
             self._close_helpers()
             raise self._start_error
+        if self.pusher is not None:
+            self.pusher.start()  # its watcher is registered on the loop already (_serve)
+            self._pusher_started = True
         return self
 
     def _build(self) -> None:
         if self.cri_endpoint:
             from collector.cri import direct_transport
 
-            self._direct = direct_transport(self.cri_endpoint)  # ValueError names a malformed endpoint
+            try:
+                self._direct = direct_transport(self.cri_endpoint)
+            except ValueError as e:  # a malformed endpoint: name the flag, as every other bad value does
+                raise ValueError(f"--collector-cri-endpoint: {e}") from None
         self.store = Store(self.db_path, self.event_log_max, self.retention_days)
         self.nodes: dict[str, NodeState] = {}
         if self._resolver_factory is not None:
@@ -117,6 +151,26 @@ class Collector:
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures)
+        if self.alertmanager:
+            if self._pusher_factory is not None:
+                factory = self._pusher_factory
+            else:
+                from collector.alertpush import AlertPusher as factory  # only with --alertmanager
+            # ValueError naming --alertmanager or --alert-label on a bad URL or label
+            self.pusher = factory(self.alertmanager, extra_labels=self.alert_labels,
+                                  resend_s=self.alert_resend_s)
+        if self.metrics_listen is not None:
+            from collector.metrics import CollectorMetrics
+
+            self.metrics = CollectorMetrics(
+                self.nodes, self.cluster, call=self._call_for_scrape,
+                cri_stats=getattr(self.resolver, "stats", None),
+                push_stats=self.pusher.stats if self.pusher is not None else None,
+                max_process_series=self.metrics_max_process_series)
+            # Bound before the loop runs (a taken port fails start() at once); a scrape that comes
+            # before the loop is up is answered 503 by _call_for_scrape.
+            self._metrics_server = HttpServer(self.metrics_listen, {"/metrics": self.metrics.handle},
+                                              flag="--metrics-listen", name="metrics").start()
 
     def _run(self) -> None:
         try:
@@ -134,6 +188,8 @@ class Collector:
         except (ListenError, OSError) as e:
             self._start_error = e if isinstance(e, ListenError) else ListenError(f"--listen: {e}")
             return
+        if self.pusher is not None:
+            self.cluster.watch(self.pusher.watcher, include_open=True)
         self._ready.set()
         while True:
             try:
@@ -151,6 +207,8 @@ class Collector:
         """End every stream and watch, commit what was accepted, close. Idempotent."""
         if self._thread is None:
             return
+        if self._metrics_server is not None:
+            self._metrics_server.stop()  # no scrape waits on a loop that is going away
         self._grace_s = grace_s
         loop, event = self.loop, self._stop_event
         if loop is not None and event is not None and not self._stopped.is_set():
@@ -160,6 +218,12 @@ class Collector:
         self._close_helpers()
 
     def _close_helpers(self) -> None:
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            server.stop()
+        if self.pusher is not None and self._pusher_started:
+            self._pusher_started = False
+            self.pusher.stop()  # one last, bounded attempt to deliver what is pending
         close = getattr(self.resolver, "close", None)
         if close is not None:
             close()
@@ -182,6 +246,11 @@ class Collector:
             if addr.startswith(wildcard):
                 return loopback + addr.removeprefix(wildcard)
         return addr
+
+    @property
+    def metrics_address(self) -> str | None:
+        """HOST:PORT of /metrics as a client dials it, None without metrics_listen."""
+        return self._metrics_server.address if self._metrics_server is not None else None
 
     @property
     def port(self) -> int | None:
@@ -212,6 +281,12 @@ class Collector:
         self.loop.call_soon_threadsafe(run)
         return fut.result(timeout_s)
 
+    def _call_for_scrape(self, fn: Callable[[], T]) -> T:
+        loop = self.loop
+        if loop is None or loop.is_closed() or self._stopped.is_set():
+            raise MetricsUnavailable("the collector is not serving (starting or stopping); scrape again")
+        return self.call(fn)
+
     def transport_for(self, node: str) -> Any:
         """The CRI transport for a node: the local socket for the collector's own node, else the
         node's tracer relay, else the local socket (--collector-cri-endpoint), else None."""
@@ -226,23 +301,53 @@ class Collector:
                 loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
 
 
+def split_urls(values: Sequence[str] | None) -> list[str]:
+    """--alertmanager URL, repeatable and comma-separated, as one list."""
+    return [u.strip() for v in values or () for u in v.split(",") if u.strip()]
+
+
+def parse_alert_labels(values: Sequence[str] | None) -> dict[str, str]:
+    """--alert-label KEY=VALUE (repeatable) as a dict; ValueError naming the bad one. Label names are
+    checked by the pusher (collector/alertpush.py), which knows the names it sets itself."""
+    labels: dict[str, str] = {}
+    for item in values or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--alert-label {item!r}: use KEY=VALUE, e.g. --alert-label cluster=prod")
+        labels[key.strip()] = value
+    return labels
+
+
+def collector_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The metrics and Alertmanager keyword arguments of Collector from `collector`/`up` flags."""
+    return {
+        "metrics_listen": getattr(args, "metrics_listen", None),
+        "metrics_max_process_series": getattr(args, "metrics_max_process_series", 1000),
+        "alertmanager": split_urls(getattr(args, "alertmanager", None)),
+        "alert_resend_s": getattr(args, "alertmanager_resend_s", 60.0),
+        "alert_labels": parse_alert_labels(getattr(args, "alert_labels", None)),
+    }
+
+
 def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
     """The body of `ghostgpu collector`: exit 0 on SIGTERM/SIGINT, 2 on a bad flag, 1 if storage fails."""
     listen = [a.strip() for a in (args.listen or DEFAULT_LISTEN).split(",") if a.strip()]
     db = args.db or DEFAULT_DB
     try:
         collector = Collector(listen, db, args.retention_days, args.event_log_max,
-                              getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s)
+                              getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s,
+                              **collector_options(args))
         collector.start()
-    except (ListenError, StoreError) as e:
+    except (ListenError, StoreError, HttpListenError, ValueError) as e:
         print(f"ghostgpu: collector: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
-        flag = "" if str(e).startswith("--") else "--collector-cri-endpoint: "
-        print(f"ghostgpu: collector: {flag}{e}", file=sys.stderr)
-        return 2
-    print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database {db}",
-          file=sys.stderr, flush=True)
+    extra = ""
+    if collector.metrics_address:
+        extra += f"; metrics http://{collector.metrics_address}/metrics"
+    if collector.alertmanager:
+        extra += f"; alerts to {', '.join(collector.alertmanager)}"
+    print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database {db}"
+          f"{extra}", file=sys.stderr, flush=True)
     stop = threading.Event()
     install_signals(stop.set)
     rc = 0

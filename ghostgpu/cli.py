@@ -50,6 +50,24 @@ def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None)
                    help="resolve containers of tracers without a CRI relay through this local socket")
     p.add_argument("--cri-ttl-s", dest="cri_ttl_s", type=float, default=30.0,
                    help="seconds a CRI answer is cached (default 30; unknown containers 5)")
+    p.add_argument("--metrics-listen", dest="metrics_listen", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics on this address (default off; e.g. 0.0.0.0:9400)")
+    p.add_argument("--metrics-max-process-series", dest="metrics_max_process_series", type=int, default=1000,
+                   metavar="N", help="at most N non-visible consumers get per-process series, oldest "
+                   "findings first (default 1000; ghostgpu_metrics_process_series_capped counts the rest)")
+    p.add_argument("--alertmanager", action="append", metavar="URL",
+                   help="push findings to this Alertmanager as they open and resolve, e.g. "
+                   "http://127.0.0.1:9093 (repeatable, or comma-separated)")
+    p.add_argument("--alertmanager-resend-s", dest="alertmanager_resend_s", type=float, default=60.0,
+                   metavar="S", help="re-send open alerts every S seconds (default 60)")
+    p.add_argument("--alert-label", dest="alert_labels", action="append", metavar="KEY=VALUE",
+                   help="extra label on every pushed alert (repeatable), e.g. cluster=prod")
+
+
+def _add_health_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--health-listen", dest="health_listen", metavar="HOST:PORT",
+                   help="the tracer serves /healthz, /readyz and /metrics here (default off; "
+                   "env GHOSTGPU_HEALTH_LISTEN)")
 
 
 def _add_query_flags(p: argparse.ArgumentParser) -> None:
@@ -83,6 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="events kept unacknowledged while the collector is out (default 100000, ~40MB)")
     _add_tracer_flags(tracer)
     _add_node_flags(tracer)
+    _add_health_flag(tracer)
 
     coll = sub.add_parser("collector", help="the cluster collector: ingests tracers, resolves containers "
                           "through CRI, answers queries")
@@ -105,6 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit")
     _add_tracer_flags(up)
     _add_node_flags(up)
+    _add_health_flag(up)
     _add_collector_flags(up, listen_default="127.0.0.1:7450")
     return parser
 
@@ -113,7 +133,7 @@ def _config(args: argparse.Namespace) -> Any:
     from tracer.config import load_config
 
     keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
-            "scan_interval_s", "bpf")
+            "scan_interval_s", "bpf", "health_listen")
     overrides = {k: getattr(args, k, None) for k in keys}
     return load_config(args.config, overrides=overrides)
 

@@ -44,6 +44,10 @@ class UpError(Exception):
     """One line to print before exiting 1."""
 
 
+class FlagError(UpError):
+    """A bad flag value, named in the line: exit 2."""
+
+
 def _port_free(address: str) -> str | None:
     """None when HOST:PORT can be bound, else why not. gRPC binds with SO_REUSEPORT, so a second
     collector would silently share the port with the first: a plain bind finds the listener."""
@@ -101,7 +105,8 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
                        ("--proc-root", "proc_root"), ("--sys-root", "sys_root"),
                        ("--cgroup-root", "cgroup_root"), ("--grace-s", "grace_s"),
                        ("--scan-interval-s", "scan_interval_s"),
-                       ("--podresources-endpoint", "podresources_endpoint")):
+                       ("--podresources-endpoint", "podresources_endpoint"),
+                       ("--health-listen", "health_listen")):
         value = getattr(args, dest, None)
         if value is not None:
             cmd += [flag, str(value)]
@@ -159,20 +164,28 @@ def _open_db(args: argparse.Namespace) -> str:
 
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
-    from collector.main import Collector
+    from collector.main import Collector, collector_options
+    from collector.server import ListenError
+    from ghostgpu.httpserve import HttpListenError
 
     busy = _port_free(listen)
     if busy is not None:
         raise UpError(f"cannot listen on {listen} ({busy}): another collector or `ghostgpu up` may be "
                       f"running; pass --listen HOST:PORT (e.g. --listen 127.0.0.1:7451)")
-    collector = Collector(listen=[listen], db_path=_open_db(args), retention_days=args.retention_days,
-                          event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
-                          cri_ttl_s=args.cri_ttl_s, node_name=node)
+    try:  # a bad --metrics-listen, --alertmanager, --alert-label, ... is a ValueError naming the flag
+        collector = Collector(listen=[listen], db_path=_open_db(args), retention_days=args.retention_days,
+                              event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
+                              cri_ttl_s=args.cri_ttl_s, node_name=node, **collector_options(args))
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     try:
         collector.start()
     except Exception as e:
         with contextlib.suppress(Exception):
             collector.stop()
+        # --metrics-listen cannot be bound, a bad --alertmanager URL or --alert-label: the line names it
+        if isinstance(e, ValueError) and (isinstance(e, HttpListenError) or not isinstance(e, ListenError)):
+            raise FlagError(str(e)) from None
         raise UpError(f"cannot start the collector on {listen} ({e}); pass --listen HOST:PORT or --db PATH"
                       ) from e
     return collector
@@ -195,7 +208,12 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
         tracer = TracerChild(tracer_command(args, address, node, tracer_cri), env)
-        return LiveView(Query(address), node, tracer, stop, demo, args).run()
+        live = LiveView(Query(address), node, tracer, stop, demo, args)
+        live.metrics_address = collector.metrics_address
+        return live.run()
+    except FlagError as e:
+        print(f"ghostgpu: {e}", file=sys.stderr)
+        return 2
     except (UpError, DemoError) as e:
         print(f"ghostgpu: {e}", file=sys.stderr)
         return 1
@@ -217,6 +235,7 @@ class LiveView:
         self.once = bool(args.once)
         self.db = args.db or DEFAULT_DB
         self.address = query.address
+        self.metrics_address: str | None = None  # run_up sets it when --metrics-listen serves
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
         self.instance_id, self.after_seq = "", 0
         self.short_lived_pids: set[int] = set()  # demo: runs of the short-lived container seen opening
@@ -278,7 +297,9 @@ class LiveView:
         self._poll_events(status)
         consumers = self.query.consumers(node=self.node)
         self._tracer_lines()
-        top = (f"ghostgpu up: collector {self.address} (db {self.db}), tracer pid {self.tracer.proc.pid}"
+        metrics = f", metrics http://{self.metrics_address}/metrics" if self.metrics_address else ""
+        top = (f"ghostgpu up: collector {self.address} (db {self.db}){metrics}, "
+               f"tracer pid {self.tracer.proc.pid}"
                f"{'' if self.once else '; Ctrl-C stops both'}")
         lines = [top]
         if status is None:
