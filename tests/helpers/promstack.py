@@ -345,3 +345,26 @@ def promtool(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess
     return subprocess.run([PROMTOOL_BIN, *args], capture_output=True, text=True, timeout=timeout_s,
                           check=False, env={**os.environ, "NO_COLOR": "1"})
 
+
+
+SHIPPED_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "ghostgpu-rules.yaml"
+FINDINGS_GROUP = "ghostgpu-findings"
+
+
+def findings_rules_firing_at_once(dest: Path, source: Path = SHIPPED_RULES) -> Path:
+    """The shipped rules with every findings alert's `for:` set to 0 s (their only change), written
+    to `dest`: what fires in a test or a benchmark is what fires in production, only without the wait."""
+    import yaml  # Debian's python3-yaml; only the tests and benchmarks that run Prometheus need it
+
+    doc = yaml.safe_load(source.read_text())
+    changed = 0
+    for group in doc["groups"]:
+        if group["name"] == FINDINGS_GROUP:
+            for rule in group["rules"]:
+                if "alert" in rule:
+                    rule["for"] = "0s"
+                    changed += 1
+    if not changed:
+        raise AssertionError(f"{source}: no alert in group {FINDINGS_GROUP}")
+    dest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return dest

@@ -1,0 +1,173 @@
+"""Alerting end to end, real parts only: a GPU pod's hidden consumer pages through Alertmanager.
+
+A real containerd (CRI) runs the pod; the real tracer (BPF, a fake NVML that lists no process)
+streams to a real `ghostgpu collector` process, which names the pod through the tracer's CRI
+relay, serves /metrics and pushes findings to Alertmanager. Debian's Prometheus 2.42 scrapes the
+collector every second and evaluates the shipped rules file (deploy/prometheus/ghostgpu-rules.yaml;
+the findings alerts' `for:` shortened to 0 s, their only change), sending to Debian's Alertmanager
+0.25. Both paths are read back where a user would see them, Alertmanager's /api/v2/alerts:
+
+- scrape path: GhostGPUHiddenConsumer from Prometheus, with the metric's labels (node, GPU, pod, PID);
+- push path: the same alert name from the collector itself (label source="ghostgpu-collector").
+
+Removing the pod resolves both. Nothing sleeps: every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.helpers.collector_proc import CollectorProcess
+from tests.helpers.containerd import Containerd, Pod
+from tests.helpers.fakenvml import FakeGpu, FakeNvml
+from tests.helpers.polling import poll
+from tests.helpers.promstack import (
+    ALERTMANAGER_BIN,
+    PROMETHEUS_BIN,
+    Alertmanager,
+    Prometheus,
+    findings_rules_firing_at_once,
+    free_port,
+    require_binary,
+)
+from tests.helpers.tracer_proc import TracerProcess
+from tests.integration.conftest import GPU0_UUID, require_bpf
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.containerd,
+              pytest.mark.prometheus]
+
+NODE = "node-alerts"
+NS = "ghost-alerts"
+ALERT = "GhostGPUHiddenConsumer"
+PUSHED = "ghostgpu-collector"  # the `source` label of alerts the collector posts itself
+DEADLINE_S = 45.0  # scrape (1 s) + evaluation (1 s) + CRI names, on a 2-core VM shared with other tests
+HOLD_NVIDIA0 = ["/bin/sh", "-c", "exec 3</dev/nvidia0; sleep 300"]
+
+
+@dataclass
+class Stack:
+    containerd: Containerd
+    alertmanager: Alertmanager
+    prometheus: Prometheus
+    collector: CollectorProcess
+    tracer: TracerProcess
+    metrics_address: str
+    pods: list[Pod]
+
+    def gpu_pod(self, name: str) -> tuple[Pod, str, int]:
+        """A pod with container `cuda` holding host /dev/null as its /dev/nvidia0; (pod, id, init PID)."""
+        pod = self.containerd.run_pod(name, NS)
+        self.pods.append(pod)
+        cid = self.containerd.create_container(pod, "cuda", HOLD_NVIDIA0,
+                                               devices=[("/dev/null", "/dev/nvidia0")])
+        return pod, cid, self.containerd.container_host_pid(cid)
+
+
+@pytest.fixture(scope="module")
+def stack(containerd_session: Containerd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    require_bpf()
+    require_binary(PROMETHEUS_BIN)
+    require_binary(ALERTMANAGER_BIN)
+    ctd = containerd_session.start()
+    work = tmp_path_factory.mktemp("alerting")
+    nvml = FakeNvml(work / "nvml.conf", gpus=[FakeGpu(index=0, uuid=GPU0_UUID, minor=0)])
+    nvml.write()
+    (work / "tracer").mkdir()
+    pods: list[Pod] = []
+    with Alertmanager(work / "am") as am:
+        metrics = f"127.0.0.1:{free_port()}"
+        collector = CollectorProcess(work / "collector", args=[
+            "--metrics-listen", metrics, "--alertmanager", am.url, "--alertmanager-resend-s", "5"])
+        tracer = None
+        try:
+            rules = findings_rules_firing_at_once(work / "rules.yaml")
+            with Prometheus(work / "prom", scrape_targets={"ghostgpu-collector": metrics}, rule_files=[rules],
+                            alertmanagers=[am.address], interval_s=1) as prom:
+                tracer = TracerProcess(work / "tracer", ["--grace-s", "0.5", "--cri-endpoint", ctd.endpoint],
+                                       nvml.env(), NODE, collector.address)
+                tracer.wait_ready(DEADLINE_S)
+                prom.wait_target_up("ghostgpu-collector", DEADLINE_S)
+                yield Stack(ctd, am, prom, collector, tracer, metrics, pods)
+        finally:
+            if tracer is not None:
+                tracer.stop()
+            collector.stop()
+            ctd.start()
+            for pod in pods:
+                ctd.remove_pod(pod.id)
+
+
+def hidden_alerts(am: Alertmanager, pushed: bool, **labels: str) -> list[dict[str, Any]]:
+    """Active GhostGPUHiddenConsumer alerts with `labels`, from the push path or the scrape path."""
+    return [a for a in am.alerts(alertname=ALERT, **labels)
+            if (a["labels"].get("source") == PUSHED) == pushed]
+
+
+def wait_alert(am: Alertmanager, pushed: bool, what: str, **labels: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = []
+
+    def present() -> bool:
+        nonlocal found
+        found = hidden_alerts(am, pushed, **labels)
+        return bool(found)
+
+    if not poll(present, DEADLINE_S):
+        have = [a["labels"] for a in am.alerts()]
+        raise AssertionError(f"timed out after {DEADLINE_S} s waiting for {what} {labels}; "
+                             f"Alertmanager has: {have}")
+    return found[0]
+
+
+def expected_labels(pod: str, pid: int) -> dict[str, str]:
+    return {"node": NODE, "namespace": NS, "pod": pod, "container": "cuda", "pid": str(pid), "gpu": "0",
+            "gpu_uuid": GPU0_UUID, "class": "hidden", "severity": "critical"}
+
+
+def check_annotations(alert: dict[str, Any], pod: str, pid: int) -> None:
+    summary = alert["annotations"].get("summary", "")
+    for part in (NODE, GPU0_UUID, f"{NS}/{pod}", str(pid)):
+        assert part in summary, f"summary {summary!r} does not name {part}"
+    assert alert["annotations"].get("description"), "an alert must say what to do"
+
+
+def test_hidden_consumer_pages_through_prometheus_rules(stack: Stack) -> None:
+    am = stack.alertmanager
+    pod, _cid, pid = stack.gpu_pod("scraped-0")
+    labels = expected_labels("scraped-0", pid)
+    alert = wait_alert(am, False, "the scrape path's alert", **labels)
+    # Prometheus adds the scrape target's labels; everything else came from the metric and the rule.
+    assert alert["labels"]["job"] == "ghostgpu-collector"
+    assert alert["labels"]["instance"] == stack.metrics_address
+    assert alert["labels"]["comm"] == "sleep"  # busybox sh execs its last command
+    assert alert["status"]["state"] == "active"
+    check_annotations(alert, "scraped-0", pid)
+    assert "prometheus" not in alert.get("generatorURL", "") or alert["generatorURL"].startswith("http")
+
+    stack.containerd.remove_pod(pod.id)
+    stack.pods.remove(pod)
+    if not poll(lambda: not hidden_alerts(am, False, pod="scraped-0"), DEADLINE_S):
+        raise AssertionError(f"the scrape path's alert for pod scraped-0 did not resolve in {DEADLINE_S} s: "
+                             f"{[a['labels'] for a in hidden_alerts(am, False, pod='scraped-0')]}")
+
+
+def test_hidden_consumer_pages_through_the_direct_push(stack: Stack) -> None:
+    am = stack.alertmanager
+    pod, _cid, pid = stack.gpu_pod("pushed-0")
+    labels = expected_labels("pushed-0", pid)
+    alert = wait_alert(am, True, "the collector's pushed alert", **labels)
+    assert alert["labels"]["comm"] == "sleep"  # busybox sh execs its last command
+    assert "job" not in alert["labels"]  # not Prometheus: the collector posted it
+    assert alert["status"]["state"] == "active"
+    check_annotations(alert, "pushed-0", pid)
+
+    stack.containerd.remove_pod(pod.id)
+    stack.pods.remove(pod)
+    # The collector posts the same labels with endsAt: Alertmanager 0.25 leaves it out of the active list.
+    if not poll(lambda: not hidden_alerts(am, True, pod="pushed-0"), DEADLINE_S):
+        raise AssertionError(f"the pushed alert for pod pushed-0 did not resolve in {DEADLINE_S} s")
+    every = am.alerts(active=False, alertname=ALERT, pod="pushed-0")
+    assert all(a["labels"].get("source") != PUSHED or a["status"]["state"] != "active" for a in every)
