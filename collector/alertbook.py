@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import islice
 
 from ghostgpu.convert import class_from_proto
 from ghostgpu.v1 import query_pb2
@@ -128,7 +130,6 @@ class _Alert:
     body: dict[str, object]  # the JSON object POSTed
     version: int
     owner: int  # finding ID: a newer finding with the same labels takes the alert over
-    resolved_mono: float | None = None
 
 
 @dataclass
@@ -136,20 +137,26 @@ class _Finding:
     id: int
     starts_unix_s: float
     fired: list[Key] = field(default_factory=list)  # label sets sent firing, not yet resolved
-    hold_until_mono: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
 
 
 class AlertBook:
+    """Per Alertmanager, `unsent` holds the label sets whose latest version it has not taken (sent
+    first, at once), and `resend` the rest, queued every resend_s: a loop step costs what changed,
+    not the whole book, however many findings are open."""
+
     def __init__(self, targets: list[str], extra_labels: dict[str, str], *, resend_s: float,
                  resolved_keep_s: float, settle_s: float) -> None:
         self.extra = extra_labels
         self.resend_s, self.resolved_keep_s, self.settle_s = resend_s, resolved_keep_s, settle_s
         self.alerts: dict[Key, _Alert] = {}
         self.findings: dict[int, _Finding] = {}
+        self.held: dict[int, float] = {}  # finding ID -> when to stop waiting for its names (mono)
         self.resolved: dict[Key, float] = {}  # resolved alerts in resolution order (mono time)
-        self.taken_by: dict[str, dict[Key, tuple[int, float]]] = {t: {} for t in targets}  # version, mono
-        self.cycle_mono: dict[str, float] = dict.fromkeys(targets, 0.0)  # resend everything taken before
+        self.unsent: dict[str, dict[Key, None]] = {t: {} for t in targets}  # an ordered set per target
+        self.taken_by: dict[str, dict[Key, float]] = {t: {} for t in targets}  # when it took it (mono)
+        self.resend: dict[str, deque[Key]] = {t: deque() for t in targets}
+        self.cycle_mono: dict[str, float] = dict.fromkeys(targets, 0.0)
         self.next_cycle_mono: dict[str, float] = dict.fromkeys(targets, 0.0)
         self._version = 0
         self._now = 0.0
@@ -163,11 +170,10 @@ class AlertBook:
         changed = False
         for event in events:
             changed |= self._event(event)
-        for st in [s for s in self.findings.values() if s.hold_until_mono is not None]:
-            if st.hold_until_mono is not None and st.hold_until_mono <= now_mono:
-                st.hold_until_mono = None  # settle_s passed without names: send what is known
-                self._fire(st)
-                changed = True
+        for fid in [fid for fid, until in self.held.items() if until <= now_mono]:
+            del self.held[fid]  # settle_s passed without names: send what is known
+            self._fire(self.findings[fid])
+            changed = True
         if self.resolved and (len(self.resolved) > MAX_RESOLVED_ALERTS
                               or self._first_resolved_mono() + self.resolved_keep_s <= now_mono):
             self._expire(now_mono)
@@ -191,6 +197,7 @@ class AlertBook:
             if st is None:
                 st = _Finding(f.id, f.opened_unix_ns / 1e9 or ends_unix_s)
             self.findings.pop(f.id, None)
+            self.held.pop(f.id, None)
             if not st.fired:  # resolved while held (or before we saw it open): one resolved alert
                 st.labels = labels
                 self._put(_key(labels), labels, st, ends_unix_s)
@@ -200,15 +207,15 @@ class AlertBook:
         if st is None:  # OPENED, or CHANGED of a finding opened before this watcher
             st = self.findings[f.id] = _Finding(f.id, f.opened_unix_ns / 1e9 or time.time(), labels=labels)
             if self.settle_s > 0 and names_pending(f):
-                st.hold_until_mono = self._now + self.settle_s
+                self.held[f.id] = self._now + self.settle_s
                 return False
             self._fire(st)
             return True
         st.labels = labels
-        if st.hold_until_mono is not None:
+        if f.id in self.held:
             if names_pending(f):
                 return False
-            st.hold_until_mono = None
+            del self.held[f.id]
             self._fire(st)
             return True
         if _key(labels) in st.fired:
@@ -225,7 +232,7 @@ class AlertBook:
 
     def _resolve(self, key: Key, st: _Finding, ends_unix_s: float) -> None:
         alert = self.alerts.get(key)
-        if alert is not None and alert.owner == st.id:
+        if alert is not None and alert.owner == st.id:  # not a newer finding's alert with the same labels
             self._put(key, dict(key), st, ends_unix_s)
 
     def _put(self, key: Key, labels: dict[str, str], st: _Finding, ends_unix_s: float | None) -> None:
@@ -234,10 +241,12 @@ class AlertBook:
                                    "startsAt": rfc3339(st.starts_unix_s)}
         if ends_unix_s is not None:
             body["endsAt"] = rfc3339(max(ends_unix_s, st.starts_unix_s))
-        self.alerts[key] = _Alert(body, self._version, st.id, None if ends_unix_s is None else self._now)
+        self.alerts[key] = _Alert(body, self._version, st.id)
         self.resolved.pop(key, None)
         if ends_unix_s is not None:
             self.resolved[key] = self._now
+        for unsent in self.unsent.values():
+            unsent[key] = None
 
     def _expire(self, now_mono: float) -> None:
         """Forget resolved alerts every Alertmanager took and kept past resolved_keep_s; past
@@ -252,52 +261,56 @@ class AlertBook:
                 continue
             del self.resolved[key]
             del self.alerts[key]
-            for taken in self.taken_by.values():
-                taken.pop(key, None)
+            for target in self.unsent:
+                self.unsent[target].pop(key, None)
+                self.taken_by[target].pop(key, None)
 
     def _everywhere(self, key: Key) -> bool:
-        version = self.alerts[key].version
-        return all(t.get(key, (0, 0.0))[0] == version for t in self.taken_by.values())
+        return not any(key in unsent for unsent in self.unsent.values())
 
     # ---- alerts out -------------------------------------------------------------------------------
 
     def due(self, target: str, now_mono: float, max_batch: int) -> tuple[list[Due], float]:
         """(up to max_batch alerts `target` should get now, when to look again if none)."""
+        unsent, taken, resend = self.unsent[target], self.taken_by[target], self.resend[target]
         if now_mono >= self.next_cycle_mono[target]:
             self.cycle_mono[target] = now_mono
             self.next_cycle_mono[target] = now_mono + self.resend_s
-        cycle, taken = self.cycle_mono[target], self.taken_by[target]
-        batch = []
-        for key, alert in self.alerts.items():
-            got = taken.get(key)
-            if got is None or got[0] != alert.version or got[1] < cycle:
-                batch.append((key, alert.version, alert.body))
-                if len(batch) >= max_batch:
-                    break
+            resend.clear()
+            resend.extend(k for k in self.alerts if k not in unsent)
+        batch = [(k, self.alerts[k].version, self.alerts[k].body) for k in islice(unsent, max_batch)]
+        cycle = self.cycle_mono[target]
+        while resend and (resend[0] not in self.alerts or taken.get(resend[0], 0.0) >= cycle):
+            resend.popleft()  # re-sent already (or gone): the queue's front is what is still due
+        for key in resend:
+            if len(batch) >= max_batch:
+                break
+            if key in self.alerts and key not in unsent and taken.get(key, 0.0) < cycle:
+                batch.append((key, self.alerts[key].version, self.alerts[key].body))
         next_mono = self.next_cycle_mono[target]
-        holds = [s.hold_until_mono for s in self.findings.values() if s.hold_until_mono is not None]
-        if holds:
-            next_mono = min(next_mono, min(holds))
+        if self.held:
+            next_mono = min(next_mono, min(self.held.values()))
         if self.resolved and (expire_mono := self._first_resolved_mono() + self.resolved_keep_s) > now_mono:
             next_mono = min(next_mono, expire_mono)
         return batch, next_mono
 
     def unsent_resolutions(self, target: str, max_batch: int) -> list[Due]:
-        taken = self.taken_by[target]
-        out = [(k, self.alerts[k].version, self.alerts[k].body) for k in self.resolved
-               if taken.get(k, (0, 0.0))[0] != self.alerts[k].version]
+        out = [(k, self.alerts[k].version, self.alerts[k].body) for k in self.unsent[target]
+               if k in self.resolved]
         return out[-max_batch:]
 
     def taken(self, target: str, sent: list[tuple[Key, int]], now_mono: float) -> None:
-        taken = self.taken_by[target]
+        unsent, taken = self.unsent[target], self.taken_by[target]
         for key, version in sent:
-            if key in self.alerts:
-                taken[key] = (version, now_mono)
+            alert = self.alerts.get(key)
+            if alert is not None:
+                taken[key] = now_mono
+                if alert.version == version:  # else it changed while in flight: still unsent
+                    unsent.pop(key, None)
 
     def pending(self) -> int:
         """Alerts some Alertmanager has not taken at their latest version, plus findings held to settle."""
-        held = sum(1 for s in self.findings.values() if s.hold_until_mono is not None)
-        return held + sum(1 for key in self.alerts if not self._everywhere(key))
+        return len(self.held) + len(set().union(*self.unsent.values()))
 
 
 def _key(labels: dict[str, str]) -> Key:

@@ -39,6 +39,7 @@ __all__ = ["ALERT_ANNOTATIONS", "FINDING_ALERTS", "SOURCE", "AlertPushStats", "A
            "parse_alert_labels", "parse_alertmanager_urls"]
 
 log = logging.getLogger("ghostgpu.alertpush")
+MAX_INBOX = 200_000  # findings awaiting a sender; only reached when none runs
 MAX_LOGGED_REASONS = 100  # distinct 400 reasons logged once each; past this, counted only
 
 
@@ -129,6 +130,7 @@ class AlertPusher:
                                resolved_keep_s=resolved_keep_s, settle_s=settle_s)
         self._inbox: dict[int, query_pb2.FindingEvent] = {}
         self._inbox_lock = threading.Lock()  # held only to file or swap the inbox: push() never waits long
+        self._inbox_dropped = 0
         self._lock = threading.Lock()  # the book and the counters below; never held across a POST
         self._stopping = False
         self._stop_deadline = 0.0
@@ -146,8 +148,12 @@ class AlertPusher:
     def _offer(self, event: query_pb2.FindingEvent) -> None:
         """O(1), never blocks on a POST, never raises: the cluster table calls it for every event."""
         try:
+            fid = event.finding.id
             with self._inbox_lock:
-                self._inbox[event.finding.id] = event
+                if len(self._inbox) >= MAX_INBOX and fid not in self._inbox:
+                    self._inbox_dropped += 1  # no sender is draining (not started, or stuck in a bug)
+                    return
+                self._inbox[fid] = event
             for t in self._targets:
                 t.wake.set()
         except Exception:  # a watcher must not break ingest; the next event carries the state again

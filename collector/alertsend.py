@@ -20,6 +20,9 @@ API_PATH = "/api/v2/alerts"
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 REASON_MAX_CHARS = 300  # an Alertmanager's error text, cut to one readable log line
+# What a POST on a kept-alive connection the other side closed while idle raises (posting alerts
+# again is harmless: Alertmanager merges them by label set).
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 URL_HELP = ("use http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:9093; a path prefix such as "
             "http://HOST:PORT/alertmanager is kept)")
 
@@ -105,15 +108,21 @@ class Sender:
         headers = {"Content-Type": "application/json", "User-Agent": "ghostgpu-collector"}
         if self.endpoint.authorization:
             headers["Authorization"] = self.endpoint.authorization
-        conn = self._connection(timeout_s or self.timeout_s)
-        try:
-            conn.request("POST", self.endpoint.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            what = "timed out" if isinstance(e, socket.timeout | TimeoutError) else f"{type(e).__name__}: {e}"
-            return PostResult(0, one_line(f"no answer from {self.endpoint.display}: {what}"))
+        for attempt in (1, 2):
+            reused = self._conn is not None and self._conn.sock is not None
+            conn = self._connection(timeout_s or self.timeout_s)
+            try:
+                conn.request("POST", self.endpoint.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if reused and attempt == 1 and isinstance(e, _STALE):
+                    continue  # the peer (or a proxy) closed the idle kept-alive connection: a fresh one
+                timed_out = isinstance(e, socket.timeout | TimeoutError)
+                what = "timed out" if timed_out else f"{type(e).__name__}: {e}"
+                return PostResult(0, one_line(f"no answer from {self.endpoint.display}: {what}"))
         if resp.will_close:
             self.close()
         if resp.status == 200:

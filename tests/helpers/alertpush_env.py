@@ -79,6 +79,7 @@ class FakeAlertmanager:
     script: list[tuple[int, bytes]] = field(default_factory=list)
     always: tuple[int, bytes] | None = None  # answered to every request while set
     hanging: bool = False
+    drop_keepalive: bool = False  # close each connection after answering, without saying so
     in_flight: int = 0
 
     def __post_init__(self) -> None:
@@ -105,6 +106,8 @@ class FakeAlertmanager:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+                if fake.drop_keepalive:
+                    self.close_connection = True
 
             def log_message(self, format: str, *args: object) -> None:
                 pass

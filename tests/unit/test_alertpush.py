@@ -10,6 +10,7 @@ import logging
 import string
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
 
 import pytest
@@ -121,7 +122,7 @@ def test_firing_alerts_are_resent_every_resend_s_without_endsAt(am: FakeAlertman
         assert all(g >= resend_s * 0.9 for g in gaps[1:]), gaps  # the first re-send may align to the cycle
         assert all(g < resend_s * 5 for g in gaps), gaps
         assert all("endsAt" not in a for p in posts for a in p.alerts)
-        assert pusher.stats().alerts_sent_total >= 4
+        wait_until(lambda: pusher.stats().alerts_sent_total >= 4, "four alerts counted as sent")
     finally:
         pusher.stop()
 
@@ -160,6 +161,39 @@ def test_names_that_come_after_settle_s_resolve_the_old_label_set_and_fire_the_n
         pusher.stop()
 
 
+def test_a_finding_resolved_while_held_is_sent_once_resolved(am: FakeAlertmanager,
+                                                            table: FindingTable) -> None:
+    pusher = _pusher(table, [am.url], settle_s=10.0)
+    try:
+        c = make_consumer("n1", 7, container_id=CID_B)
+        table.add(c)
+        table.remove(c)  # a short-lived consumer: gone before CRI answered
+        am.wait("the resolved alert", lambda: am.resolved(pid="7"), timeout_s=2.0)
+        assert not any("endsAt" not in a for p in am.posts for a in p.alerts)  # never sent firing
+    finally:
+        pusher.stop()
+
+
+def test_a_new_finding_with_the_same_labels_fires_again_and_is_not_resolved_by_the_old(
+        am: FakeAlertmanager, table: FindingTable) -> None:
+    pusher = _pusher(table, [am.url], resend_s=0.1)
+    try:
+        c = make_consumer("n1", 4242, container_id=CID_A)
+        table.add(c)
+        am.wait("the first firing", lambda: am.firing(pid="4242"))
+        table.add(replace(c, cls=ConsumerClass.VISIBLE))  # the driver lists it now: resolved
+        table.add(c)  # hidden again: a new finding, the same label set
+        (rec,) = table.table.open_findings()
+        assert rec.id == 2
+        sends = len(am.ok_posts_with(pid="4242"))
+        am.wait("re-sends after the second finding opened",
+                lambda: len(am.ok_posts_with(pid="4242")) >= sends + 3)
+        (alert,) = am.firing(pid="4242")  # the latest state: firing, since the second finding opened
+        assert abs(_unix(alert["startsAt"]) - rec.opened_unix_ns / 1e9) < 0.002
+    finally:
+        pusher.stop()
+
+
 def test_an_alertmanager_down_then_up_gets_the_alert(table: FindingTable) -> None:
     port = free_port()
     pusher = _pusher(table, [f"http://127.0.0.1:{port}"], timeout_s=1.0)
@@ -177,6 +211,18 @@ def test_an_alertmanager_down_then_up_gets_the_alert(table: FindingTable) -> Non
     finally:
         pusher.stop()
         am.stop()
+
+
+def test_a_kept_alive_connection_the_peer_closed_is_not_a_failure(am: FakeAlertmanager,
+                                                                  table: FindingTable) -> None:
+    am.drop_keepalive = True
+    pusher = _pusher(table, [am.url], resend_s=0.05)
+    try:
+        table.add(make_consumer("n1", 4242, container_id=CID_A))
+        am.wait("five sends", lambda: len(am.ok_posts_with(pid="4242")) >= 5)
+        assert pusher.stats().posts_failed_total == 0, pusher.stats().last_error
+    finally:
+        pusher.stop()
 
 
 def test_5xx_is_retried_with_backoff_and_the_latest_state_is_kept(am: FakeAlertmanager,
@@ -258,7 +304,7 @@ def test_each_alertmanager_of_an_ha_pair_gets_every_alert_and_a_hung_one_delays_
         table.add(make_consumer("n1", 4242, container_id=CID_A), make_consumer("n1", 43, container_id=CID_A))
         for fake in (a, b):
             fake.wait("both alerts", lambda f=fake: len(f.firing()) == 2, timeout_s=2.0)
-        assert stuck.in_flight == 1
+        wait_until(lambda: stuck.in_flight == 1, "the first Alertmanager to hold the POST")
     finally:
         stuck.release.set()
         pusher.stop(timeout_s=0.5)
