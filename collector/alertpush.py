@@ -150,10 +150,16 @@ class AlertPusher:
         try:
             fid = event.finding.id
             with self._inbox_lock:
-                if len(self._inbox) >= MAX_INBOX and fid not in self._inbox:
-                    self._inbox_dropped += 1  # no sender is draining (not started, or stuck in a bug)
-                    return
-                self._inbox[fid] = event
+                full = len(self._inbox) >= MAX_INBOX and fid not in self._inbox
+                if full:
+                    self._inbox_dropped += 1  # no sender is draining (not started, or stopped by a bug)
+                else:
+                    self._inbox[fid] = event
+            if full:
+                if self._inbox_dropped == 1:
+                    log.warning("alertpush: %d findings wait and no sender takes them (was start() called?); "
+                                "further ones are not pushed", MAX_INBOX)
+                return
             for t in self._targets:
                 t.wake.set()
         except Exception:  # a watcher must not break ingest; the next event carries the state again
