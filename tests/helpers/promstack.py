@@ -18,10 +18,9 @@ marked `prometheus`: without the binaries they skip, or fail under GHOSTGPU_REQU
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,7 +43,6 @@ STOP_TIMEOUT_S = 10.0
 HTTP_TIMEOUT_S = 5.0
 STDERR_TAIL_LINES = 15
 _BIND_ATTEMPTS = 3  # a free port can be taken between our probe and the daemon's bind
-_PR_SET_PDEATHSIG = 1
 
 
 def require_binary(path: str) -> None:
@@ -60,10 +58,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: a killed pytest must not leave daemons holding ports.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """argv run under util-linux `setpriv --pdeathsig KILL`: a killed pytest must not leave daemons
+    holding ports. Not Popen(preexec_fn=...): Python code between fork and exec in a test process
+    that has gRPC loaded can abort the child (grpcio's fork handlers: epoll_wait "Bad file
+    descriptor", SIGABRT), which made Alertmanager exit -6 at start now and then."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv
 
 
 def http_json(method: str, url: str, body: Any = None, timeout_s: float = HTTP_TIMEOUT_S) -> tuple[int, Any]:
@@ -119,9 +120,9 @@ class _Daemon:
             self.port = free_port()
             offset = self._stderr_path.stat().st_size if self._stderr_path.exists() else 0
             with open(self._stderr_path, "ab") as err:
-                self.proc = subprocess.Popen([self.binary, *self._args()], stdin=subprocess.DEVNULL,
-                                             stdout=err, stderr=err, cwd=self.workdir,
-                                             preexec_fn=_die_with_parent)
+                argv = _die_with_parent([self.binary, *self._args()])
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                             cwd=self.workdir)
             if poll(self._ready_or_exited, timeout_s) and self.proc.poll() is None:
                 return self
             exit_code = self.proc.poll()
