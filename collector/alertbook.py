@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import islice
 
+from collector.cri import PENDING_ERROR
 from ghostgpu.convert import class_from_proto
 from ghostgpu.v1 import query_pb2
 
@@ -120,9 +121,10 @@ def annotations(labels: dict[str, str]) -> dict[str, str]:
 
 
 def names_pending(f: query_pb2.Finding) -> bool:
-    """The CRI lookup for its container has not answered yet: names may come a moment later."""
+    """The CRI lookup for its container is running: names may come a moment later (about 10 ms
+    through a tracer's relay). CRI unreachable or absent is not worth waiting for: send at once."""
     k8s = f.consumer.k8s
-    return k8s.resolution == "unresolved" and not k8s.pod
+    return k8s.resolution == "unresolved" and not k8s.pod and k8s.error == PENDING_ERROR
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collector.alertpush import (
     parse_alertmanager_urls,
 )
 from collector.alertsend import Endpoint
+from ghostgpu.cluster import K8sInfo
 from ghostgpu.model import ConsumerClass
 from ghostgpu.v1 import query_pb2
 from tests.helpers.alertpush_env import FakeAlertmanager, FindingTable, k8s
@@ -138,6 +139,20 @@ def test_a_finding_waiting_for_its_cri_names_is_held_then_sent_with_them(am: Fak
         am.wait("the alert with its names", lambda: am.firing(pid="7", pod="infer-0"))
         assert time.monotonic() - t0 < 5.0  # the names released it, not the 10 s settle
         assert all(a["labels"].get("pod") == "infer-0" for p in am.posts for a in p.alerts)
+    finally:
+        pusher.stop()
+
+
+def test_a_finding_whose_cri_is_unreachable_is_not_held(am: FakeAlertmanager, table: FindingTable) -> None:
+    """Only a lookup in flight is worth waiting for: with CRI down the alert goes out at once."""
+    pusher = _pusher(table, [am.url], settle_s=10.0)
+    try:
+        t0 = time.monotonic()
+        table.set_names(CID_B, K8sInfo("unresolved", error="no CRI path to node n1"))
+        table.add(make_consumer("n1", 8, container_id=CID_B))
+        am.wait("the alert without names", lambda: am.firing(pid="8"))
+        assert time.monotonic() - t0 < 5.0
+        assert all("pod" not in a["labels"] for p in am.posts for a in p.alerts)
     finally:
         pusher.stop()
 
