@@ -100,9 +100,9 @@ class ClusterTable:
         self._next_id = next_finding_id
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
-        # For /metrics (collector/metrics.py): nodes whose rows changed since the renderer last took
-        # this set, and findings opened/resolved per (node, class) since the collector started.
-        self.changed_nodes: set[str] = set()
+        # For /metrics (collector/metrics.py): the rows changed since its renderer last took this dict,
+        # by node, and the findings opened/resolved per (node, class) since the collector started.
+        self.changed_rows: dict[str, set[ConsumerKey]] = {}
         self.findings_opened: dict[tuple[str, str], int] = {}
         self.findings_resolved: dict[tuple[str, str], int] = {}
         for row in open_findings:  # still open when the collector stopped: the node's snapshot decides
@@ -156,7 +156,9 @@ class ClusterTable:
         if new is old and old is not None:
             return
         self._index(node, key, old, new)
-        self.changed_nodes.add(node)
+        if (changed := self.changed_rows.get(node)) is None:
+            changed = self.changed_rows[node] = set()
+        changed.add(key)
         if new is None:
             rows.pop(key, None)
         else:

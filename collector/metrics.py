@@ -34,8 +34,7 @@ from collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
 from collector.metrics_render import (
     ALERTMANAGER_METRICS,
     COLLECTOR_METRICS,
-    EMPTY_CONSUMERS,
-    ConsumerChunk,
+    NodeConsumers,
     NodeStatus,
     assemble,
     render_consumers,
@@ -62,7 +61,7 @@ def _run_here(fn: Callable[[], T]) -> T:
 class _Taken:
     """What one scrape copied on the loop."""
 
-    rows: dict[str, tuple[ClusterConsumer, ...]]  # the nodes to render again (changed, or not cached)
+    rows: dict[str, list[tuple[Any, ClusterConsumer | None]]]  # changed rows by node (all of a new node)
     status: list[NodeStatus]  # every node, sorted by name
     identity: dict[str, tuple[str | None, Any]]  # node -> (tracer version, NodeInfo), replaced on change
     tracers_connected: int
@@ -87,7 +86,7 @@ class CollectorMetrics:
         self.cri_stats, self.push_stats = cri_stats, push_stats
         self.max_process_series = max_process_series
         self._lock = threading.Lock()
-        self._consumers: dict[str, ConsumerChunk] = {}
+        self._consumers: dict[str, NodeConsumers] = {}
         self._info: dict[str, _InfoCache] = {}
         self.tracers_connected = 0
         self.capped = 0
@@ -102,10 +101,15 @@ class CollectorMetrics:
 
     def _take(self) -> _Taken:
         cluster = self.cluster
-        changed, cluster.changed_nodes = cluster.changed_nodes, set()
+        changed, cluster.changed_rows = cluster.changed_rows, {}
         names = sorted(self.nodes.keys() | cluster.rows.keys())
-        rows = {n: tuple(cluster.rows.get(n, {}).values()) for n in names
-                if n in changed or n not in self._consumers}
+        rows: dict[str, list[tuple[Any, ClusterConsumer | None]]] = {}
+        for n in names:
+            node_rows = cluster.rows.get(n, {})
+            if n not in self._consumers:
+                rows[n] = list(node_rows.items())
+            elif (keys := changed.get(n)) is not None:
+                rows[n] = [(k, node_rows.get(k)) for k in keys]
         opened: dict[str, list[tuple[str, int]]] = {}
         resolved: dict[str, list[tuple[str, int]]] = {}
         for counts, into in ((cluster.findings_opened, opened), (cluster.findings_resolved, resolved)):
@@ -133,15 +137,16 @@ class CollectorMetrics:
     def render_nodes(self) -> str:
         """The per-node families (ghostgpu_* from the collector's tables), cached per node."""
         with self._lock:
-            return self._render_nodes_safe()
+            return b"".join(self._render_nodes_safe()).decode()
 
     def page(self) -> bytes:
         """The whole /metrics body: per-node families, then the registry's."""
         with self._lock:
-            nodes = self._render_nodes_safe()
-            return nodes.encode("utf-8", "replace") + generate_latest(self.registry)
+            parts = self._render_nodes_safe()
+            parts.append(generate_latest(self.registry))
+            return b"".join(parts)
 
-    def _render_nodes_safe(self) -> str:
+    def _render_nodes_safe(self) -> list[bytes]:
         self.cri = self.cri_stats() if self.cri_stats is not None else CriStats()  # off the loop: it locks
         try:
             return self._render_nodes()
@@ -150,11 +155,11 @@ class CollectorMetrics:
             self._info.clear()
             raise
 
-    def _render_nodes(self) -> str:
+    def _render_nodes(self) -> list[bytes]:
         taken: _Taken = self.call(self._take)
         for node, rows in taken.rows.items():
-            self._consumers[node] = (render_consumers(node, rows, self._consumers.get(node)) if rows
-                                     else EMPTY_CONSUMERS)
+            chunk = self._consumers.get(node)
+            self._consumers[node] = chunk.apply(rows) if chunk is not None else render_consumers(node, rows)
         chunks = []
         failures = self.cri.failures_by_node
         for s in taken.status:
