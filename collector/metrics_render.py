@@ -13,9 +13,7 @@ the last included, ends with a line feed; each (name, label set) appears once.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Sequence
-from itertools import islice
 from typing import Any, NamedTuple
 
 from ghostgpu.api import FINDING_CLASSES
@@ -236,8 +234,9 @@ class NodeStatus(NamedTuple):
     resolved: Sequence[tuple[str, int]]
 
 
-def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[bytes, ...]:
-    """STATUS_FAMILIES of a node; rebuilt every scrape (a few lines a node)."""
+def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[str, ...]:
+    """STATUS_FAMILIES of a node; rebuilt every scrape (a few lines a node), as str: assemble() encodes
+    each family once, not 8,000 small strings."""
     nl = node_label(s.node)
     heartbeat = (f"ghostgpu_tracer_last_heartbeat_timestamp_seconds{{{nl}}} {s.heartbeat_unix_ns / 1e9!r}\n"
                  if s.heartbeat_unix_ns else "")
@@ -247,22 +246,21 @@ def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[bytes, ...]:
                       for c, n in s.opened])
     resolved = "".join([f'ghostgpu_findings_resolved_total{{{nl},class="{escape(c)}"}} {n}\n'
                         for c, n in s.resolved])
-    return (_b(f"ghostgpu_tracer_connected{{{nl}}} {int(s.connected)}\n"), _b(heartbeat),
-            _b(f"ghostgpu_tracer_events_ingested_total{{{nl}}} {s.ingested_total}\n"), _b(lost),
-            _b(f"ghostgpu_tracer_events_duplicate_total{{{nl}}} {s.duplicates_total}\n"), _b(opened),
-            _b(resolved),
-            _b(f"ghostgpu_cri_resolution_failures_total{{{nl}}} {cri_failures_total}\n"))
+    return (f"ghostgpu_tracer_connected{{{nl}}} {int(s.connected)}\n", heartbeat,
+            f"ghostgpu_tracer_events_ingested_total{{{nl}}} {s.ingested_total}\n", lost,
+            f"ghostgpu_tracer_events_duplicate_total{{{nl}}} {s.duplicates_total}\n", opened, resolved,
+            f"ghostgpu_cri_resolution_failures_total{{{nl}}} {cri_failures_total}\n")
 
 
-def assemble(chunks: Sequence[tuple[NodeConsumers, tuple[bytes, ...], tuple[bytes, ...]]],
+def assemble(chunks: Sequence[tuple[NodeConsumers, tuple[bytes, ...], tuple[str, ...]]],
              max_process_series: int) -> tuple[list[bytes], int]:
     """(the per-node families as parts of the page, to be joined; how many processes the cap left out).
     `chunks` is per node, in page order: (NodeConsumers, render_info(...), render_status(...))."""
     total = sum(len(c[0].processes) for c in chunks)
     capped = max(0, total - max_process_series)
     kept: list[ProcessSeries] = []
-    if capped:  # each node's list is sorted already: merge them and stop at the cap
-        kept = list(islice(heapq.merge(*[c[0].processes for c in chunks]), max_process_series))
+    if capped:  # one C sort of every process (6,000: ~1 ms) beats heapq.merge's Python loop
+        kept = sorted([p for c in chunks for p in c[0].processes])[:max_process_series]
     out: list[bytes] = []
     for f, name in enumerate(CONSUMER_FAMILIES):
         out.append(_HEADERS[name])
@@ -270,8 +268,10 @@ def assemble(chunks: Sequence[tuple[NodeConsumers, tuple[bytes, ...], tuple[byte
             out.append(_b("".join([p[INFO_LINE if f == INFO else MEMORY_LINE] for p in kept])))
         else:
             out.extend([c[0].text[f] for c in chunks])
-    for part, names in ((1, INFO_FAMILIES), (2, STATUS_FAMILIES)):
-        for f, name in enumerate(names):
-            out.append(_HEADERS[name])
-            out.extend([c[part][f] for c in chunks])  # type: ignore[index]
+    for f, name in enumerate(INFO_FAMILIES):
+        out.append(_HEADERS[name])
+        out.extend([c[1][f] for c in chunks])
+    for f, name in enumerate(STATUS_FAMILIES):
+        out.append(_HEADERS[name])
+        out.append(_b("".join([c[2][f] for c in chunks])))
     return out, capped
