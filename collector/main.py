@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from collector.cluster import ClusterTable
+from collector.heap import HeapPolicy
 from collector.ingest import Ingest
 from collector.nodes import NodeState
 from collector.query import QueryService
@@ -65,7 +66,7 @@ class Collector:
                  max_batch_events: int = MAX_BATCH_EVENTS, metrics_listen: str | None = None,
                  metrics_max_process_series: int = 1000, alertmanager: Sequence[str] = (),
                  alert_resend_s: float = 60.0, alert_labels: dict[str, str] | None = None,
-                 pusher_factory: Callable[..., Any] | None = None) -> None:
+                 pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None) -> None:
         self.listen = [listen] if isinstance(listen, str) else list(listen)
         for addr in self.listen:
             check_listen(addr)
@@ -87,6 +88,7 @@ class Collector:
         self.alert_resend_s = alert_resend_s
         self.alert_labels = dict(alert_labels or {})
         self._pusher_factory = pusher_factory  # tests: a stand-in for collector.alertpush.AlertPusher
+        self.heap = heap  # collector/heap.py: the commands' gc policy, ticked by the loop
         self.db_path = db_path
         self.retention_days = retention_days
         self.event_log_max = event_log_max
@@ -197,6 +199,8 @@ class Collector:
                 break
             except TimeoutError:
                 self.cluster.flush_changed()
+                if self.heap is not None:
+                    self.heap.tick()
         self.cluster.flush_changed()
         self.ingest.shutdown()
         self.query.shutdown()
@@ -301,31 +305,24 @@ class Collector:
                 loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
 
 
-def split_urls(values: Sequence[str] | None) -> list[str]:
-    """--alertmanager URL, repeatable and comma-separated, as one list."""
-    return [u.strip() for v in values or () for u in v.split(",") if u.strip()]
-
-
-def parse_alert_labels(values: Sequence[str] | None) -> dict[str, str]:
-    """--alert-label KEY=VALUE (repeatable) as a dict; ValueError naming the bad one. Label names are
-    checked by the pusher (collector/alertpush.py), which knows the names it sets itself."""
-    labels: dict[str, str] = {}
-    for item in values or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--alert-label {item!r}: use KEY=VALUE, e.g. --alert-label cluster=prod")
-        labels[key.strip()] = value
-    return labels
-
-
 def collector_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The metrics and Alertmanager keyword arguments of Collector from `collector`/`up` flags."""
+    """The metrics, Alertmanager and heap keyword arguments of Collector from `collector`/`up` flags."""
+    urls: list[str] = list(getattr(args, "alertmanager", None) or ())
+    labels: Any = list(getattr(args, "alert_labels", None) or ())
+    if labels and not urls:
+        raise ValueError("--alert-label: labels go on alerts pushed to Alertmanager; add --alertmanager URL "
+                         "(alerts from Prometheus rules take labels from its external_labels)")
+    if urls:
+        from collector.alertpush import parse_alert_labels, parse_alertmanager_urls
+
+        urls, labels = parse_alertmanager_urls(urls), parse_alert_labels(labels)
     return {
         "metrics_listen": getattr(args, "metrics_listen", None),
         "metrics_max_process_series": getattr(args, "metrics_max_process_series", 1000),
-        "alertmanager": split_urls(getattr(args, "alertmanager", None)),
+        "alertmanager": urls,
         "alert_resend_s": getattr(args, "alertmanager_resend_s", 60.0),
-        "alert_labels": parse_alert_labels(getattr(args, "alert_labels", None)),
+        "alert_labels": dict(labels),
+        "heap": HeapPolicy(),  # the long-running commands only: gc state is process-wide
     }
 
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from collector.main import collector_options, parse_alert_labels, run_collector, split_urls
+from collector.heap import HeapPolicy
+from collector.main import collector_options, run_collector
 from ghostgpu import cli, up
 
 COLLECTOR_FLAGS = ["--metrics-listen", "127.0.0.1:0", "--metrics-max-process-series", "5",
@@ -35,25 +36,33 @@ def parse(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize("command", ["collector", "up"])
 def test_collector_and_up_take_the_metrics_and_alertmanager_flags(command: str) -> None:
     opts = collector_options(parse(command, *COLLECTOR_FLAGS))
+    assert isinstance(opts.pop("heap"), HeapPolicy)
     assert opts == {"metrics_listen": "127.0.0.1:0", "metrics_max_process_series": 5,
                     "alertmanager": ["http://a:9093", "http://b:9093", "http://c:9093"],
                     "alert_resend_s": 15.0, "alert_labels": {"cluster": "eu-1", "env": "a=b"}}
 
 
 def test_defaults_serve_nothing_and_push_nothing() -> None:
-    assert collector_options(parse("collector")) == {
+    opts = collector_options(parse("collector"))
+    assert isinstance(opts.pop("heap"), HeapPolicy)
+    assert opts == {
         "metrics_listen": None, "metrics_max_process_series": 1000, "alertmanager": [],
         "alert_resend_s": 60.0, "alert_labels": {}}
     assert parse("tracer").health_listen is None and parse("up").health_listen is None
 
 
 def test_url_and_label_lists() -> None:
-    assert split_urls([" http://a:1 , ", "http://b:2"]) == ["http://a:1", "http://b:2"]
-    assert split_urls(None) == []
-    with pytest.raises(ValueError, match=r"^--alert-label 'cluster': use KEY=VALUE"):
-        parse_alert_labels(["cluster"])
-    with pytest.raises(ValueError, match=r"^--alert-label '=x': use KEY=VALUE"):
-        parse_alert_labels(["=x"])
+    opts = collector_options(parse("collector", "--alertmanager", " http://a:1 , ", "--alertmanager",
+                                   "http://b:2,http://a:1"))
+    assert opts["alertmanager"] == ["http://a:1", "http://b:2"]
+    for bad, message in ((["--alert-label", "cluster"], r"^--alert-label 'cluster': use KEY=VALUE"),
+                         (["--alert-label", "=x"], r"^--alert-label"),
+                         ([], r"^--alertmanager 'ftp://x'")):
+        with pytest.raises(ValueError, match=message):
+            url = "http://a:1" if bad else "ftp://x"
+            collector_options(parse("collector", "--alertmanager", url, *bad))
+    with pytest.raises(ValueError, match=r"^--alert-label: labels go on alerts pushed to Alertmanager"):
+        collector_options(parse("collector", "--alert-label", "cluster=eu"))
 
 
 def test_up_passes_health_listen_to_its_tracer() -> None:
@@ -84,7 +93,9 @@ def _collector_args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     (["--metrics-max-process-series", "-1"], "--metrics-max-process-series -1: must be 0 or more"),
     (["--alertmanager-resend-s", "0", "--alertmanager", "http://a:1"],
      "--alertmanager-resend-s 0.0: must be"),
-    (["--alert-label", "cluster"], "--alert-label 'cluster': use KEY=VALUE"),
+    (["--alertmanager", "http://127.0.0.1:9", "--alert-label", "cluster"],
+     "--alert-label 'cluster': use KEY=VALUE"),
+    (["--alert-label", "cluster=eu"], "--alert-label: labels go on alerts pushed to Alertmanager"),
 ])
 def test_bad_collector_flags_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                       flags: list[str], expected: str) -> None:
