@@ -30,6 +30,11 @@ from ghostgpu.v1 import query_pb2
 
 Resolve = Callable[[str, str], K8sInfo]
 WATCH_QUEUE_MAX = 10_000
+# changed_rows[node] when more keys changed than are worth tracking one by one: every row of the node.
+ALL_ROWS: frozenset[ConsumerKey] = frozenset()
+# A node's changed keys are tracked while fewer than this plus twice its rows; past that (short-lived
+# processes and no scrape for a while), the renderer rewrites the whole node, which costs the same.
+CHANGED_ROWS_SLACK = 64
 
 
 @dataclass
@@ -80,6 +85,17 @@ class Watcher:
         self.wake.set()
 
 
+def _mark_changed(changed: dict[str, set[ConsumerKey] | frozenset[ConsumerKey]], node: str,
+                  key: ConsumerKey, rows: int) -> None:
+    keys = changed.get(node)
+    if keys is None:
+        changed[node] = {key}
+    elif isinstance(keys, set):  # not ALL_ROWS
+        keys.add(key)
+        if len(keys) > CHANGED_ROWS_SLACK + 2 * rows:
+            changed[node] = ALL_ROWS
+
+
 def _same(a: ClusterConsumer, b: ClusterConsumer) -> bool:
     # node_class counts too: enrich() gives the same final consumer (class and reason) to a holder the
     # node calls pending and, a moment later, hidden when CRI makes it orphaned.
@@ -101,8 +117,9 @@ class ClusterTable:
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
         # For /metrics (collector/metrics.py): the rows changed since its renderer last took this dict,
-        # by node, and the findings opened/resolved per (node, class) since the collector started.
-        self.changed_rows: dict[str, set[ConsumerKey]] = {}
+        # by node (None until track_changed_rows(): without a reader every key ever seen would pile up
+        # here), and the findings opened/resolved per (node, class) since the collector started.
+        self.changed_rows: dict[str, set[ConsumerKey] | frozenset[ConsumerKey]] | None = None
         self.findings_opened: dict[tuple[str, str], int] = {}
         self.findings_resolved: dict[tuple[str, str], int] = {}
         for row in open_findings:  # still open when the collector stopped: the node's snapshot decides
@@ -156,14 +173,18 @@ class ClusterTable:
         if new is old and old is not None:
             return
         self._index(node, key, old, new)
-        if (changed := self.changed_rows.get(node)) is None:
-            changed = self.changed_rows[node] = set()
-        changed.add(key)
+        if (changed := self.changed_rows) is not None:
+            _mark_changed(changed, node, key, len(rows))
         if new is None:
             rows.pop(key, None)
         else:
             rows[key] = new
         self._lifecycle(node, key, new, now)
+
+    def track_changed_rows(self) -> None:
+        """Keep changed_rows from now on (the /metrics renderer takes it at every scrape)."""
+        if self.changed_rows is None:
+            self.changed_rows = {}
 
     def _index(self, node: str, key: ConsumerKey, old: ClusterConsumer | None,
                new: ClusterConsumer | None) -> None:

@@ -29,7 +29,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from collector.cluster import ClusterTable
+from collector.cluster import ALL_ROWS, ClusterTable
 from collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
 from collector.metrics_render import (
     ALERTMANAGER_METRICS,
@@ -62,6 +62,7 @@ class _Taken:
     """What one scrape copied on the loop."""
 
     rows: dict[str, list[tuple[Any, ClusterConsumer | None]]]  # changed rows by node (all of a new node)
+    fresh: set[str]  # nodes whose rows are all of them: written from scratch
     status: list[NodeStatus]  # every node, sorted by name
     identity: dict[str, tuple[str | None, Any]]  # node -> (tracer version, NodeInfo), replaced on change
     tracers_connected: int
@@ -91,6 +92,7 @@ class CollectorMetrics:
         self.tracers_connected = 0
         self.capped = 0
         self.cri = CriStats()  # as read at the latest scrape
+        cluster.track_changed_rows()
         self.registry = CollectorRegistry()
         self.registry.register(_GlobalCollector(self))
         ProcessCollector(registry=self.registry)
@@ -101,14 +103,17 @@ class CollectorMetrics:
 
     def _take(self) -> _Taken:
         cluster = self.cluster
-        changed, cluster.changed_rows = cluster.changed_rows, {}
+        changed, cluster.changed_rows = cluster.changed_rows or {}, {}
         names = sorted(self.nodes.keys() | cluster.rows.keys())
         rows: dict[str, list[tuple[Any, ClusterConsumer | None]]] = {}
+        fresh: set[str] = set()
         for n in names:
             node_rows = cluster.rows.get(n, {})
-            if n not in self._consumers:
+            keys = changed.get(n)
+            if n not in self._consumers or keys is ALL_ROWS:
                 rows[n] = list(node_rows.items())
-            elif (keys := changed.get(n)) is not None:
+                fresh.add(n)
+            elif keys is not None:
                 rows[n] = [(k, node_rows.get(k)) for k in keys]
         opened: dict[str, list[tuple[str, int]]] = {}
         resolved: dict[str, list[tuple[str, int]]] = {}
@@ -120,7 +125,9 @@ class CollectorMetrics:
             ns = self.nodes.get(name)
             if ns is None:
                 ns = NodeState(name)
-            ingested = spool = ringbuf = duplicates = 0
+            gone = ns.forgotten  # instances forgotten after the retention still count: counters never drop
+            ingested, spool, ringbuf, duplicates = (gone.ingested_total, gone.gaps_total,
+                                                    gone.ringbuf_dropped_total, gone.duplicates_total)
             for p in ns.positions.values():
                 ingested += p.ingested_total
                 spool += max(p.gaps_total, p.spool_dropped_total)  # as Position.lost_total counts it
@@ -130,7 +137,7 @@ class CollectorMetrics:
             status.append(NodeStatus(name, ns.connected, ns.last_heartbeat_unix_ns, ingested, spool, ringbuf,
                                      duplicates, opened.get(name, ()), resolved.get(name, ())))
             identity[name] = (ns.hello.tracer_version if ns.hello is not None else None, ns.info)
-        return _Taken(rows, status, identity, connected)
+        return _Taken(rows, fresh, status, identity, connected)
 
     # ---- on the scraping thread --------------------------------------------------------------------
 
@@ -159,7 +166,10 @@ class CollectorMetrics:
         taken: _Taken = self.call(self._take)
         for node, rows in taken.rows.items():
             chunk = self._consumers.get(node)
-            self._consumers[node] = chunk.apply(rows) if chunk is not None else render_consumers(node, rows)
+            if chunk is None or node in taken.fresh:
+                self._consumers[node] = render_consumers(node, rows)
+            else:
+                chunk.apply(rows)
         chunks = []
         failures = self.cri.failures_by_node
         for s in taken.status:

@@ -80,6 +80,9 @@ class NodeState:
         self.last_heartbeat_unix_ns = 0
         self.position: Position | None = None
         self.positions: dict[tuple[str, str, str], Position] = {}  # every instance seen, for totals
+        # The counters of instances forget_instances() dropped (gaps_total holds their lost_total less
+        # ringbuf drops): /metrics adds them, as a Prometheus counter must never go down.
+        self.forgotten = Position(node, "", "")
         self.consumers: dict[ConsumerKey, Consumer] = {}
         self.info: stream_pb2.NodeInfo | None = None
         self.allocations_pb: stream_pb2.Allocations | None = None
@@ -104,8 +107,13 @@ class NodeState:
         `before_unix_ns`, as the store's retention drops their rows (else every tracer restart would
         add one for good); their keys."""
         gone = [k for k, p in self.positions.items() if k != keep and p.updated_unix_ns < before_unix_ns]
+        f = self.forgotten
         for k in gone:
-            del self.positions[k]
+            p = self.positions.pop(k)
+            f.ingested_total += p.ingested_total
+            f.duplicates_total += p.duplicates_total
+            f.gaps_total += max(p.gaps_total, p.spool_dropped_total)
+            f.ringbuf_dropped_total += p.ringbuf_dropped_total
         return gone
 
     def accept(self, seqs: list[int]) -> int:

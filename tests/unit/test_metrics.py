@@ -339,3 +339,50 @@ def test_cri_call_latency_histogram_counts_each_call() -> None:
     assert buckets[0.025] == 0 and buckets[5.0] == st.calls_total
     assert list(st.call_latency_bucket_counts) == sorted(st.call_latency_bucket_counts)  # cumulative
     assert st.failures_by_node == {"n1": st.calls_total}
+
+
+def test_node_counters_never_go_back_when_an_old_tracer_instance_is_forgotten() -> None:
+    """Ingest forgets a tracer instance silent past the retention (NodeState.forget_instances); its
+    events stay counted, else the counters drop and Prometheus reads a reset (GhostGPUEventsLost's
+    increase() would count the survivors' past losses as new)."""
+    w = World()
+    ns = w.node("n1")
+    old = ns.position
+    assert old is not None
+    old.ingested_total, old.duplicates_total, old.gaps_total, old.ringbuf_dropped_total = 100, 4, 7, 2
+    ns.begin(stream_pb2.Hello(node="n1", tracer_version="0.5"), Position("n1", "boot2", "i2"))
+    assert ns.position is not None
+    ns.position.ingested_total, ns.position.ringbuf_dropped_total = 10, 1
+    m = w.metrics()
+    names = ("ghostgpu_tracer_events_ingested_total", "ghostgpu_tracer_events_lost_total",
+             "ghostgpu_tracer_events_duplicate_total")
+
+    def counters() -> dict[tuple[str, str], float]:
+        got = samples(m.render_nodes())
+        return {(n, s.get("reason", "")): v for n in names for s, v in got[n]}
+
+    before = counters()
+    assert ns.forget_instances(ns.position.key, time.time_ns() + 1) == [old.key]
+    assert counters() == before == {
+        ("ghostgpu_tracer_events_ingested_total", ""): 110, ("ghostgpu_tracer_events_duplicate_total", ""): 4,
+        ("ghostgpu_tracer_events_lost_total", "spool_overflow"): 7,
+        ("ghostgpu_tracer_events_lost_total", "ringbuf"): 3}
+
+
+def test_changed_rows_are_kept_only_for_a_reader_and_stay_bounded_between_scrapes() -> None:
+    w = World()
+    for pid in range(1, 2001):  # short-lived processes: every one a new ConsumerKey
+        c = make_consumer("n1", pid, cls=C.VISIBLE)
+        w.put(c)
+        w.drop(c)
+    assert not w.table.changed_rows  # no /metrics: nothing is kept for it
+    m = w.metrics()
+    m.render_nodes()
+    w.put(make_consumer("n1", 1, cls=C.HIDDEN))
+    for pid in range(3000, 5000):  # no scrape meanwhile
+        c = make_consumer("n1", pid, cls=C.HIDDEN)
+        w.put(c)
+        w.drop(c)
+    w.put(make_consumer("n2", 1, cls=C.HIDDEN))
+    assert sum(len(keys) for keys in w.table.changed_rows.values()) < 200
+    assert by_family(m.render_nodes()) == by_family(w.metrics().render_nodes())
