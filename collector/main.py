@@ -38,7 +38,7 @@ from collector.store import Store, StoreError
 from ghostgpu import __version__
 from ghostgpu.api import MAX_BATCH_EVENTS
 from ghostgpu.cluster import K8sInfo
-from ghostgpu.httpserve import HttpListenError, HttpServer, parse_listen
+from ghostgpu.httpserve import HttpListenError, HttpServer, Unavailable, parse_listen
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ FINDINGS_FLUSH_S = 1.0  # changed open findings reach the history at most this l
 T = TypeVar("T")
 
 
-class MetricsUnavailable(RuntimeError):
-    """A scrape came while the collector's loop is not running."""
+class MetricsUnavailable(Unavailable):
+    """A scrape came while the collector's loop is not running: 503, as Prometheus retries next scrape."""
 
 
 class Resolver(Protocol):

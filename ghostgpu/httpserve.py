@@ -7,7 +7,8 @@
 
 A handler takes the Request and returns a Response. It runs on the server's own thread (one per
 connection, so a slow scraper never holds up a probe); a handler that raises answers 500 with
-one line, logged once per distinct message. Bodies over 1 KiB are gzipped when the client
+one line, logged once per distinct message; one that raises Unavailable (not ready yet, or
+shutting down) answers 503 with its line and logs nothing. Bodies over 1 KiB are gzipped when the client
 accepts it, as Prometheus does: a 1,000-node /metrics page shrinks about twentyfold.
 """
 
@@ -34,6 +35,10 @@ SOCKET_TIMEOUT_S = 30.0  # a client that stops reading mid-response frees its th
 
 class HttpListenError(ValueError):
     """The listen address is malformed or cannot be bound; one line naming the flag."""
+
+
+class Unavailable(Exception):
+    """Raised by a handler that cannot answer for now: 503 with this one line, no log (not a fault)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,8 @@ class HttpServer:
             return Response(404, f"no such path {request.path}; this server has {known}\n".encode())
         try:
             return route(request)
+        except Unavailable as e:
+            return Response(503, f"{self.name} {request.path}: {e}\n".encode())
         except Exception as e:
             line = f"{self.name} {request.path}: {type(e).__name__}: {e}"
             if line not in self._logged:

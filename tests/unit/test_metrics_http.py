@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import socket
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,3 +181,17 @@ def test_an_unknown_class_of_consumer_still_renders(collector: Collector) -> Non
         wait_until(lambda: any(s.get("class") == "unknown" for s, _ in
                                samples(scrape(collector)[0]).get("ghostgpu_consumers", [])),
                    "the unknown consumer on /metrics")
+
+
+def test_a_scrape_before_the_loop_serves_is_503_and_logs_no_trace(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), metrics_listen="127.0.0.1:0")
+    c._build()  # what start() does before the loop runs: the metrics port is bound and answering
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            scrape(c)
+        assert e.value.code == 503
+        assert e.value.read().decode().count("\n") == 1
+        assert not [r for r in caplog.records if r.exc_info], "a 503 is not a handler failure"
+    finally:
+        c._close_helpers()
