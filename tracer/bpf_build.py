@@ -7,11 +7,23 @@ import os
 import re
 import string
 import sys
+import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 BPF_FILES = ("ghostgpu.h", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c", "sched.bpf.c")
+
+
+def find_bpf_dir(source_root: Path | None = None, data_root: Path | None = None) -> Path:
+    """bpf/ beside the sources (a checkout or an editable install), else where a wheel installs it
+    (pyproject's data-files: share/ghostgpu/bpf under the environment's prefix, e.g. in the image)."""
+    beside = (source_root or Path(__file__).resolve().parent.parent) / "bpf"
+    if (beside / BPF_FILES[0]).is_file():
+        return beside
+    return (data_root or Path(sysconfig.get_path("data"))) / "share" / "ghostgpu" / "bpf"
+
+
+BPF_DIR = find_bpf_dir()
 PATH_LEN = 48
 PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for /proc/sys/kernel/pid_max on 64-bit
 MAX_PREFIXES = 8
