@@ -208,3 +208,38 @@ def test_grid_positions_do_not_overlap() -> None:
             for x in range(pos["x"], pos["x"] + pos["w"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
                 cells[(x, y)] = panel["title"]
+
+
+_AGGREGATION = re.compile(r"(sum|max|min|avg|count|group)\s*(\((?!\s*\))|(by|without)\s*\()")
+
+
+def test_merged_table_queries_carry_no_metric_name() -> None:
+    # Grafana (10/11) turns every label of a table-format result into a column, __name__ included,
+    # and its merge transformation joins rows only where all shared columns are equal: two queries
+    # of different metrics never join, so each consumer would take two rows. An aggregation drops
+    # __name__ (and keeps the labels it is told to).
+    merged = [p for p in _panels(_dashboard()["panels"])
+              if p["type"] == "table" and any(t["id"] == "merge" for t in p.get("transformations", []))]
+    assert merged
+    for panel in merged:
+        for t in panel["targets"]:
+            assert _AGGREGATION.match(t["expr"]), f"{panel['title']} {t['refId']}: {t['expr']} keeps __name__"
+
+
+def test_a_panel_that_draws_below_zero_is_not_clipped_at_zero() -> None:
+    for panel in _panels(_dashboard()["panels"]):
+        if any(t["expr"].lstrip().startswith("-") for t in panel.get("targets", [])):
+            defaults = panel["fieldConfig"]["defaults"]
+            assert defaults.get("min") is None and defaults["custom"].get("axisSoftMin") is None, (
+                f"{panel['title']}: negative series under a minimum of 0")
+
+
+def test_heartbeat_age_is_the_one_the_silent_alert_uses() -> None:
+    # time() - heartbeat also counts the time since the collector's last scrape (up to a whole
+    # interval); GhostGPUTracerSilent takes the age at the scrape, and so must the panels that cite it.
+    ages = [(title, t["expr"]) for title, t in _targets()
+            if "ghostgpu_tracer_last_heartbeat_timestamp_seconds" in t["expr"]]
+    assert ages
+    for title, expr in ages:
+        at_scrape = "timestamp(ghostgpu_tracer_last_heartbeat_timestamp_seconds" in expr
+        assert at_scrape and "time()" not in expr, f"{title}: {expr}"
