@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -163,7 +165,15 @@ def test_the_pusher_is_built_registered_started_stopped_and_counted(tmp_path: Pa
 
 
 def test_the_real_pusher_is_imported_only_with_alertmanager(tmp_path: Path) -> None:
-    alertpush = pytest.importorskip("collector.alertpush")
+    db = str(tmp_path / "p.db")
+    code = ("import sys; from collector.main import Collector; "
+            f"c = Collector(['127.0.0.1:0'], {db!r}, metrics_listen='127.0.0.1:0').start(); "
+            "c.stop(grace_s=0.1); print('collector.alertpush' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[2])
+    assert (done.returncode, done.stdout) == (0, "False\n"), done.stderr
+    from collector import alertpush
+
     with running_collector(tmp_path, metrics_listen="127.0.0.1:0",
                            alertmanager=["http://127.0.0.1:9,http://127.0.0.2:9"]) as c:
         assert isinstance(c.pusher, alertpush.AlertPusher)
