@@ -341,8 +341,8 @@ def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[
     extra = ""
     if collector.metrics_address:
         extra += f"; metrics http://{collector.metrics_address}/metrics"
-    if collector.alertmanager:
-        extra += f"; alerts to {', '.join(collector.alertmanager)}"
+    if collector.pusher is not None:  # its URLs without a user:password@ the flag may carry
+        extra += f"; alerts to {', '.join(collector.pusher.urls)}"
     print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database {db}"
           f"{extra}", file=sys.stderr, flush=True)
     stop = threading.Event()

@@ -137,3 +137,14 @@ def test_up_refuses_a_busy_metrics_port_with_exit_2(tmp_path: Path, capsys: pyte
     assert up.run_up(SimpleNamespace(node_name="n1"), args, install_signals=lambda stop: None) == 2
     err = capsys.readouterr().err
     assert "cannot bind" in err and err.count("\n") == 1
+
+
+def test_collector_never_prints_an_alertmanager_password(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    def stop_at_once(stop: object) -> None:
+        stop()  # type: ignore[operator]
+
+    args = _collector_args(tmp_path, "--alertmanager", "http://ops:s3cret@127.0.0.1:9")
+    assert run_collector(args, install_signals=stop_at_once) == 0
+    err = capsys.readouterr().err
+    assert "; alerts to http://127.0.0.1:9" in err and "s3cret" not in err
