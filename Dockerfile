@@ -6,8 +6,12 @@
 FROM debian:bookworm-slim
 
 # python3-bpfcc is bcc for Debian's /usr/bin/python3; the venv below sees it (system site packages).
+# apt-get clean: the .debs (~140 MB, mostly LLVM for bcc) must not stay in the layer on a base image
+# without the official images' docker-clean apt hook.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-bpfcc ca-certificates \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      python3 python3-venv python3-bpfcc ca-certificates \
+ && apt-get clean \
  && rm -rf /var/lib/apt/lists/*
 
 COPY pyproject.toml README.md /src/
