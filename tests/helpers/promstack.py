@@ -188,6 +188,7 @@ class Alertmanager(_Daemon):
 
     def __init__(self, workdir: Path, *, resolve_timeout_s: float = 300.0) -> None:
         super().__init__(workdir)
+        self.resolve_timeout_s = resolve_timeout_s  # ends an alert posted without endsAt
         config = {
             "global": {"resolve_timeout": f"{resolve_timeout_s:g}s"},
             "route": {"receiver": "null", "group_by": ["alertname"], "group_wait": "0s",

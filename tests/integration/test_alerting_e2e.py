@@ -123,8 +123,12 @@ def wait_alert(am: Alertmanager, pushed: bool, what: str, **labels: str) -> dict
 
 
 def expected_labels(pod: str, pid: int) -> dict[str, str]:
+    # comm "sleep" is waited for, not asserted on the first alert: busybox's sh runs `sleep` by
+    # exec'ing /proc/self/exe (comm "exe") and the applet renames itself a moment later, so the
+    # tracer may read "exe" at the exec event and correct it only at its next full /proc scan
+    # (30 s). The label set then changes and the first alert resolves in favour of this one.
     return {"node": NODE, "namespace": NS, "pod": pod, "container": "cuda", "pid": str(pid), "gpu": "0",
-            "gpu_uuid": GPU0_UUID, "class": "hidden", "severity": "critical"}
+            "gpu_uuid": GPU0_UUID, "class": "hidden", "severity": "critical", "comm": "sleep"}
 
 
 def check_annotations(alert: dict[str, Any], pod: str, pid: int) -> None:
@@ -142,10 +146,9 @@ def test_hidden_consumer_pages_through_prometheus_rules(stack: Stack) -> None:
     # Prometheus adds the scrape target's labels; everything else came from the metric and the rule.
     assert alert["labels"]["job"] == "ghostgpu-collector"
     assert alert["labels"]["instance"] == stack.metrics_address
-    assert alert["labels"]["comm"] == "sleep"  # busybox sh execs its last command
     assert alert["status"]["state"] == "active"
     check_annotations(alert, "scraped-0", pid)
-    assert "prometheus" not in alert.get("generatorURL", "") or alert["generatorURL"].startswith("http")
+    assert "/graph?g0.expr=" in alert["generatorURL"], alert  # Prometheus's link to the rule's expression
 
     stack.containerd.remove_pod(pod.id)
     stack.pods.remove(pod)
@@ -159,7 +162,6 @@ def test_hidden_consumer_pages_through_the_direct_push(stack: Stack) -> None:
     pod, _cid, pid = stack.gpu_pod("pushed-0")
     labels = expected_labels("pushed-0", pid)
     alert = wait_alert(am, True, "the collector's pushed alert", **labels)
-    assert alert["labels"]["comm"] == "sleep"  # busybox sh execs its last command
     assert "job" not in alert["labels"]  # not Prometheus: the collector posted it
     assert alert["status"]["state"] == "active"
     check_annotations(alert, "pushed-0", pid)
@@ -167,7 +169,8 @@ def test_hidden_consumer_pages_through_the_direct_push(stack: Stack) -> None:
     stack.containerd.remove_pod(pod.id)
     stack.pods.remove(pod)
     # The collector posts the same labels with endsAt: Alertmanager 0.25 leaves it out of the active list.
+    # A firing alert goes out without endsAt, so only Alertmanager's resolve_timeout could end it
+    # otherwise: gone well before that means the collector sent the resolution.
+    assert am.resolve_timeout_s > DEADLINE_S
     if not poll(lambda: not hidden_alerts(am, True, pod="pushed-0"), DEADLINE_S):
         raise AssertionError(f"the pushed alert for pod pushed-0 did not resolve in {DEADLINE_S} s")
-    every = am.alerts(active=False, alertname=ALERT, pod="pushed-0")
-    assert all(a["labels"].get("source") != PUSHED or a["status"]["state"] != "active" for a in every)
