@@ -24,7 +24,7 @@ SEVERITIES = {
     "GhostGPUGhostMemory": "warning", "GhostGPUUnallocatedAccess": "warning",
     "GhostGPUUnattributedConsumer": "warning", "GhostGPUTracerDown": "critical",
     "GhostGPUTracerSilent": "warning", "GhostGPUEventsLost": "warning",
-    "GhostGPUCriResolutionFailing": "warning",
+    "GhostGPUCriResolutionFailing": "warning", "GhostGPUMetricsCapped": "warning",
 }
 FINDING_CLASS = {"GhostGPUHiddenConsumer": "hidden", "GhostGPUOrphanedConsumer": "orphaned",
                  "GhostGPUGhostMemory": "ghost", "GhostGPUUnallocatedAccess": "unallocated",
@@ -59,6 +59,8 @@ def test_each_alert_has_severity_for_and_texts(alert: str) -> None:
         assert {"node", "gpu", "pod", "pid"} <= named, f"{alert} summary names only {named}"
         assert f'class="{FINDING_CLASS[alert]}"' in rule["expr"]
         assert "ghostgpu_nonvisible_consumer_" in rule["expr"], "findings alerts read the per-process series"
+    elif alert == "GhostGPUMetricsCapped":  # a collector-wide gauge: the collector is the place
+        assert "instance" in named
     else:
         assert "node" in named
 
