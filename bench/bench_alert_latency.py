@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,9 @@ def run_phase(am: Alertmanager, prom_dir: Path, metrics: str, rules: Path, inter
                     alertmanagers=[am.address], interval_s=interval_s) as prom:
         prom.wait_target_up("ghostgpu-collector", 60.0)
         for i in range(trials):
+            # Each trial would otherwise start just after the evaluation that resolved the last one,
+            # always at the same point of Prometheus's cycle: start at a random point of it instead.
+            time.sleep(random.uniform(0.0, interval_s))
             with FakeContainer() as box:
                 start = time.perf_counter()
                 proc = box.run(["open", "/dev/nvidia0", "ready", "wait"])
@@ -106,6 +110,7 @@ def run_phase(am: Alertmanager, prom_dir: Path, metrics: str, rules: Path, inter
                 pid = proc.host_pid
                 fired = wait_times(lambda pid=pid: firing_paths(am, pid), {"push", "scrape"}, start, poll_s,
                                    f"trial {i} alerts")
+                time.sleep(random.uniform(0.0, interval_s))  # the same for the resolution: a random phase
                 proc.kill()
                 gone_at = time.perf_counter()
                 resolved = wait_times(lambda pid=pid: {"push", "scrape"} - firing_paths(am, pid),
