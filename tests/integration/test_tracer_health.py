@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeNvml
+from tests.helpers.httpget import http_get
 from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
+from tests.unit.test_health import assert_port_released
 from tracer.health import LIVE_WINDOW_S, TRACER_METRICS
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
@@ -41,14 +40,6 @@ def wait_http(predicate: Callable[[], bool], what: str, timeout_s: float) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.05)  # polling interval of a deadline loop, not a wait for a result
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -86,24 +77,18 @@ def open_findings(tracer: TracerProcess, cls: str) -> set[tuple[Any, ...]]:
     return {key for key, c in now.items() if c == cls}
 
 
-def assert_port_released(url: str) -> None:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection((host, int(port)), timeout=5).close()
-
-
 def test_ready_metrics_and_a_planted_consumer(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     with TracerProcess(tmp_path, [*FAST, *HEALTH_FLAG], fake_nvml.env()) as tracer:
         url = health_url(tracer)
         # The server is up before the BPF compile (seconds): not ready, yet alive.
-        status, body = get(f"{url}/readyz")
+        status, body = http_get(f"{url}/readyz")
         assert status == 503 and "waiting" in body, body
-        assert get(f"{url}/healthz")[0] == 200
-        wait_http(lambda: get(f"{url}/readyz")[0] == 200, "/readyz 200", timeout_s=60)
-        status, body = get(f"{url}/readyz")
+        assert http_get(f"{url}/healthz")[0] == 200
+        wait_http(lambda: http_get(f"{url}/readyz")[0] == 200, "/readyz 200", timeout_s=60)
+        status, body = http_get(f"{url}/readyz")
         assert "tracepoint programs attached" in body.splitlines()[0], body
         tracer.wait_ready()  # the `ready` record follows start(), which /readyz reported
-        text = get(f"{url}/metrics")[1]
+        text = http_get(f"{url}/metrics")[1]
         assert value(text, "ghostgpu_agent_ready") == 1
         assert value(text, "ghostgpu_agent_bpf_programs_attached") > 0
         assert value(text, "ghostgpu_agent_nvml_available") == 1
@@ -122,7 +107,7 @@ def test_ready_metrics_and_a_planted_consumer(tmp_path: Path, fake_nvml: FakeNvm
             def metrics_agree() -> bool:
                 # Other tests on this machine may plant consumers too: the metric must equal what
                 # the tracer itself reports open, and include ours.
-                text = get(f"{url}/metrics")[1]
+                text = http_get(f"{url}/metrics")[1]
                 hidden = open_findings(tracer, "hidden")
                 return (any(key[0] == p.host_pid for key in hidden)
                         and value(text, "ghostgpu_agent_consumers", **{"class": "hidden"}) == len(hidden)
@@ -134,7 +119,7 @@ def test_ready_metrics_and_a_planted_consumer(tmp_path: Path, fake_nvml: FakeNvm
                             what="resolved")
 
         def ours_gone() -> bool:
-            text = get(f"{url}/metrics")[1]
+            text = http_get(f"{url}/metrics")[1]
             hidden = open_findings(tracer, "hidden")
             return (not any(key[0] == p.host_pid for key in hidden)
                     and value(text, "ghostgpu_agent_consumers", **{"class": "hidden"}) == len(hidden))
@@ -147,7 +132,7 @@ def test_ready_metrics_and_a_planted_consumer(tmp_path: Path, fake_nvml: FakeNvm
 def test_a_wedged_agent_loop_fails_liveness(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     with TracerProcess(tmp_path, FAST, {**fake_nvml.env(), **HEALTH_ENV}) as tracer:
         url = health_url(tracer)
-        wait_http(lambda: get(f"{url}/readyz")[0] == 200, "/readyz 200", timeout_s=60)
+        wait_http(lambda: http_get(f"{url}/readyz")[0] == 200, "/readyz 200", timeout_s=60)
         # The fake NVML reads its config on every call: a FIFO with no writer blocks that read in
         # open(2), as a hung driver call would, and the agent loop (1 s NVML interval) stops.
         config = fake_nvml.config_path
@@ -156,18 +141,18 @@ def test_a_wedged_agent_loop_fails_liveness(tmp_path: Path, fake_nvml: FakeNvml)
         os.link(fifo, config.with_name("wedge.link"))
         os.replace(config.with_name("wedge.link"), config)
         try:
-            wait_http(lambda: get(f"{url}/healthz")[0] == 503, "/healthz 503 on a wedged loop",
+            wait_http(lambda: http_get(f"{url}/healthz")[0] == 503, "/healthz 503 on a wedged loop",
                       timeout_s=LIVE_WINDOW_S + 30)
-            status, body = get(f"{url}/healthz")
+            status, body = http_get(f"{url}/healthz")
             assert status == 503 and "agent loop last ran" in body, body
-            assert get(f"{url}/readyz")[0] == 200, "started stays started; liveness restarts the pod"
+            assert http_get(f"{url}/readyz")[0] == 200, "started stays started; liveness restarts the pod"
         finally:
             # Unwedge: the real config back under its name first, then a writer that closes at once
             # gives the blocked reader EOF, so no later call can open the FIFO again.
             fake_nvml.write()
             with contextlib.suppress(OSError):  # ENXIO: nobody is blocked reading it
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        wait_http(lambda: get(f"{url}/healthz")[0] == 200, "/healthz 200 once the loop runs again",
+        wait_http(lambda: http_get(f"{url}/healthz")[0] == 200, "/healthz 200 once the loop runs again",
                   timeout_s=30)
         assert tracer.stop() == 0
         assert_port_released(url)

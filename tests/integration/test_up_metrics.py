@@ -6,27 +6,16 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.fakenvml import FakeNvml
+from tests.helpers.httpget import http_get
 from tests.helpers.polling import wait_until
 from tests.helpers.promstack import free_port
 from tests.integration.test_up import REPO, _environment, _processes_with, _up
 from tests.unit.test_metrics import samples
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""  # not listening yet
 
 
 @pytest.mark.root
@@ -39,7 +28,7 @@ def test_up_serves_collector_metrics_and_passes_health_listen(tmp_path: Path, ro
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         def connected() -> bool:
-            status, text = _get(f"http://{metrics}/metrics")
+            status, text = http_get(f"http://{metrics}/metrics")
             got = samples(text) if status == 200 else {}
             return got.get("ghostgpu_tracer_connected") == [({"node": "up-node"}, 1)] and bool(
                 got.get("ghostgpu_gpu_info"))
@@ -47,18 +36,18 @@ def test_up_serves_collector_metrics_and_passes_health_listen(tmp_path: Path, ro
         wait_until(lambda: proc.poll() is not None or connected(), "up-node connected on /metrics",
                    timeout_s=90)
         assert proc.poll() is None, proc.communicate()[1]
-        got = samples(_get(f"http://{metrics}/metrics")[1])
+        got = samples(http_get(f"http://{metrics}/metrics")[1])
         assert got["ghostgpu_tracer_bpf_attached"] == [({"node": "up-node"}, 1)]
         assert got["ghostgpu_tracers_connected"] == [({}, 1)]
-        wait_until(lambda: _get(f"http://{health}/readyz")[0] == 200, "the tracer child's /readyz",
+        wait_until(lambda: http_get(f"http://{health}/readyz")[0] == 200, "the tracer child's /readyz",
                    timeout_s=60)
-        agent = samples(_get(f"http://{health}/metrics")[1])
+        agent = samples(http_get(f"http://{health}/metrics")[1])
         assert agent["ghostgpu_agent_ready"] == [({}, 1)]
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert _get(f"http://{metrics}/metrics")[0] == 0 and _get(f"http://{health}/readyz")[0] == 0
+    assert http_get(f"http://{metrics}/metrics")[0] == 0 and http_get(f"http://{health}/readyz")[0] == 0
     assert _processes_with(str(tmp_path)) == []
 
 

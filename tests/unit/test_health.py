@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ghostgpu.httpserve import HttpListenError, HttpServer
 from ghostgpu.model import ConsumerClass
 from tests.helpers.fake_collector import FakeCollector
+from tests.helpers.httpget import http_get
 from tests.helpers.polling import wait_until
 from tests.unit.test_tracer_node import ScriptedNvml, stop, tracer
 from tracer.agent import Tracer
@@ -42,14 +41,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now_s
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def families(text: str) -> dict[str, Any]:
@@ -166,16 +157,16 @@ def served() -> Any:
 
 def test_probes_over_http(served: Any) -> None:
     h, clock, server = served
-    status, body = get(f"{server.url}/readyz")
+    status, body = http_get(f"{server.url}/readyz")
     assert status == 503 and body.count("\n") == 3 and "bpf: waiting" in body
-    assert get(f"{server.url}/healthz")[0] == 200
+    assert http_get(f"{server.url}/healthz")[0] == 200
     h.bpf_started(14)
     h.scan_observed(0.01)
     h.started()
-    assert get(f"{server.url}/readyz") == (200, "bpf: ok (14 tracepoint programs attached)\n"
+    assert http_get(f"{server.url}/readyz") == (200, "bpf: ok (14 tracepoint programs attached)\n"
                                                  "proc scan: ok (first scan took 0.010 s)\nstart: ok\n")
     clock.now_s += 45.0
-    status, body = get(f"{server.url}/healthz")
+    status, body = http_get(f"{server.url}/healthz")
     assert status == 503 and "last ran 45.0 s ago" in body
 
 
@@ -185,7 +176,7 @@ def test_metrics_carry_the_agent_numbers_and_every_family(served: Any) -> None:
     h.bpf_started(14)
     h.scan_observed(0.04)
     h.started()
-    status, text = get(f"{server.url}/metrics")
+    status, text = http_get(f"{server.url}/metrics")
     assert status == 200
     fams = families(text)
     ours = {name for name in fams if name.startswith("ghostgpu_")}
@@ -217,7 +208,7 @@ def test_metrics_carry_the_agent_numbers_and_every_family(served: Any) -> None:
 
 def test_stream_families_only_when_streaming(served: Any) -> None:
     _h, _clock, server = served
-    text = get(f"{server.url}/metrics")[1]
+    text = http_get(f"{server.url}/metrics")[1]
     fams = families(text)
     assert "ghostgpu_agent_stream_connected" not in fams and "ghostgpu_agent_spool_events" not in fams
     assert "ghostgpu_agent_loop_last_step_timestamp_seconds" not in fams, "no step yet: no timestamp"
@@ -231,7 +222,7 @@ def test_promtool_check_metrics_is_silent(served: Any) -> None:
     h.tracer, h.stream = fake_tracer(), FakeStream()
     h.scan_observed(0.2)
     h.started()
-    text = get(f"{server.url}/metrics")[1]
+    text = http_get(f"{server.url}/metrics")[1]
     res = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
                          timeout=30)
     assert (res.returncode, res.stdout, res.stderr) == (0, "", "")
@@ -334,17 +325,17 @@ def test_a_streaming_tracer_serves_its_health(tmp_path: Path, monkeypatch: pytes
         try:
             wait_until(lambda: health_address(tmp_path) is not None, "the health line on stderr", 30)
             url = f"http://{health_address(tmp_path)}"
-            wait_until(lambda: get(f"{url}/readyz")[0] == 200, "/readyz 200", 30)
-            assert get(f"{url}/healthz")[0] == 200
+            wait_until(lambda: http_get(f"{url}/readyz")[0] == 200, "/readyz 200", 30)
+            assert http_get(f"{url}/healthz")[0] == 200
             wait_until(lambda: collector.seqs() != [], "events at the collector", 30)
 
             def streamed() -> bool:
-                text = get(f"{url}/metrics")[1]
+                text = http_get(f"{url}/metrics")[1]
                 return (sample(text, "ghostgpu_agent_stream_connected") == 1
                         and sample(text, "ghostgpu_agent_events_sent_total") >= 1)
 
             wait_until(streamed, "stream_connected 1 and events sent", 30)
-            text = get(f"{url}/metrics")[1]
+            text = http_get(f"{url}/metrics")[1]
             assert sample(text, "ghostgpu_agent_ready") == 1
             assert sample(text, "ghostgpu_agent_bpf_programs_attached") == 0
             assert sample(text, "ghostgpu_agent_nvml_available") == 0
