@@ -30,24 +30,25 @@ def test_the_wheel_installs_the_bpf_sources_where_the_tracer_looks(tmp_path: Pat
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {n.split("/data/", 1)[1] for n in names if ".data/data/" in n}
     assert {f"share/ghostgpu/bpf/{f}" for f in BPF_FILES} <= data
-    # Installed into a bare prefix and imported from there (not from this checkout), the tracer's
-    # program text reads the installed copies: byte for byte the checkout's.
-    prefix = tmp_path / "prefix"
-    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                                "--prefix", str(prefix), str(wheel)], capture_output=True, text=True,
+    # Installed into a venv of its own (never this one: pip would uninstall the editable ghostgpu
+    # here first) and imported from there, the tracer's default lookup finds the installed copies.
+    venv = tmp_path / "venv"
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert made.returncode == 0, made.stderr[-2000:]
+    python = venv / "bin" / "python"
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                                "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True,
                                timeout=300, check=False)
     assert installed.returncode == 0, installed.stderr[-2000:]
-    (site,) = prefix.glob("lib/python3*/site-packages")
-    probe = ("import sys, sysconfig; from pathlib import Path; import tracer.bpf_build as b; "
-             f"d = b.find_bpf_dir(data_root=Path({str(prefix)!r})); print(b.__file__); print(d); "
-             "print(len(b.program_text(d)))")
-    code = f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"
-    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60,
+    probe = ("import tracer.bpf_build as b; print(b.__file__); print(b.BPF_DIR); "
+             "print(len(b.program_text(b.BPF_DIR)))")
+    out = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, timeout=60,
                          check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     module_file, bpf_dir, text_len = out.stdout.split()
-    assert module_file.startswith(str(site))
-    assert bpf_dir == str(prefix / "share" / "ghostgpu" / "bpf")
+    assert module_file.startswith(str(venv))
+    assert bpf_dir == str(venv / "share" / "ghostgpu" / "bpf")
     from tracer.bpf_build import program_text
 
     assert int(text_len) == len(program_text(REPO / "bpf").replace(str(REPO / "bpf"), bpf_dir))
