@@ -36,6 +36,8 @@ from tests.helpers.promstack import (
 )
 from tests.helpers.tracer_proc import TracerProcess
 from tests.integration.conftest import GPU0_UUID, require_bpf
+from tests.unit.test_dashboard import _VARIABLE as VARIABLE
+from tests.unit.test_dashboard import _targets as all_dashboard_targets
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.containerd,
               pytest.mark.prometheus]
@@ -174,3 +176,50 @@ def test_hidden_consumer_pages_through_the_direct_push(stack: Stack) -> None:
     assert am.resolve_timeout_s > DEADLINE_S
     if not poll(lambda: not hidden_alerts(am, True, pod="pushed-0"), DEADLINE_S):
         raise AssertionError(f"the pushed alert for pod pushed-0 did not resolve in {DEADLINE_S} s")
+
+
+def dashboard_targets(title: str) -> list[dict[str, Any]]:
+    return [t for panel_title, t in all_dashboard_targets() if panel_title == title]
+
+
+# What Grafana puts in the dashboard's variables with this test's node and every GPU selected.
+GRAFANA_VALUES = {"node": NODE, "gpu": ".*", "__rate_interval": "1m", "__interval": "15s", "__range": "1h"}
+
+
+def as_grafana_sends(expr: str) -> str:
+    return VARIABLE.sub(lambda m: GRAFANA_VALUES[m.group(1) or m.group(2)], expr)
+
+
+def dashboard_query(title: str, expr_part: str) -> str:
+    (expr,) = [t["expr"] for t in dashboard_targets(title) if expr_part in t["expr"]]
+    return as_grafana_sends(expr)
+
+
+def test_the_dashboard_shows_the_planted_consumer(stack: Stack) -> None:
+    """The dashboard's own queries, run against the Prometheus that scrapes the real collector, show the
+    hidden consumer's row (pod and PID) in the non-visible table, the class over time and the node's
+    tracer connected; every panel's query answers without error."""
+    prom = stack.prometheus
+    pod, _cid, pid = stack.gpu_pod("dashboard-0")
+    table = dashboard_query("Non-visible consumers", "ghostgpu_nonvisible_consumer_info")
+    rows: list[dict[str, Any]] = []
+
+    def shown() -> bool:
+        nonlocal rows
+        rows = [r["metric"] for r in prom.query(table)]
+        return any(r.get("pod") == "dashboard-0" and r.get("pid") == str(pid) for r in rows)
+
+    if not poll(shown, DEADLINE_S):
+        raise AssertionError(f"the non-visible table never showed pod dashboard-0 PID {pid}: {rows}")
+    row = next(r for r in rows if r.get("pid") == str(pid))
+    assert (row["namespace"], row["container"], row["class"], row["gpu_uuid"]) == (
+        NS, "cuda", "hidden", GPU0_UUID)
+    assert "__name__" not in row  # Grafana merges the info and memory rows only without it
+    by_class = prom.query(dashboard_query("Consumers by class", "sum by (class)"))
+    assert any(r["metric"]["class"] == "hidden" and float(r["value"][1]) >= 1 for r in by_class)
+    connected = prom.query(dashboard_query("Tracer health by node", "ghostgpu_tracer_connected"))
+    assert [(r["metric"]["node"], r["value"][1]) for r in connected] == [(NODE, "1")]
+    for _title, target in all_dashboard_targets():
+        prom.query(as_grafana_sends(target["expr"]))  # fails naming the expression on any error
+    stack.containerd.remove_pod(pod.id)
+    stack.pods.remove(pod)
