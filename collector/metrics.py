@@ -125,14 +125,7 @@ class CollectorMetrics:
             ns = self.nodes.get(name)
             if ns is None:
                 ns = NodeState(name)
-            gone = ns.forgotten  # instances forgotten after the retention still count: counters never drop
-            ingested, spool, ringbuf, duplicates = (gone.ingested_total, gone.gaps_total,
-                                                    gone.ringbuf_dropped_total, gone.duplicates_total)
-            for p in ns.positions.values():
-                ingested += p.ingested_total
-                spool += max(p.gaps_total, p.spool_dropped_total)  # as Position.lost_total counts it
-                ringbuf += p.ringbuf_dropped_total
-                duplicates += p.duplicates_total
+            ingested, spool, ringbuf, duplicates = ns.counters()
             connected += ns.connected
             status.append(NodeStatus(name, ns.connected, ns.last_heartbeat_unix_ns, ingested, spool, ringbuf,
                                      duplicates, opened.get(name, ()), resolved.get(name, ())))

@@ -200,6 +200,20 @@ class NodeState:
             c.node = self.node
         return c
 
+    def counters(self) -> tuple[int, int, int, int]:
+        """(ingested, lost to spool overflows, lost to ring-buffer drops, duplicates) over every instance
+        of this node's tracer, the ones forget_instances() dropped included, so that they only ever grow
+        (the Prometheus counters); totals() is NodeStatus's view, of the instances still remembered."""
+        f = self.forgotten
+        ingested, spool, ringbuf, duplicates = (f.ingested_total, f.gaps_total, f.ringbuf_dropped_total,
+                                                f.duplicates_total)
+        for p in self.positions.values():
+            ingested += p.ingested_total
+            spool += max(p.gaps_total, p.spool_dropped_total)  # one overflow, counted once (lost_total)
+            ringbuf += p.ringbuf_dropped_total
+            duplicates += p.duplicates_total
+        return ingested, spool, ringbuf, duplicates
+
     def totals(self) -> tuple[int, int, int]:
         """(ingested, lost, duplicates) over every instance of this node's tracer still remembered."""
         ps = self.positions.values()
