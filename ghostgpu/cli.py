@@ -122,6 +122,9 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--once", action="store_true", help="print one view after start-up and exit")
     up.add_argument("--demo", action="store_true",
                     help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit")
+    up.add_argument("--tracer-max-restarts", dest="tracer_max_restarts", type=int, default=5, metavar="N",
+                    help="restart a tracer that dies (backoff 0.5 s doubling to 30 s); exit 1 after N failed "
+                    "restarts in a row (default 5; a run of 60 s resets the count; 0 never restarts)")
     _add_tracer_flags(up)
     _add_node_flags(up)
     _add_health_flag(up)

@@ -6,6 +6,10 @@ talks to the collector over the same gRPC stream. The view is drawn from the que
 exactly as `ghostgpu ps` draws it, with the node's BPF/NVML status above the table and the
 latest events and findings under it, so a short-lived consumer gone before the next redraw is
 still seen. See ghostgpu/demo.py for `--demo`.
+
+A tracer that dies is restarted by ghostgpu/supervise.py (jittered backoff; `up` exits 1 with the
+reason after --tracer-max-restarts failed restarts in a row); the view's loop drives it, and
+says when and why the tracer restarted.
 """
 
 from __future__ import annotations
@@ -15,9 +19,7 @@ import collections
 import contextlib
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,16 +30,14 @@ from ghostgpu import view
 from ghostgpu.client import ClientError, FindingWaker, Query, show
 from ghostgpu.demo import Demo, DemoError
 from ghostgpu.model import ConsumerClass
+from ghostgpu.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
 from ghostgpu.v1 import query_pb2
 
 DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
 CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
 DEMO_TIMEOUT_S = 60.0
-TRACER_STOP_S = 10.0
 REDRAW_S = 1.0
 RECENT_LINES = 10
-
-log = logging.getLogger("ghostgpu.up")
 
 
 class UpError(Exception):
@@ -118,40 +118,6 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
     return cmd
 
 
-class TracerChild:
-    """The tracer subprocess; keeps the tail of its stderr for the view and for its obituary."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env, text=True, errors="replace")
-        # (line number, line): numbered so the view can tell new lines once the tail is full.
-        self.stderr: collections.deque[tuple[int, str]] = collections.deque(maxlen=50)
-        self._reader = threading.Thread(target=self._read, name="ghostgpu-tracer-stderr", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for n, line in enumerate(line for line in self.proc.stderr if line.strip()):
-            self.stderr.append((n, line.rstrip()))
-
-    def last_line(self) -> str:
-        self._reader.join(timeout=1.0)  # an exited tracer's last words may still be in the pipe
-        return self.stderr[-1][1] if self.stderr else "(no output on stderr)"
-
-    def stop(self) -> None:
-        """SIGTERM (the tracer detaches its BPF programs), then SIGKILL past TRACER_STOP_S."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=TRACER_STOP_S)
-            except subprocess.TimeoutExpired:
-                log.warning("tracer %d did not stop within %g s of SIGTERM; killing it", self.proc.pid,
-                            TRACER_STOP_S)
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(timeout=1.0)
-
-
 def _open_db(args: argparse.Namespace) -> str:
     db = args.db or DEFAULT_DB
     if db != ":memory:":
@@ -197,8 +163,11 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
     node = cfg.node_name
     demo: Demo | None = None
     collector: Any = None
-    tracer: TracerChild | None = None
+    tracer: TracerSupervisor | None = None
     try:
+        max_restarts = getattr(args, "tracer_max_restarts", DEFAULT_MAX_RESTARTS)
+        if max_restarts < 0:
+            raise FlagError(f"--tracer-max-restarts {max_restarts}: must be 0 (never restart) or more")
         local_cri = args.collector_cri_endpoint or args.cri_endpoint or _local_cri_endpoint()
         if args.demo:
             demo = Demo(fake_nvml=not _real_gpu_visible(), real_cri_endpoint=local_cri).start()
@@ -207,7 +176,7 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         address = _client_address(collector.addresses[0])
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
-        tracer = TracerChild(tracer_command(args, address, node, tracer_cri), env)
+        tracer = TracerSupervisor(tracer_command(args, address, node, tracer_cri), env, max_restarts).start()
         live = LiveView(Query(address), node, tracer, stop, demo, args)
         live.metrics_address = collector.metrics_address
         return live.run()
@@ -229,7 +198,7 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
 class LiveView:
     """Redraws the view on findings and every REDRAW_S until stopped (or once, for --once)."""
 
-    def __init__(self, query: Query, node: str, tracer: TracerChild, stop: threading.Event,
+    def __init__(self, query: Query, node: str, tracer: TracerSupervisor, stop: threading.Event,
                  demo: Demo | None, args: argparse.Namespace) -> None:
         self.query, self.node, self.tracer, self.stop, self.demo = query, node, tracer, stop, demo
         self.once = bool(args.once)
@@ -242,6 +211,13 @@ class LiveView:
         self.short_lived_last = ""
         self.tracer_lines_shown = 0
         self._lock = threading.Lock()
+        tracer.on_notice = self._on_tracer_notice
+
+    def _on_tracer_notice(self, text: str) -> None:
+        """A restart line from the supervisor, after the dead tracer's last stderr lines."""
+        self._tracer_lines()
+        with self._lock:
+            self.recent.append((time.time_ns(), f"{time.strftime('%H:%M:%S')} tracer   {text}"))
 
     def _on_finding(self, ev: query_pb2.FindingEvent) -> None:
         with self._lock:
@@ -289,7 +265,9 @@ class LiveView:
                     self.recent.append((time.time_ns(), f"{time.strftime('%H:%M:%S')} tracer   {line}"))
 
     def _status(self) -> query_pb2.TracerStatus | None:
-        return next((n for n in self.query.nodes(self.node) if n.node == self.node), None)
+        # Unfiltered: asked for one node, the collector answers NOT_FOUND until its tracer first
+        # connects, and a tracer failing at start never does; the view must still draw (and say why).
+        return next((n for n in self.query.nodes() if n.node == self.node), None)
 
     def _screen(self) -> tuple[str, bool]:
         """(the view, whether --once may print it)."""
@@ -299,7 +277,7 @@ class LiveView:
         self._tracer_lines()
         metrics = f", metrics http://{self.metrics_address}/metrics" if self.metrics_address else ""
         top = (f"ghostgpu up: collector {self.address} (db {self.db}){metrics}, "
-               f"tracer pid {self.tracer.proc.pid}"
+               f"{self.tracer.describe()}"
                f"{'' if self.once else '; Ctrl-C stops both'}")
         lines = [top]
         if status is None:
@@ -337,15 +315,19 @@ class LiveView:
         started = time.monotonic()
         deadline = started + CONNECT_TIMEOUT_S + (DEMO_TIMEOUT_S if self.demo else 0)
         last, screen = "", ""
+        self.tracer.on_change = waker.changed.set
         try:
             while not self.stop.is_set():
-                if self.tracer.proc.poll() is not None:
-                    if self.stop.is_set():
-                        break  # Ctrl-C reached the tracer too (same process group): not a failure
-                    code = self.tracer.proc.returncode
-                    print(f"ghostgpu: the tracer exited with status {code}: {self.tracer.last_line()}",
-                          file=sys.stderr)
-                    return code if code > 0 else 1
+                failed = self.tracer.poll()
+                if self.stop.is_set():
+                    break  # Ctrl-C reached the tracer too (same process group): not a failure
+                if failed is not None:
+                    if self.once:  # the screen as it is now: every restart, and the tracer stopped
+                        with contextlib.suppress(ClientError):
+                            screen = self._screen()[0]
+                        print(screen, flush=True)
+                    print(f"ghostgpu: {failed}", file=sys.stderr, flush=True)
+                    return 1
                 try:
                     screen, ready = self._screen()
                 except ClientError as e:
@@ -362,7 +344,9 @@ class LiveView:
                         return 1
                 else:
                     last = show(screen, last, tty)
-                waker.changed.wait(0.2 if self.once else REDRAW_S)
+                wait_s = 0.2 if self.once else REDRAW_S
+                due_s = self.tracer.due_in_s()  # wake for a pending restart, not at the next redraw
+                waker.changed.wait(wait_s if due_s is None else min(wait_s, due_s))
                 waker.changed.clear()
             return 0
         finally:

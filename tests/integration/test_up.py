@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,14 +212,132 @@ def test_port_taken_is_one_line(tmp_path: Path) -> None:
 
 
 @needs_bpf
-def test_tracer_death_is_reported(tmp_path: Path, root_bpf: None) -> None:
+@pytest.mark.parametrize("mode", [["--once"], []], ids=["once", "live"])
+def test_a_tracer_that_keeps_failing_ends_up_with_its_reason(tmp_path: Path, root_bpf: None,
+                                                              mode: list[str]) -> None:
+    """A --jsonl path whose directory does not exist makes every tracer exit 2 at start: `up`
+    restarts it --tracer-max-restarts times, says so in the view, then exits 1 naming the reason."""
     bad = tmp_path / "missing-dir" / "events.jsonl"
-    done = subprocess.run(_up(tmp_path, "--once", "--jsonl", str(bad)), env=_environment(),
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ghostgpu: the tracer exited with status "), done.stderr
-    assert str(bad) in last or "missing-dir" in last
+    done = subprocess.run(_up(tmp_path, *mode, "--jsonl", str(bad), "--tracer-max-restarts", "2"),
+                          env=_environment(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 1, done.stdout + done.stderr
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1, done.stderr
+    assert re.fullmatch(r"ghostgpu: the tracer failed 2 restarts in a row; giving up "
+                        r"\(--tracer-max-restarts 2\): its last run \(pid \d+\) ended with exit status 2 "
+                        r"after \d+s; stderr: .*", err[0]), err
+    assert "ghostgpu: --jsonl: directory" in err[0] and "missing-dir" in err[0]
+    out = done.stdout
+    # The view said why and when, before `up` gave up (--once prints its last screen with them).
+    assert re.search(r"^\d\d:\d\d:\d\d tracer   pid \d+ exit status 2 after \d+s; restarting it in \d\.\ds$",
+                     out, re.M), out
+    assert re.search(r"^\d\d:\d\d:\d\d tracer   restarted \(exit status 2 at \d\d:\d\d:\d\d\), restart 1 "
+                     r"\(1 of at most 2 in a row\), now pid \d+$", out, re.M), out
+    assert re.search(r"tracer   .*ghostgpu: --jsonl: directory .*missing-dir", out), out
+    assert _processes_with(str(tmp_path)) == []
+
+
+def _tracer_pid(lines: list[str]) -> int | None:
+    """The tracer's PID from the latest top line of the view."""
+    for line in reversed(list(lines)):
+        if m := re.match(r"ghostgpu up: .* tracer pid (\d+)", line):
+            return int(m.group(1))
+    return None
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+@needs_bpf
+def test_up_restarts_a_killed_tracer_and_the_demo_is_found_again(tmp_path: Path, root_bpf: None,
+                                                                 demo_guard: set[str]) -> None:
+    from ghostgpu.client import Query
+
+    proc = subprocess.Popen(_up(tmp_path, "--demo"), env=_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    query = Query(f"unix://{tmp_path}/collector.sock")
+
+    def status() -> Any:
+        return next((n for n in query.nodes("up-node") if n.node == "up-node"), None)
+
+    def demo_found(after: int = 0) -> bool:
+        rows = [x.split() for x in lines[after:] if x.startswith("up-node ")]
+        return (["ghostgpu-demo/hidden-trainer/trainer", "hidden"] in [r[4:6] for r in rows]
+                and ["ghostgpu-demo/orphaned-worker/worker", "orphaned"] in [r[4:6] for r in rows])
+
+    try:
+        wait_until(lambda: proc.poll() is not None or demo_found(), "the demo view", timeout_s=120)
+        assert proc.poll() is None, f"up exited early: {proc.communicate()[1]}"
+        first = status()
+        assert first is not None and first.connected
+        old_pid = _tracer_pid(lines)
+        assert old_pid is not None and _parent(old_pid) == proc.pid
+
+        os.kill(old_pid, signal.SIGKILL)
+        killed_at = len(lines)
+
+        def restarted() -> re.Match[str] | None:
+            return next((m for x in lines[killed_at:] if (m := re.fullmatch(
+                r"\d\d:\d\d:\d\d tracer   restarted \(killed by SIGKILL at \d\d:\d\d:\d\d\), restart 1 "
+                r"\(1 of at most 5 in a row\), now pid (\d+)", x))), None)
+
+        wait_until(lambda: proc.poll() is not None or restarted() is not None, "the view's restart line",
+                   timeout_s=60)
+        assert proc.poll() is None, f"up exited: {proc.communicate()[1]}"
+        match = restarted()
+        assert match is not None
+        new_pid = int(match.group(1))
+        assert new_pid != old_pid and _parent(new_pid) == proc.pid
+        assert any(re.fullmatch(rf"\d\d:\d\d:\d\d tracer   pid {old_pid} killed by SIGKILL after \d+[sm]; "
+                                r"restarting it in \d\.\ds", x) for x in lines[killed_at:]), lines[killed_at:]
+
+        def new_tracer_connected() -> bool:
+            now = status()
+            return now is not None and now.connected and now.instance_id != first.instance_id
+
+        wait_until(new_tracer_connected, "the restarted tracer's connection", timeout_s=60)
+        new_instance = status().instance_id
+        hidden, orphaned, _ = _prefixes("\n".join(lines))
+
+        def reported_by_new_tracer() -> set[str]:
+            """Container ID prefixes the new tracer instance itself sent holder events for."""
+            return {e.event.holder.process.container_id[:12] for e in query.events("up-node", new_instance, 0)
+                    if e.event.WhichOneof("body") == "holder"}
+
+        # The new tracer's /proc scan finds the demo's planted consumers again (its own events, not
+        # the old instance's table), and the view shows them with the tracer it now runs.
+        wait_until(lambda: {hidden, orphaned} <= reported_by_new_tracer(),
+                   "the new tracer's events for the demo consumers", timeout_s=60)
+        restart_line_at = next(i for i, x in enumerate(lines)
+                               if i >= killed_at and "restarted (killed by SIGKILL" in x)
+        wait_until(lambda: demo_found(restart_line_at), "the demo consumers in the view after the restart",
+                   timeout_s=60)
+        top = next(x for x in reversed(lines) if x.startswith("ghostgpu up: "))
+        assert re.search(rf"tracer pid {new_pid} \(restarted once, last: killed by SIGKILL at "
+                         r"\d\d:\d\d:\d\d\); Ctrl-C stops both$", top), top
+        by_pod = {r["pod"]: r for r in _client_json(tmp_path, "ps", "-n", "ghostgpu-demo")}
+        assert by_pod["hidden-trainer"]["class"] == "hidden"
+        assert by_pod["orphaned-worker"]["class"] == "orphaned"
+    finally:
+        query.close()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        reader.join(timeout=5)
+    assert proc.returncode == 0, err
+    assert "giving up" not in err
+    assert_demo_gone(_prefixes("\n".join(lines)))
+    assert _demo_workdirs() <= demo_guard
+    assert _processes_with(str(tmp_path)) == []  # neither tracer is left behind
 
 
 @pytest.mark.root
