@@ -81,8 +81,8 @@ static __always_inline void gg_set_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id, u32
     struct gg_hold_val *h = holds.lookup(&hk);
     if (h) {
         __sync_fetch_and_add(&h->nfds, 1);
-        if (h->nfds == 1) /* re-opened while still mapped */
-            gg_emit(GG_EV_OPEN, tgid, tid, fd, dev_id, 0, 0);
+        /* nfds 1: re-opened while still mapped, which is an OPEN again */
+        gg_emit(h->nfds == 1 ? GG_EV_OPEN : GG_EV_FD, tgid, tid, fd, dev_id, 0, 0);
         return;
     }
     struct gg_hold_val nh = {.nfds = 1, .mapped = 0};
@@ -90,6 +90,7 @@ static __always_inline void gg_set_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id, u32
         h = holds.lookup(&hk);
         if (h) { /* another thread created it first and reported OPEN */
             __sync_fetch_and_add(&h->nfds, 1);
+            gg_emit(GG_EV_FD, tgid, tid, fd, dev_id, 0, 0);
             return;
         }
         gg_stat(GG_STAT_HOLDS_FULL);

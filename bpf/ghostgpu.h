@@ -69,6 +69,10 @@ _Static_assert(GG_COMMON_LEN >= 1 && GG_COMMON_LEN <= 7, "common prefix must fit
 #define GG_EV_FORK 4
 #define GG_EV_EXEC 5
 #define GG_EV_EXIT 6
+/* Bookkeeping records, never shown: they tell user space which keys a tgid owns, so that its
+ * exec and exit touch only those (tracer/kernel_tables.py) instead of walking whole maps. */
+#define GG_EV_FD 7        /* another fd on a device the tgid already holds: fd, dev_id */
+#define GG_EV_IOCTL_KEY 8 /* a new ioctls counter: fd, dev_id, arg = the request word */
 
 #define GG_FLAG_MAPPED 1u      /* CLOSE: the device is still mapped */
 #define GG_FLAG_LEADER_ONLY 2u /* EXIT without group_dead: only the leader is known to be gone */
@@ -110,7 +114,7 @@ struct gg_event {
     u32 tid;
     s32 fd;
     u32 dev_id;
-    u32 child_pid;
+    u32 arg; /* FORK: the child's pid; IOCTL_KEY: the request word */
     u32 flags;
     u32 pad;
 };
@@ -285,7 +289,7 @@ static __always_inline bool gg_take_pending(u32 tid, s32 nr, struct gg_pending *
     return out->nr == nr;
 }
 
-static __always_inline void gg_emit(u32 kind, u32 tgid, u32 tid, s32 fd, u32 dev_id, u32 child_pid,
+static __always_inline void gg_emit(u32 kind, u32 tgid, u32 tid, s32 fd, u32 dev_id, u32 arg,
                                     u32 flags)
 {
     struct gg_event *e = events.ringbuf_reserve(sizeof(struct gg_event));
@@ -300,7 +304,7 @@ static __always_inline void gg_emit(u32 kind, u32 tgid, u32 tid, s32 fd, u32 dev
     e->tid = tid;
     e->fd = fd;
     e->dev_id = dev_id;
-    e->child_pid = child_pid;
+    e->arg = arg;
     e->flags = flags;
     e->pad = 0;
     events.ringbuf_submit(e, 0);

@@ -22,12 +22,15 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     }
     u64 one = 1;
     if (ioctls.insert(&ik, &one) != 0) {
-        count = ioctls.lookup(&ik); /* another thread inserted it first */
+        count = ioctls.lookup(&ik); /* another thread inserted it first and reported the key */
         if (count)
             __sync_fetch_and_add(count, 1);
         else
             gg_stat(GG_STAT_IOCTLS_FULL);
+        return 0;
     }
+    /* Once per (tgid, fd, device, request): a CUDA process has a few dozen. */
+    gg_emit(GG_EV_IOCTL_KEY, tgid, (u32)id, fd, ik.dev_id, ik.cmd, 0);
     return 0;
 }
 

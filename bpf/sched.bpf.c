@@ -51,9 +51,12 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
 
 /* Close-on-exec fds vanish without close() and the old mappings with the old mm, so the tgid's
  * fds entries are stale: the new image's loader reuses fd 3 for libc and would "mmap" and
- * "close" the GPU device. Clearing the holder byte mutes them; user space rereads
- * /proc/<tgid>/fd and reseeds (BpfSource.forget + seed), which sets it again. Until then a new
- * GPU open by the new image is tracked but may not report OPEN (its hold entry is stale too). */
+ * "close" the GPU device. Clearing the holder byte mutes them; user space drops the tgid's fd
+ * and hold entries, rereads /proc/<tgid>/fd and reseeds (HolderTables.reset_fds + seed), which
+ * sets it again. The procs entry stays: an exit at any moment from here on is still reported
+ * (deleting it here or in user space left a window in which an exit was reported by nobody).
+ * Until the reseed a new GPU open by the new image is tracked but may not report OPEN (its
+ * hold entry is stale too). */
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u64 id = bpf_get_current_pid_tgid();

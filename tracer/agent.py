@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from ghostgpu.model import Consumer, ConsumerClass
 from tracer import records
+from tracer.bpf_source import group_dead  # a pure /proc parser: bcc loads only in BpfSource.start()
 from tracer.cgroup import CgroupIdResolver
 from tracer.classify import ClassifyConfig, classify, diff_consumers
 from tracer.config import TracerConfig
+from tracer.containment import Containment
 from tracer.devices import DeviceCatalog
 from tracer.events import EventKind, HolderEvent, NvmlView, ProcessInfo, ProcView, boot_ns
 from tracer.nvml import NvmlSource
@@ -48,12 +50,13 @@ class Tracer:
         self.cgroups = CgroupIdResolver(cfg.cgroup_root)
         self.nvml_source = NvmlSource()
         self.nvml = NvmlView(available=False, error="NVML not read yet")
-        self.state = NodeState(self._identify, exists=self._exists)
+        self.state = NodeState(self._identify, exists=self._alive)
         self.bpf: Any = None  # tracer.bpf_source.BpfSource when the kernel side runs
         self.consumers: dict[Any, Consumer] = {}
         self.nvml_first_listed: dict[tuple[str, int], int] = {}
         self.ioctls: dict[int, dict[tuple[str, int], int]] = {}
         self.stop_event = threading.Event()
+        self.errors = Containment()  # one bad event or scan is counted, never fatal
         self.own_pids = {os.getpid()}
         self._due: dict[str, float] = {}
         self._dirty = True
@@ -76,8 +79,15 @@ class Tracer:
                     ident.container_id, ident.pod_uid, ident.runtime)
         return info
 
-    def _exists(self, pid: int) -> bool:
-        return os.path.exists(f"{self.cfg.proc_root}/{pid}")
+    def _alive(self, pid: int) -> bool:
+        """Does the thread group still have a live task? A zombie whose last thread is gone holds
+        nothing any more, though /proc/PID stays until its parent reaps it: under churn a scan
+        lands in that window often, and reading it as alive turned exits into closes."""
+        try:
+            with open(f"{self.cfg.proc_root}/{pid}/stat") as f:
+                return not group_dead(f.read())
+        except OSError:
+            return False
 
     def _start_ticks(self, pid: int) -> int | None:
         try:
@@ -99,8 +109,8 @@ class Tracer:
             self._notice("nvml", f"{self.nvml.error}; classes that need NVML are reported as unknown")
         # BPF is attached before the first scan, so nothing opened in between slips through;
         # what both see is merged by the node state.
-        self._scan(initial=True)
-        self._classify()
+        self.errors.run("scan", self._scan, True)
+        self.errors.run("classify", self._classify)
         self.sink.emit({
             "event": "ready", "ts": records.wall_ts(), "node": self.cfg.node_name,
             "bpf": self.bpf is not None, "nvml": self.nvml.available,
@@ -169,26 +179,36 @@ class Tracer:
         return False
 
     def step(self, timeout_ms: int = 250) -> None:
+        """One loop turn. Each unit of work runs contained (tracer/containment.py): an unexpected
+        exception is logged once per place and counted, and the loop goes on."""
+        run = self.errors.run
         if self.bpf is not None:
-            for ev in self.bpf.poll(timeout_ms):
-                self._handle(ev)
+            self._drain(timeout_ms)
         else:
             self.stop_event.wait(timeout_ms / 1000)
         if self._is_due("nvml", self.cfg.nvml_interval_s):
-            self._read_nvml()
+            run("nvml", self._read_nvml)
         if self._is_due("scan", self.cfg.scan_interval_s):
-            self._scan()
+            run("scan", self._scan)
         if self.bpf is not None and self._is_due("ioctl", self.cfg.ioctl_poll_interval_s):
-            if self.state.holders:  # an idle node has no counters to read
-                self._read_ioctls()
-            self._report_bpf_stats()
+            run("ioctl", self._poll_counters)
         # Re-classify on change, and on a clock only while a consumer waits out its grace period:
         # an idle node then costs one ring-buffer wait per step.
         waiting = any(c.cls is ConsumerClass.PENDING for c in self.consumers.values())
         if self._dirty or (waiting and self._is_due("classify", CLASSIFY_INTERVAL_S)):
-            self._classify()
+            run("classify", self._classify)
         if self.health is not None:
             self.health.stepped()  # after the work: a step stuck in NVML or /proc never gets here
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Apply what the ring buffer holds, each event on its own: one that fails is counted."""
+        for ev in self.errors.run("event", self.bpf.poll, timeout_ms) or ():
+            self.errors.run("event", self._handle, ev)
+
+    def _poll_counters(self) -> None:
+        if self.state.holders:  # an idle node has no counters to read
+            self._read_ioctls()
+        self._report_bpf_stats()
 
     # --- sources --------------------------------------------------------------------------
 
@@ -213,24 +233,32 @@ class Tracer:
         self.sink.emit(records.info_record(self.cfg.node_name, self.bpf is not None, self.nvml))
 
     def _scan(self, initial: bool = False, pids: set[int] | None = None) -> None:
+        """A full /proc scan (pids None), or a rescan of a few pids after their FORK or EXEC.
+        A partial scan costs O(those pids): no copy of the whole table, no full counter read."""
         if self.bpf is not None and pids is None:
             # Apply what the kernel already reported before looking at /proc, so that a scan
             # does not race the ring buffer for the same close or exit.
-            for ev in self.bpf.poll(0):
-                self._handle(ev)
+            self._drain(0)
         ts_ns = boot_ns()
-        before = dict(self.state.holders)
+        holders = self.state.holders
+        before = dict(holders) if pids is None else {p: holders[p] for p in pids if p in holders}
         scan_start_s = time.monotonic()
         view = self.scanner.scan(sorted(pids) if pids is not None else None)
         if pids is None and self.health is not None:
             self.health.scan_observed(time.monotonic() - scan_start_s)
         events = self.state.reconcile(view, ts_ns, scanned_pids=pids)
         if events and self.bpf is not None:
-            self._read_ioctls()
+            if pids is None:
+                self._read_ioctls()
+            else:
+                for pid in {ev.pid for ev in events}:
+                    self._read_ioctls(pid)
         for ev in events:
             holder = self.state.holders.get(ev.pid) or before.get(ev.pid)
             counts = self.ioctls.get(ev.pid) if ev.kind in (EventKind.CLOSE, EventKind.EXIT) else None
             self._emit_event(ev, holder, counts=counts)
+            if ev.kind is EventKind.EXIT and ev.pid not in view:
+                self._forget(ev.pid)  # gone for good: its kernel EXIT, if still queued, finds nothing
         if initial:
             # Holders found at start opened before we were watching: their grace period runs
             # from the process start, not from our first look.
@@ -240,18 +268,36 @@ class Tracer:
                     for hold in holder.holds.values():
                         hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
             self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
-        self._seed(view)
+        created = self._seed(view, pids)
+        # A process that died between the /proc read and the seed exited while the kernel had no
+        # entry for it (it reports EXIT only for a tgid in procs): nobody else will report it, so
+        # it is settled here at once. After a FORK or EXEC every rescanned pid is checked, since
+        # its exit may also have come before this rescan (the kernel's EXIT is then still queued,
+        # and finds nothing left to report).
+        for pid in sorted(created | (pids or set())):
+            if not self._alive(pid):
+                self._settle_exit(pid)
+        if pids is None and self.bpf is not None:
+            self.errors.run("sweep", self.bpf.sweep, self._alive)
         # A scan also refreshes identities (a parent that died, a leader turned zombie) without
         # any hold changing: re-classify after every one.
         self._dirty = True
 
-    def _seed(self, view: ProcView) -> None:
+    def _seed(self, view: ProcView, pids: set[int] | None) -> set[int]:
+        """Write what the scan found into the kernel tables; the pids made holders just now."""
         if self.bpf is None:
-            return
+            return set()
+        created: set[int] = set()
         for pid, holds in view.items():
             fds = {fd: path for path, hold in holds.items() for fd in hold.fds}
             mapped = [path for path, hold in holds.items() if hold.mapped]
-            self.bpf.seed(pid, fds, mapped)
+            if self.bpf.seed(pid, fds, mapped):
+                created.add(pid)
+        for pid in (pids or set()) - view.keys():
+            # Rescanned and holding nothing now (an exec that dropped its close-on-exec fds): the
+            # kernel's count goes to 0, its procs entry stays until EXIT (its counters wait for it).
+            self.bpf.seed(pid, {}, (), create=False)
+        return created
 
     def _read_ioctls(self, pid: int | None = None) -> None:
         """All processes' counters (the periodic read), or one process's at its close or exit."""
@@ -284,29 +330,22 @@ class Tracer:
     def _handle(self, ev: HolderEvent) -> None:
         before = self.state.holders.get(ev.pid)
         if ev.kind is EventKind.EXIT:
-            if before is None:
-                self.bpf.forget(ev.pid)
-                return
-            self._read_ioctls(ev.pid)
-            counts = self.ioctls.get(ev.pid, {})
-            self.state.apply(ev)
-            self._emit_event(ev, before, counts=counts)
-            self.bpf.forget(ev.pid)
-            self.ioctls.pop(ev.pid, None)
-            self._dirty = True
+            self._exit(ev, before)
             return
         changes = self.state.apply(ev)
         after = self.state.holders.get(ev.pid)
         if ev.kind in (EventKind.FORK, EventKind.EXEC):
+            # Reported before the rescan, which may settle the process's exit: records stay in order.
+            self._emit_event(ev, after or before)
             pid = ev.child_pid if ev.kind is EventKind.FORK else ev.pid
-            if ev.kind is EventKind.EXEC:
+            if ev.kind is EventKind.EXEC and self.bpf is not None:
                 # The kernel muted the exec'd process: its fd entries name the old image's fds
-                # (close-on-exec ones are gone). Drop them and seed what /proc shows now.
-                self.bpf.forget(pid)
+                # (close-on-exec ones are gone). Drop them (its procs entry stays, so its exit is
+                # still reported at any moment) and seed what /proc shows now.
+                self.bpf.reset_fds(pid)
             # The kernel cannot walk a process's fd table without reading kernel structs: read
             # the child's (or the exec'd image's) fds from /proc and seed the kernel with them.
             self._scan(pids={pid})
-            self._emit_event(ev, after or before)
             self._dirty = True
             return
         if changes:
@@ -316,6 +355,28 @@ class Tracer:
                 counts = self.ioctls.get(ev.pid, {})
             self._emit_event(ev, after or before, counts=counts)
             self._dirty = True
+
+    def _exit(self, ev: HolderEvent, before: Any) -> None:
+        if before is None:  # not a holder (or already settled by a rescan): only kernel leftovers
+            self._forget(ev.pid)
+            return
+        counts: dict[tuple[str, int], int] | None = None
+        if self.bpf is not None:
+            self._read_ioctls(ev.pid)
+            counts = self.ioctls.get(ev.pid, {})
+        self.state.apply(ev)
+        self._emit_event(ev, before, counts=counts)
+        self._forget(ev.pid)
+        self._dirty = True
+
+    def _settle_exit(self, pid: int) -> None:
+        """The process is gone and the kernel may never say so: report its EXIT now."""
+        self._exit(HolderEvent(EventKind.EXIT, "procfs", boot_ns(), pid), self.state.holders.get(pid))
+
+    def _forget(self, pid: int) -> None:
+        if self.bpf is not None:
+            self.bpf.forget(pid)
+        self.ioctls.pop(pid, None)
 
     def _emit_event(self, ev: HolderEvent, holder: Any, counts: dict[tuple[str, int], int] | None = None,
                     ) -> dict[str, Any]:

@@ -6,7 +6,6 @@ format and capability checks) are module functions so unit tests need neither ro
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -37,13 +36,17 @@ from tracer.bpf_build import (  # noqa: F401  (re-exported for callers and tests
     program_text,
 )
 from tracer.events import EventKind, HolderEvent, boot_ns
+from tracer.kernel_maps import KernelMap, LibbccOps
+from tracer.kernel_tables import HolderTables
 
-USER_ID_BASE = 0x80000000  # kernel ids stay below (ghostgpu.h GG_USER_ID_BASE)
 EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
-# ghostgpu.h GG_EV_*, GG_FLAG_*, GG_FD_SEEDED and the GG_STAT_* slot order.
+# ghostgpu.h GG_EV_*, GG_FLAG_* and the GG_STAT_* slot order.
 KINDS = dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, EventKind.FORK, EventKind.EXEC,
                         EventKind.EXIT), start=1))
-FLAG_MAPPED, FLAG_LEADER_ONLY, FD_SEEDED = 1, 2, 1
+EV_OPEN, EV_MMAP, EV_FD, EV_IOCTL_KEY = 1, 3, 7, 8
+BOOKKEEPING_KINDS = {EV_FD: "FD", EV_IOCTL_KEY: "IOCTL_KEY"}  # keys a tgid owns: never HolderEvents
+FLAG_MAPPED, FLAG_LEADER_ONLY = 1, 2
+TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids")
 STAT_NAMES = ("ringbuf_drops", "fds_full", "holds_full", "procs_full", "ioctls_full", "dev_ids_full",
               "pending_full", "forking_full")
 SLOW_PATHS = (b"gg_settle", b"gg_open_match")
@@ -62,8 +65,13 @@ class RawEvent(NamedTuple):  # struct gg_event without its padding
     tid: int
     fd: int
     dev_id: int
-    child_pid: int
+    child_pid: int  # gg_event.arg: the child's pid for FORK (see `request` for IOCTL_KEY)
     flags: int
+
+    @property
+    def request(self) -> int:
+        """IOCTL_KEY: the ioctl request word, carried in gg_event.arg."""
+        return self.child_pid
 
 
 def unpack_event(data: bytes) -> RawEvent | None:
@@ -116,10 +124,9 @@ class BpfSource:
         self.start_s: float | None = None  # how long start() took (compile + load + attach)
         self.programs_attached = 0  # tracepoint programs bcc attached (tail-call targets are not)
         self.have_group_dead = False  # from the exit tracepoint's format, at start()
+        self.tables: HolderTables | None = None  # the kernel tables, once started
         self._bpf: Any = None
         self._records: list[bytes] = []
-        self._dev_paths: dict[int, str] = {}  # device id -> path, refreshed from dev_ids on a miss
-        self._next_user_id = USER_ID_BASE
         self._leader_exits: dict[int, HolderEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
 
@@ -169,6 +176,9 @@ class BpfSource:
             holder = self._bpf[b"holder_bytes"]  # one byte per tgid, see gg_maybe_holder()
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             self._holder_map = mmap.mmap(holder.map_fd, len(holder) * 4096, mmap.MAP_SHARED, prot)
+            ops = LibbccOps()
+            self.tables = HolderTables({name: KernelMap.of(self._bpf, name, ops) for name in TABLES},
+                                       self._holder_map)
         except Exception as exc:
             self.close()
             raise BpfUnavailable(f"setting up the ghostgpu BPF maps failed: {exc}") from None
@@ -177,6 +187,9 @@ class BpfSource:
 
     def close(self) -> None:
         """Detach and unload everything; safe to call twice."""
+        if self.tables is not None:
+            self.tables.holder_bytes = None
+            self.tables = None
         if self._holder_map is not None:
             self._holder_map.close()
             self._holder_map = None
@@ -200,19 +213,30 @@ class BpfSource:
         return int(libbpf.ring_buffer__epoll_fd(manager)) if manager else -1
 
     def poll(self, timeout_ms: int) -> list[HolderEvent]:
-        """Wait up to timeout_ms for ring-buffer records and return them as events, in order."""
-        if self._bpf is None:
+        """Wait up to timeout_ms for ring-buffer records and return them as events, in order.
+        Bookkeeping records (which keys a tgid owns) go to the tables and are not returned."""
+        if self._bpf is None or self.tables is None:
             return []
         self._bpf.ring_buffer_poll(timeout_ms)
         self._bpf.ring_buffer_consume()  # records committed whose wakeup (irq_work) is still due
         records, self._records = self._records, []
+        tables = self.tables
         events: list[HolderEvent] = []
         for data in records:
             raw = unpack_event(data)
-            if raw and raw.dev_id and raw.dev_id not in self._dev_paths:
-                self._refresh_dev_paths()
-            event = decode_event(data, self._dev_paths, self.classify)
-            if raw is None or event is None:
+            if raw is None:
+                continue
+            if raw.kind in (EV_OPEN, EV_FD):
+                tables.note_fd(raw.tgid, raw.fd, raw.dev_id)
+            elif raw.kind == EV_MMAP:
+                tables.note_mapping(raw.tgid, raw.dev_id)
+            elif raw.kind == EV_IOCTL_KEY:
+                tables.note_ioctl_key(raw.tgid, raw.fd, raw.dev_id, raw.request)
+                continue
+            if raw.dev_id and raw.dev_id not in tables.dev_paths:
+                tables.refresh_dev_paths()
+            event = decode_event(data, tables.dev_paths, self.classify)
+            if event is None:
                 continue
             if raw.flags & FLAG_LEADER_ONLY:
                 self._leader_exits[raw.tgid] = event  # reported once the whole group is gone
@@ -230,104 +254,36 @@ class BpfSource:
                 done.append(replace(event, ts_ns=boot_ns()))
         return done
 
-    def _refresh_dev_paths(self) -> None:
-        for key, value in self._bpf[b"dev_ids"].items():
-            self._dev_paths[int(value.value)] = bytes(key.path).split(b"\0", 1)[0].decode(errors="replace")
+    # --- the kernel tables (tracer/kernel_tables.py): no-ops before start() or after close() ---
 
-    def _intern(self, path: str) -> int | None:
-        raw = path.encode()
-        if self._bpf is None or not raw or len(raw) >= PATH_LEN:
-            return None
-        from bcc.libbcc import lib  # only reached after start() imported bcc
-        table = self._bpf[b"dev_ids"]
-        key = table.Key()
-        key.path = raw
-        found = table.get(key)
-        if found is not None:
-            return int(found.value)
-        dev_id, noexist = self._next_user_id, 1  # BPF_NOEXIST: never overwrite a kernel-made id
-        if lib.bpf_update_elem(table.map_fd, ctypes.byref(key), ctypes.byref(table.Leaf(dev_id)), noexist):
-            found = table.get(key)  # the kernel interned it meanwhile, or the map is full
-            return int(found.value) if found is not None else None
-        self._next_user_id += 1
-        self._dev_paths[dev_id] = path
-        return dev_id
+    def seed(self, pid: int, fds: Mapping[int, str], mapped_paths: Iterable[str] = (),
+             create: bool = True) -> bool:
+        """Tell the kernel about holds found in /proc; True when it made pid a holder just now
+        (see HolderTables.seed)."""
+        return self.tables.seed(pid, fds, mapped_paths, create) if self.tables is not None else False
 
-    def _set_holder_byte(self, pid: int, on: bool) -> None:  # a single byte store, see ghostgpu.h
-        if self._holder_map is not None and 0 <= pid < len(self._holder_map):
-            self._holder_map[pid] = int(on)
-
-    def seed(self, pid: int, fds: Mapping[int, str], mapped_paths: Iterable[str] = ()) -> None:
-        """Tell the kernel about holds found in /proc (opened before the tracer started, inherited
-        over fork, received over a socket). Idempotent: a known (fd, device) is not counted twice.
-        A concurrent open/close by the process itself may race this; the next scan corrects it."""
-        if self._bpf is None:
-            return
-        fd_t, hold_t, procs_t = self._bpf[b"fds"], self._bpf[b"holds"], self._bpf[b"procs"]
-        for fd, path in fds.items():
-            dev_id = self._intern(path)
-            if dev_id is None:
-                continue
-            key = fd_t.Key(pid, fd)
-            old = fd_t.get(key)
-            if old is not None and old.dev_id == dev_id:
-                continue
-            if old is not None:  # the fd now names another device: release the old hold
-                self._bump_hold(pid, old.dev_id, nfds=-1, mapped=False)
-            try:
-                fd_t[key] = fd_t.Leaf(dev_id, FD_SEEDED)
-                self._bump_hold(pid, dev_id, nfds=1, mapped=False)
-            except Exception:  # map full: the /proc scan still knows the hold
-                continue
-        for path in mapped_paths:
-            dev_id = self._intern(path)
-            if dev_id is not None:
-                self._bump_hold(pid, dev_id, nfds=0, mapped=True)
-        self._refresh_dev_paths()
-        held = sum(1 for dev_id in self._dev_paths if hold_t.get(hold_t.Key(pid, dev_id)) is not None)
-        if held or procs_t.get(procs_t.Key(pid)) is not None:  # a fork child's count was its parent's
-            procs_t[procs_t.Key(pid)] = procs_t.Leaf(held)
-            self._set_holder_byte(pid, True)
-
-    def _bump_hold(self, pid: int, dev_id: int, nfds: int, mapped: bool) -> None:
-        table = self._bpf[b"holds"]
-        key = table.Key(pid, dev_id)
-        old = table.get(key)
-        count, mapped = max(0, (old.nfds if old else 0) + nfds), mapped or bool(old and old.mapped)
-        if count == 0 and not mapped:
-            table.pop(key, None)
-            return
-        with contextlib.suppress(Exception):  # map full: the /proc scan still knows the hold
-            table[key] = table.Leaf(count, int(mapped))
+    def reset_fds(self, pid: int) -> None:
+        """After an EXEC: drop the pid's stale fd and hold entries; see HolderTables.reset_fds."""
+        if self.tables is not None:
+            self.tables.reset_fds(pid)
 
     def ioctl_counts(self, pid: int | None = None) -> dict[int, dict[tuple[str, int], int]]:
         """pid -> (device path, ioctl request word) -> count, summed over the pid's fds."""
-        out: dict[int, dict[tuple[str, int], int]] = {}
-        if self._bpf is None:
-            return out
-        entries = list(self._bpf[b"ioctls"].items_lookup_batch())  # one syscall per batch
-        if any(k.dev_id not in self._dev_paths for k, _ in entries):
-            self._refresh_dev_paths()
-        for key, value in entries:
-            if pid is not None and key.tgid != pid:
-                continue
-            per_pid = out.setdefault(int(key.tgid), {})
-            slot = (self._dev_paths.get(key.dev_id, "?"), int(key.cmd))
-            per_pid[slot] = per_pid.get(slot, 0) + int(getattr(value, "value", value))
-        return out
+        return self.tables.ioctl_counts(pid) if self.tables is not None else {}
 
     def forget(self, pid: int) -> None:
         """Drop every kernel entry of tgid `pid` (after its EXIT and a last ioctl_counts())."""
-        if self._bpf is None:
-            return
-        self._set_holder_byte(pid, False)
-        self._bpf[b"procs"].pop(self._bpf[b"procs"].Key(pid), None)
-        for name in (b"fds", b"holds", b"ioctls"):
-            table = self._bpf[name]
-            for key, _ in list(table.items_lookup_batch()):
-                if key.tgid == pid:
-                    table.pop(key, None)
+        if self.tables is not None:
+            self.tables.forget(pid)
         self._leader_exits.pop(pid, None)
+
+    def sweep(self, alive: Callable[[int], bool]) -> int:
+        """Remove the entries of tgids dead for two sweeps (periodic, O(the maps))."""
+        return self.tables.sweep(alive) if self.tables is not None else 0
+
+    def owned_tgids(self) -> int:
+        """How many tgids the tables' index holds keys for (a gauge: bounded by live holders)."""
+        return len(self.tables.owned) if self.tables is not None else 0
 
     def stats(self) -> dict[str, int]:
         """Kernel-side counters summed over CPUs: ring-buffer drops and full-map insert failures."""

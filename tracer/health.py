@@ -14,7 +14,9 @@ half-built.
 
 - /healthz: 200 while the agent loop completed a step within LIVE_WINDOW_S (or, before the first
   step, while start() is within START_DEADLINE_S); 503 naming how long ago it last ran. A loop
-  wedged in a stuck NVML call or /proc read fails it, and the kubelet restarts the pod.
+  wedged in a stuck NVML call or /proc read fails it, and the kubelet restarts the pod. Errors the
+  loop contained (tracer/containment.py) make it "degraded", still 200: a restart would lose the
+  holder table and cure nothing.
 - /readyz: 200 once start() finished (BPF attached or knowingly off, first /proc scan done);
   503 before. Plain text, one line per check.
 - /metrics: a registry of this process's own (never prometheus_client's global REGISTRY).
@@ -40,6 +42,7 @@ from ghostgpu import __version__, api
 from ghostgpu.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response
 from ghostgpu.model import ConsumerClass
 from tracer.bpf_source import STAT_NAMES
+from tracer.containment import STAGES
 
 if TYPE_CHECKING:
     from tracer.agent import Tracer
@@ -57,6 +60,9 @@ TRACER_METRICS: dict[str, tuple[str, str]] = {
                                            "buffer was full"),
     "ghostgpu_agent_bpf_errors_total": ("counter", "Other kernel-side failures by kind (a full BPF map "
                                         "refused an insert); the next /proc scan reconciles"),
+    "ghostgpu_agent_errors_total": ("counter", "Unexpected errors the agent loop contained and went on "
+                                    "after, by stage (event, scan, nvml, ioctl, classify, sweep); "
+                                    "should stay 0"),
     "ghostgpu_agent_scan_duration_seconds": ("histogram", "Duration of full /proc scans"),
     "ghostgpu_agent_nvml_available": ("gauge", "1 when NVML answers (driver, GPU and library present), "
                                       "else 0"),
@@ -133,6 +139,11 @@ class AgentHealth:
                            "first /proc scan")
         ago = now - last
         if ago <= self.live_window_s:
+            contained = self.tracer.errors if self.tracer is not None else None
+            if contained is not None and contained.total:
+                by_stage = ", ".join(f"{stage} {n}" for stage, n in contained.counts.items() if n)
+                return True, (f"degraded: agent loop ran {ago:.1f} s ago; {contained.total} unexpected "
+                              f"errors contained ({by_stage}); last: {contained.last}")
             return True, f"ok: agent loop ran {ago:.1f} s ago"
         return False, (f"agent loop last ran {ago:.1f} s ago (limit {self.live_window_s:g} s): wedged, "
                        "e.g. in a stuck NVML call or /proc read")
@@ -184,6 +195,11 @@ class AgentCollector:
         for kind in STAT_NAMES[1:]:
             errors.add_metric((kind,), stats.get(kind, 0))
         yield errors
+        contained = CounterMetricFamily("ghostgpu_agent_errors", _help("ghostgpu_agent_errors_total"),
+                                        labels=("stage",))
+        for stage, n in (tracer.errors.counts if tracer is not None else dict.fromkeys(STAGES, 0)).items():
+            contained.add_metric((stage,), n)
+        yield contained
         counts, total_s, _n = h.scans()
         cumulative, buckets = 0, []
         for le, count in zip((*(f"{b:g}" for b in SCAN_BUCKETS_S), "+Inf"), counts, strict=True):

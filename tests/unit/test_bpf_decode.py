@@ -17,6 +17,7 @@ import pytest
 from ghostgpu.model import DeviceKind, DeviceRef
 from tracer import bpf_source
 from tracer.bpf_source import (
+    BOOKKEEPING_KINDS,
     BPF_DIR,
     BPF_FILES,
     EVENT,
@@ -320,7 +321,7 @@ def test_program_text_concatenates_with_line_markers() -> None:
 def test_python_mirrors_the_header() -> None:
     header = (BPF_DIR / "ghostgpu.h").read_text()
     kinds = {int(v): n for n, v in re.findall(r"#define GG_EV_(\w+) (\d+)", header)}
-    assert {k: v.value.upper() for k, v in KINDS.items()} == kinds
+    assert {**{k: v.value.upper() for k, v in KINDS.items()}, **BOOKKEEPING_KINDS} == kinds
     stats = {int(v): n.lower() for n, v in re.findall(r"#define GG_STAT_(\w+) (\d+)", header) if n != "MAX"}
     assert [stats[i] for i in range(len(stats))] == list(STAT_NAMES)
     body = re.search(r"struct gg_event \{(.*?)\};", header, re.S)

@@ -22,6 +22,7 @@ from tests.helpers.polling import wait_until
 from tests.unit.test_tracer_node import ScriptedNvml, stop, tracer
 from tracer.agent import Tracer
 from tracer.config import ConfigError, TracerConfig, load_config
+from tracer.containment import STAGES, Containment
 from tracer.events import NvmlView
 from tracer.health import (
     SCAN_BUCKETS_S,
@@ -141,7 +142,7 @@ def fake_tracer() -> SimpleNamespace:
     return SimpleNamespace(
         bpf_stats=lambda: {"ringbuf_drops": 5, "fds_full": 2, "holds_full": 0},
         nvml=NvmlView(available=True), state=SimpleNamespace(holders={10: None, 11: None}),
-        consumers=consumers)
+        consumers=consumers, errors=Containment())
 
 
 @pytest.fixture
@@ -204,6 +205,27 @@ def test_metrics_carry_the_agent_numbers_and_every_family(served: Any) -> None:
     assert sample(text, "ghostgpu_agent_events_sent_total") == 41
     assert sample(text, "ghostgpu_build_info", api_version="1") == 1
     assert "process_resident_memory_bytes" in fams and "python_info" in fams
+
+
+def test_contained_errors_are_counted_and_make_healthz_degraded(served: Any) -> None:
+    h, _clock, server = served
+    h.tracer = fake_tracer()
+    h.started()
+    assert http_get(f"{server.url}/healthz") == (200, "ok: agent loop ran 0.0 s ago\n")
+    text = http_get(f"{server.url}/metrics")[1]
+    assert [sample(text, "ghostgpu_agent_errors_total", stage=s) for s in STAGES] == [0] * len(STAGES)
+
+    def bad_event() -> None:
+        raise KeyError(42)
+
+    assert h.tracer.errors.run("event", bad_event) is None  # contained: no exception escapes
+    h.tracer.errors.run("event", bad_event)
+    status, body = http_get(f"{server.url}/healthz")
+    assert status == 200 and body.startswith("degraded: agent loop ran 0.0 s ago; 2 unexpected errors "
+                                             "contained (event 2); last: event: KeyError: 42 (")
+    text = http_get(f"{server.url}/metrics")[1]
+    assert sample(text, "ghostgpu_agent_errors_total", stage="event") == 2
+    assert sample(text, "ghostgpu_agent_errors_total", stage="scan") == 0
 
 
 def test_stream_families_only_when_streaming(served: Any) -> None:

@@ -1,0 +1,170 @@
+"""Every holder's exit is reported exactly once, whatever the order of exec, rescan and exit.
+
+The agent runs against a fake /proc (a directory tree) and the kernel tables of a fake kernel
+(tests/helpers/fake_kmaps.py); the ring buffer is a list the test fills. Each test puts the
+process's death at one of the moments the real kernel can: before the EXEC is handled, between
+the rescan's /proc read and its seed, after the seed. No root, no sleeps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.fake_kmaps import FdKey, IoctlKey, fake_tables
+from tracer.agent import Tracer
+from tracer.bpf_source import BpfSource
+from tracer.config import TracerConfig
+from tracer.events import EventKind, HolderEvent, NvmlView, boot_ns
+from tracer.sinks import CallbackSink
+
+HOLDER, NEWCOMER = 100, 200
+RM_CONTROL = 0xC020462A
+
+
+class ScriptedBpf(BpfSource):
+    """BpfSource with the fake kernel's tables and a ring buffer the test writes."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__((prefix,))
+        self.tables, self.kernel = fake_tables()
+        self.queued: list[HolderEvent] = []
+
+    def poll(self, timeout_ms: int) -> list[HolderEvent]:
+        out, self.queued = self.queued, []
+        return out
+
+
+class NoNvml:
+    def read(self) -> NvmlView:
+        return NvmlView(available=False, error="NVML: no library (test)")
+
+    def close(self) -> None:
+        pass
+
+
+class Node:
+    def __init__(self, tmp: Path) -> None:
+        self.proc, self.gpu = tmp / "proc", str(tmp / "nvidia0")
+        self.proc.mkdir()
+        Path(self.gpu).write_bytes(b"")  # prefixes match by name: a plain file stands for the node
+        self.records: list[dict[str, Any]] = []
+        cfg = TracerConfig(node_name="n1", proc_root=str(self.proc), device_prefixes=[str(tmp / "nvidia")],
+                           bpf="off", grace_s=60.0)
+        self.tracer = Tracer(cfg, CallbackSink(self.records.append))
+        self.tracer.nvml_source = NoNvml()  # type: ignore[assignment]
+        self.bpf = ScriptedBpf(cfg.prefixes[0])
+        self.tracer.bpf = self.bpf  # attached "before" start(): --bpf off leaves it alone
+
+    def spawn(self, pid: int, state: str = "S", threads: int = 1) -> None:
+        base = self.proc / str(pid)
+        (base / "fd").mkdir(parents=True, exist_ok=True)
+        if not (base / "fd" / "3").is_symlink():
+            os.symlink(self.gpu, base / "fd" / "3")
+        fields = [state, "1", *["0"] * 14, str(threads), "0", str(1000 + pid)]  # fields 3..22
+        (base / "stat").write_text(f"{pid} (worker) {' '.join(fields)}\n")
+
+    def die(self, pid: int) -> None:
+        shutil.rmtree(self.proc / str(pid), ignore_errors=True)
+
+    def kernel_says(self, kind: EventKind, pid: int) -> None:
+        self.bpf.queued.append(HolderEvent(kind, "bpf", boot_ns(), pid, tid=pid))
+
+    def events(self, pid: int) -> list[str]:
+        return [r["event"] for r in self.records if r.get("pid") == pid and r["event"] not in
+                ("finding", "resolved")]
+
+    def kernel_entries(self, pid: int) -> int:
+        k = self.bpf.kernel
+        return (sum(FdKey.from_buffer_copy(raw).tgid == pid for raw in k.map("fds"))
+                + sum(IoctlKey.from_buffer_copy(raw).tgid == pid for raw in k.map("ioctls"))
+                + (k.get("procs", ctypes.c_uint32(pid)) is not None))
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    tmp = Path(tempfile.mkdtemp(prefix="gg-exits-", dir="/tmp"))  # prefixes are at most 40 bytes
+    n = Node(tmp)
+    n.spawn(HOLDER)
+    n.tracer.start()
+    yield n
+    assert n.tracer.errors.counts == dict.fromkeys(n.tracer.errors.counts, 0), n.tracer.errors.last
+    n.tracer.close()
+    shutil.rmtree(tmp)
+
+
+def test_the_start_scan_makes_the_holder_known_to_the_kernel(node: Node) -> None:
+    assert node.events(HOLDER) == ["open"]
+    assert node.bpf.kernel.get("procs", ctypes.c_uint32(HOLDER)) is not None
+    assert node.tracer.bpf.tables.holder_bytes[HOLDER] == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("how", ["reaped", "zombie"])
+def test_exit_before_the_exec_is_handled(node: Node, how: str) -> None:
+    """Exec, then exit, both queued before the agent looks: the rescan after the EXEC finds the
+    process gone (or a zombie, which holds nothing) and settles it; the kernel's EXIT, handled
+    next, finds nothing left. One exit record, after the exec record."""
+    node.kernel_says(EventKind.EXEC, HOLDER)
+    if how == "reaped":
+        node.die(HOLDER)
+    else:
+        node.spawn(HOLDER, state="Z", threads=1)
+    node.kernel_says(EventKind.EXIT, HOLDER)
+    node.tracer.step(0)
+    assert node.events(HOLDER) == ["open", "exec", "exit"]
+    assert HOLDER not in node.tracer.state.holders and node.kernel_entries(HOLDER) == 0
+
+
+def test_exit_after_the_rescan_is_reported_by_the_kernel(node: Node) -> None:
+    """The exec'd image keeps fd 3; its procs entry was never dropped, so the kernel's EXIT
+    comes whenever it exits, with the counters of both images."""
+    tables = node.bpf.tables
+    node.kernel_says(EventKind.EXEC, HOLDER)
+    node.tracer.step(0)
+    assert node.events(HOLDER) == ["open", "exec"] and HOLDER in node.tracer.state.holders
+    assert node.bpf.kernel.get("procs", ctypes.c_uint32(HOLDER)) is not None
+    gpu_id = tables.intern(node.gpu)
+    node.bpf.kernel.put("ioctls", IoctlKey(HOLDER, 3, gpu_id, RM_CONTROL), ctypes.c_uint64(9))
+    tables.note_ioctl_key(HOLDER, 3, gpu_id, RM_CONTROL)  # type: ignore[arg-type]
+    node.die(HOLDER)
+    node.kernel_says(EventKind.EXIT, HOLDER)
+    node.tracer.step(0)
+    assert node.events(HOLDER) == ["open", "exec", "exit"]
+    exit_rec = next(r for r in node.records if r["event"] == "exit")
+    [counted] = exit_rec["ioctls"]
+    assert (counted["device"], counted["cmd"], counted["count"]) == (node.gpu, hex(RM_CONTROL), 9)
+    assert node.kernel_entries(HOLDER) == 0
+
+
+def test_exit_between_the_scan_and_the_seed_is_settled_at_once(node: Node) -> None:
+    """A holder the scan read alive dies before the seed made it known to the kernel: no kernel
+    EXIT will ever come. It is settled by the same scan, not 30 s later by the next one."""
+    node.spawn(NEWCOMER)
+
+    def dies_before_the_seed(name: str, raw_key: bytes, found: bool) -> None:
+        if name == "holds" and raw_key[:4] == bytes(ctypes.c_uint32(NEWCOMER)):
+            node.die(NEWCOMER)  # seed() counts the holds it wrote
+
+    node.bpf.kernel.after_lookup = dies_before_the_seed
+    node.tracer._scan()
+    assert node.events(NEWCOMER) == ["open", "exit"]
+    assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
+
+
+def test_fork_child_gone_before_its_rescan(node: Node) -> None:
+    """A holder forks; the child exits before the agent rescans it. The kernel had marked the
+    child a holder at fork, and reported its EXIT; the rescan settles it first, once."""
+    node.bpf.queued.append(HolderEvent(EventKind.FORK, "bpf", boot_ns(), HOLDER, tid=HOLDER,
+                                       child_pid=NEWCOMER))
+    node.bpf.kernel.put("procs", ctypes.c_uint32(NEWCOMER), ctypes.c_uint32(1))
+    node.kernel_says(EventKind.EXIT, NEWCOMER)
+    node.tracer.step(0)
+    assert node.events(NEWCOMER) == ["exit"]
+    assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
