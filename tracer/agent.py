@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from ghostgpu.model import Consumer, ConsumerClass
 from tracer import records
-from tracer.bpf_source import group_dead  # a pure /proc parser: bcc loads only in BpfSource.start()
 from tracer.cgroup import CgroupIdResolver
 from tracer.classify import ClassifyConfig, classify, diff_consumers
 from tracer.config import TracerConfig
 from tracer.containment import Containment
 from tracer.devices import DeviceCatalog
-from tracer.events import EventKind, HolderEvent, NvmlView, ProcessInfo, ProcView, boot_ns
+from tracer.events import EventKind, HolderEvent, NvmlView, ProcView, boot_ns
+from tracer.identity import Identities
 from tracer.nvml import NvmlSource
-from tracer.procfs import ProcScanner, parse_stat, read_process, ticks_to_boot_ns
+from tracer.procfs import ProcScanner, ticks_to_boot_ns
 from tracer.sinks import Sink
 from tracer.state import NodeState
 
@@ -48,9 +48,10 @@ class Tracer:
         self.catalog = DeviceCatalog(cfg.prefixes, cfg.proc_root)
         self.scanner = ProcScanner(self.catalog, cfg.proc_root)
         self.cgroups = CgroupIdResolver(cfg.cgroup_root)
+        self.identities = Identities(cfg.proc_root, self.cgroups)
         self.nvml_source = NvmlSource()
         self.nvml = NvmlView(available=False, error="NVML not read yet")
-        self.state = NodeState(self._identify, exists=self._alive)
+        self.state = NodeState(self.identities.identify, exists=self.identities.alive)
         self.bpf: Any = None  # tracer.bpf_source.BpfSource when the kernel side runs
         self.consumers: dict[Any, Consumer] = {}
         self.nvml_first_listed: dict[tuple[str, int], int] = {}
@@ -62,40 +63,6 @@ class Tracer:
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
-
-    # --- identity -------------------------------------------------------------------------
-
-    def _identify(self, pid: int, cgroup_id: int) -> ProcessInfo | None:
-        info = read_process(pid, self.cfg.proc_root)
-        if info is None:
-            # Gone before we could read /proc (a 20 ms job): the kernel's cgroup id still says
-            # which container it ran in.
-            info = ProcessInfo(pid=pid, alive=False)
-        if not info.container_id and cgroup_id:
-            ident = self.cgroups.identity_for(cgroup_id)
-            if ident is not None:
-                info.cgroup_path = info.cgroup_path or ident.path
-                info.container_id, info.pod_uid, info.runtime = (
-                    ident.container_id, ident.pod_uid, ident.runtime)
-        return info
-
-    def _alive(self, pid: int) -> bool:
-        """Does the thread group still have a live task? A zombie whose last thread is gone holds
-        nothing any more, though /proc/PID stays until its parent reaps it: under churn a scan
-        lands in that window often, and reading it as alive turned exits into closes."""
-        try:
-            with open(f"{self.cfg.proc_root}/{pid}/stat") as f:
-                return not group_dead(f.read())
-        except OSError:
-            return False
-
-    def _start_ticks(self, pid: int) -> int | None:
-        try:
-            with open(f"{self.cfg.proc_root}/{pid}/stat") as f:
-                stat = parse_stat(f.read())
-        except OSError:
-            return None
-        return stat.start_ticks if stat else None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -275,10 +242,10 @@ class Tracer:
         # its exit may also have come before this rescan (the kernel's EXIT is then still queued,
         # and finds nothing left to report).
         for pid in sorted(created | (pids or set())):
-            if not self._alive(pid):
+            if not self.identities.alive(pid):
                 self._settle_exit(pid)
         if pids is None and self.bpf is not None:
-            self.errors.run("sweep", self.bpf.sweep, self._alive)
+            self.errors.run("sweep", self.bpf.sweep, self.identities.alive)
         # A scan also refreshes identities (a parent that died, a leader turned zombie) without
         # any hold changing: re-classify after every one.
         self._dirty = True
@@ -408,7 +375,7 @@ class Tracer:
 
     def current_consumers(self) -> list[Consumer]:
         return classify(self.state.holders_snapshot(), self.nvml, boot_ns(), self.classify_config(),
-                        self.cfg.node_name, self._start_ticks)
+                        self.cfg.node_name, self.identities.start_ticks)
 
     def _classify(self) -> None:
         self._dirty = False
