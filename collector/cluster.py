@@ -10,11 +10,17 @@ by (node, consumer key). A class change or the consumer's disappearance resolves
 class may open another). Every change is written to the store (history) and pushed to watchers.
 A watcher has a bounded queue: one that falls behind is dropped (its RPC ends with
 RESOURCE_EXHAUSTED) rather than ever slowing ingest. Runs on the collector's event-loop thread.
+
+Nothing here is kept per consumer once it is gone: its row, index entry and open finding go with
+it (the history is in the store), and `release_unused()` hands the CRI resolver the containers
+whose last consumer left more than `unused_keep_s` ago, so that short-lived jobs, each in a
+container of its own, leave no answer behind in the resolver's cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -35,6 +41,13 @@ ALL_ROWS: frozenset[ConsumerKey] = frozenset()
 # A node's changed keys are tracked while fewer than this plus twice its rows; past that (short-lived
 # processes and no scrape for a while), the renderer rewrites the whole node, which costs the same.
 CHANGED_ROWS_SLACK = 64
+# How long CRI's answer for a container outlives its last consumer on the node, and for how many such
+# containers at most (the oldest go first): processes run one after another in one container (a
+# job's steps, the demo's re-runs) keep their names without a new lookup each, while nodes that start
+# a container per short-lived job do not keep an answer (about 1 KB) for every container they ever
+# ran; the resolver's own LRU cap alone would let 100,000 of them pile up.
+UNUSED_CONTAINER_KEEP_S = 300.0
+UNUSED_CONTAINERS_MAX = 1000
 
 
 @dataclass
@@ -105,10 +118,18 @@ def _same(a: ClusterConsumer, b: ClusterConsumer) -> bool:
 
 class ClusterTable:
     def __init__(self, nodes: dict[str, NodeState], resolve: Resolve | None, store: Store | None,
-                 next_finding_id: int = 1, open_findings: Iterable[FindingRow] = ()) -> None:
+                 next_finding_id: int = 1, open_findings: Iterable[FindingRow] = (), *,
+                 forget: Callable[[str, str], None] | None = None,
+                 unused_keep_s: float = UNUSED_CONTAINER_KEEP_S, unused_max: int = UNUSED_CONTAINERS_MAX,
+                 ) -> None:
         self.nodes = nodes
         self.resolve = resolve
         self.store = store
+        # The resolver's forget(node, container_id); (node, container ID) -> monotonic time its last
+        # consumer went, oldest first. Kept only with a forget to hand them to, else nothing drains it.
+        self.forget = forget
+        self.unused_keep_s, self.unused_max = unused_keep_s, unused_max
+        self._unused: dict[tuple[str, str], float] = {}
         self.rows: dict[str, dict[ConsumerKey, ClusterConsumer]] = {}
         self.by_cid: dict[str, dict[str, set[ConsumerKey]]] = {}
         self.open: dict[str, dict[ConsumerKey, FindingRec]] = {}
@@ -197,8 +218,35 @@ class ClusterTable:
             keys.discard(key)
             if not keys:
                 del by_cid[old_cid]
+                if self.forget is not None:
+                    self._unused_from_now(node, old_cid, self.forget)
         if new_cid:
             by_cid.setdefault(new_cid, set()).add(key)
+            if self._unused:
+                self._unused.pop((node, new_cid), None)  # in use again: its answer stays
+
+    def _unused_from_now(self, node: str, cid: str, forget: Callable[[str, str], None]) -> None:
+        """The container's last consumer on the node is gone: its answer goes unused_keep_s from now,
+        or at once if unused_max other containers waited longer."""
+        unused = self._unused
+        unused.pop((node, cid), None)  # re-inserted last: the dict stays oldest first
+        unused[node, cid] = time.monotonic()
+        if len(unused) > self.unused_max:
+            oldest = next(iter(unused))
+            del unused[oldest]
+            forget(*oldest)
+
+    def release_unused(self, now_mono: float | None = None) -> int:
+        """Hand forget() the containers with no consumer on their node for unused_keep_s; how many.
+        The collector calls it every second: it looks at the oldest entries only."""
+        if not self._unused or self.forget is None:
+            return 0
+        cutoff = (time.monotonic() if now_mono is None else now_mono) - self.unused_keep_s
+        due = list(itertools.takewhile(lambda item: item[1] <= cutoff, self._unused.items()))
+        for key, _ in due:
+            del self._unused[key]
+            self.forget(*key)
+        return len(due)
 
     def _lifecycle(self, node: str, key: ConsumerKey, cc: ClusterConsumer | None, now: int) -> None:
         opens = self.open.setdefault(node, {})

@@ -7,7 +7,10 @@ when a fetch changes the answer, so the collector re-enriches that node's consum
 `ttl_s` (30 s), unknown containers `negative_ttl_s` (5 s); an expired answer is still served while
 its refresh runs, so names do not flicker. CRI unreachable: the answer is `unresolved` with the
 error (keeping the names last seen), retried with backoff (0.5 s doubling to 10 s) until CRI
-answers. The fetch procedure itself is collector/cri_fetch.py.
+answers. `forget(node, container_id)` drops a container's answer: the cluster table calls it a
+while after the container's last consumer is gone (collector/cluster.py), as a node that runs
+short-lived jobs brings a new container ID with every one. The fetch procedure itself is
+collector/cri_fetch.py.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriT
 log = logging.getLogger(__name__)
 
 PENDING_ERROR = "CRI lookup pending"
+_PENDING = K8sInfo(resolution="unresolved", error=PENDING_ERROR)  # frozen: one shared by every new entry
 # Upper bounds (le) of the call latency histogram: a relayed call on a quiet node answers in 1-5 ms, a
 # busy runtime in tens of ms; call_timeout_s (5 s) is the last finite bound.
 CALL_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -133,7 +137,7 @@ class CriResolver:
             entry = self._cache.get(key)
             if entry is None:
                 self._misses += 1
-                entry = self._cache[key] = _Entry(K8sInfo(resolution="unresolved", error=PENDING_ERROR))
+                entry = self._cache[key] = _Entry(_PENDING)
                 self._schedule(key, entry, now)
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)  # a queued fetch of an evicted entry is skipped
@@ -145,6 +149,12 @@ class CriResolver:
                     self._schedule(key, entry, now)  # expired: refresh, serve the old answer meanwhile
             entry.last_read = now
             return entry.info
+
+    def forget(self, node: str, container_id: str) -> None:
+        """Drop the answer for a container nobody holds a GPU in any more (a lookup in flight for it
+        is discarded when it ends, a queued one skipped); the next get() looks it up afresh."""
+        with self._cond:
+            self._cache.pop((node, normalize_container_id(container_id)), None)
 
     def runtime(self, node: str) -> str:
         """The node's runtime as Version() named it, "" before the first answer."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import TypeVar
 
 import grpc
@@ -90,6 +91,20 @@ def direct_transport(endpoint: str) -> CriTransport:
 
     call.channel = channel  # type: ignore[attr-defined]  # tests and close() reach the channel
     return call
+
+
+def answer_of(fut: Future[bytes], timeout_s: float) -> bytes:
+    """fut.result(timeout_s) for a relayed call (concurrent.futures.TimeoutError past it), raising a new
+    CriCallError for a failed one: re-raising the future's own would tie it, its traceback, the waiting
+    frames and the future into a reference cycle per failed call (NOT_FOUND for a gone container or
+    sandbox is one), which only the cyclic GC frees, and which the commands' gc policy
+    (collector/heap.py) may freeze with the long-lived heap for up to an hour."""
+    error = fut.exception(timeout_s)
+    if error is None:
+        return fut.result()
+    if not isinstance(error, CriCallError):
+        raise error  # not one the relay sets: as it is
+    raise CriCallError(error.code, error.message)
 
 
 class CriClient:

@@ -29,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from collector.cluster import ClusterTable
-from collector.cri_fetch import CriCallError, CriTransport
+from collector.cri_fetch import CriCallError, CriTransport, answer_of
 from collector.nodes import BatchError, NodeState, validate_batch
 from collector.store import Position, Store
 from ghostgpu import __version__
@@ -375,7 +375,7 @@ class Ingest:
             raise CriCallError(grpc.StatusCode.UNAVAILABLE, f"node {node} has no connected tracer")
         loop.call_soon_threadsafe(send)
         try:
-            return fut.result(timeout_s + 1.0)  # the tracer's own CRI timeout, plus the round trip
+            return answer_of(fut, timeout_s + 1.0)  # the tracer's own CRI timeout, plus the round trip
         except concurrent.futures.TimeoutError:
             loop.call_soon_threadsafe(self._forget_command, node, command_id)
             raise CriCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the tracer on node {node} did not answer "

@@ -149,7 +149,8 @@ class Collector:
 
             self.resolver = CriResolver(self.transport_for, self._on_cri_change, ttl_s=self.cri_ttl_s)
         self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
-                                    self.store.max_finding_id() + 1, self.store.load_open_findings())
+                                    self.store.max_finding_id() + 1, self.store.load_open_findings(),
+                                    forget=getattr(self.resolver, "forget", None))
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures)
@@ -199,6 +200,7 @@ class Collector:
                 break
             except TimeoutError:
                 self.cluster.flush_changed()
+                self.cluster.release_unused()
                 if self.heap is not None:
                     self.heap.tick()
         self.cluster.flush_changed()

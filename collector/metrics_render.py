@@ -114,21 +114,12 @@ INFO_LINE, MEMORY_LINE = 4, 5
 # (the row, its labels, its process, its ghostgpu_consumers line and ghostgpu_nonvisible_memory_bytes line
 # as the only member of its label set)
 LabelEntry = tuple[ClusterConsumer, str, "ProcessSeries | None", str, str]
-_escaped: dict[str, str] = {}  # escape()'s answers: pods, containers and GPU UUIDs recur on every scrape
-_ESCAPED_MAX = 200_000
-
-
-def _esc(value: str) -> str:
-    out = _escaped.get(value)
-    if out is None:
-        if len(_escaped) >= _ESCAPED_MAX:
-            _escaped.clear()
-        out = _escaped[value] = escape(value)
-    return out
 
 
 def _consumer_labels(node: str, nl: str, cc: ClusterConsumer) -> LabelEntry:
-    c, k, esc = cc.consumer, cc.k8s, _esc
+    # escape() is called afresh for every value: a memo of its answers kept one entry per pod name
+    # ever seen (each short-lived job's pod is a new one) and was no faster than escape's three scans.
+    c, k, esc = cc.consumer, cc.k8s, escape
     cls = c.cls.value
     gpu = "" if c.gpu is None else str(c.gpu)
     labels = (f'{nl},gpu="{gpu}",gpu_uuid="{esc(c.gpu_uuid)}",class="{cls}",'

@@ -31,6 +31,10 @@ TEXT = "text/plain; charset=utf-8"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 GZIP_MIN_BYTES = 1024
 SOCKET_TIMEOUT_S = 30.0  # a client that stops reading mid-response frees its thread after this
+# Distinct handler failures logged with their trace, once each; past this many, a new one is answered
+# (500) without a log line and not remembered: a failure whose text names a PID or a container would
+# otherwise add one entry per process for as long as the server runs.
+MAX_LOGGED_FAILURES = 100
 
 
 class HttpListenError(ValueError):
@@ -130,7 +134,7 @@ class HttpServer:
             return Response(503, f"{self.name} {request.path}: {e}\n".encode())
         except Exception as e:
             line = f"{self.name} {request.path}: {type(e).__name__}: {e}"
-            if line not in self._logged:
+            if line not in self._logged and len(self._logged) < MAX_LOGGED_FAILURES:
                 self._logged.add(line)
                 log.exception("%s", line)
             return Response(500, (line + "\n").encode())

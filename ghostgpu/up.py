@@ -207,7 +207,10 @@ class LiveView:
         self.metrics_address: str | None = None  # run_up sets it when --metrics-listen serves
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
         self.instance_id, self.after_seq = "", 0
-        self.short_lived_pids: set[int] = set()  # demo: runs of the short-lived container seen opening
+        # demo: runs of the short-lived container seen opening. A count, not the set of their pids,
+        # which grew by one every few seconds for as long as the demo ran.
+        self.short_lived_runs = 0
+        self._short_lived_pid = 0
         self.short_lived_last = ""
         self.tracer_lines_shown = 0
         self._lock = threading.Lock()
@@ -244,8 +247,10 @@ class LiveView:
 
     def _short_lived(self, ev: Any, line: str | None) -> None:
         h = ev.holder
-        if h.kind == h.KIND_OPEN and h.device_kind in ("gpu", "mig"):
-            self.short_lived_pids.add(h.process.pid)
+        new_run = h.process.pid != self._short_lived_pid  # one run opens once; the stream may resend
+        if h.kind == h.KIND_OPEN and h.device_kind in ("gpu", "mig") and new_run:
+            self._short_lived_pid = h.process.pid
+            self.short_lived_runs += 1
         elif h.kind == h.KIND_EXIT and h.HasField("held_ns"):
             when = line.split()[0] if line else "?"
             held_ms = h.held_ns / 1e6
@@ -287,7 +292,7 @@ class LiveView:
         if self.demo:
             lines.append(self.demo.legend())
             latest = f"; {self.short_lived_last}" if self.short_lived_last else ""
-            n = len(self.short_lived_pids)
+            n = self.short_lived_runs
             lines.append(f"demo: short-lived: ghostgpu saw {n} run{'' if n == 1 else 's'} open the GPU "
                          f"(one every {self.demo.short_lived_every_s:g} s){latest}")
         with self._lock:
@@ -306,7 +311,7 @@ class LiveView:
         ids = self.demo.container_ids()
         classes = {(c.consumer.container_id, c.consumer.cls) for c in consumers}
         return ((ids["hidden"], ConsumerClass.HIDDEN) in classes and (ids["orphaned"], ConsumerClass.ORPHANED)
-                in classes and bool(self.short_lived_pids))
+                in classes and self.short_lived_runs > 0)
 
     def run(self) -> int:
         # include_open: findings opened before the stream was (re)established are shown too.

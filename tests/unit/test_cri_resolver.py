@@ -303,6 +303,32 @@ def test_cache_size_is_bounded(fake: FakeCri, make) -> None:
     wait_until(lambda: r.stats().pending == 0, "the remaining lookups")
 
 
+def test_a_forgotten_container_is_looked_up_afresh(fake: FakeCri, make) -> None:
+    cid = new_id()
+    fake.add_container(cid, "sb1", "worker")
+    r = make()
+    resolved(r, cid)
+    r.forget(NODE, "containerd://" + cid)  # the kubelet's form names the same container
+    assert r.stats().cached == 0
+    assert r.get(NODE, cid).error == "CRI lookup pending"
+    assert resolved(r, cid).pod == "trainer-0"
+    assert fake.calls["ListContainers"] == 2
+
+
+def test_an_answer_for_a_container_forgotten_meanwhile_is_dropped(fake: FakeCri, make,
+                                                                  changes: Changes) -> None:
+    cid = new_id()
+    fake.add_container(cid, "sb1", "worker")
+    r = make()
+    fake.gate.clear()  # the lookup's first call waits here
+    r.get(NODE, cid)
+    wait_until(lambda: fake.total_calls() == 1, "the lookup to be in flight")
+    r.forget(NODE, cid)
+    fake.gate.set()
+    wait_until(lambda: r.stats().fetches_total == 1, "the lookup to end")
+    assert r.stats().cached == 0 and changes.count(cid) == 0  # neither kept nor announced
+
+
 def test_direct_transport_only_passes_read_only_methods(fake: FakeCri) -> None:
     call: CriTransport = direct_transport(fake.endpoint)
     with pytest.raises(CriCallError) as e:
