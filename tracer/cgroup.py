@@ -1,6 +1,6 @@
 """Container identity from cgroup paths, and cgroup v2 id -> path resolution.
 
-The parser follows section 5 of shared/reference/cgroup-container-ids.md (names as created by
+The parser follows section 3 of docs/reference/cgroup-paths.md (names as created by
 kubelet, containerd 2.x, CRI-O 1.36, moby and podman); its vectors are the unit tests.
 """
 

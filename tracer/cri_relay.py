@@ -30,7 +30,7 @@ log = logging.getLogger("ghostgpu.cri_relay")
 
 ALLOWED_METHODS = frozenset({"Version", "ListContainers", "ContainerStatus", "ListPodSandbox",
                              "PodSandboxStatus"})
-# Probe order (../shared/reference/cri-api.md §7): containerd, CRI-O (both spellings: /var/run is
+# Probe order (docs/reference/cri-and-podresources.md §1.5): containerd, CRI-O (both spellings: /var/run is
 # /run on systemd hosts, not always in a pod's mounts), k3s/RKE2's containerd, cri-dockerd.
 DEFAULT_SOCKETS = (
     "/run/containerd/containerd.sock",

@@ -5,8 +5,8 @@ Two ways to recognise a device file:
 * by its rdev major, for a node made elsewhere with mknod (`/tmp/x` c 195 0): the kernel
   does not care where a node lives, only its (major, minor), so a path check alone is easy to hide from.
 
-The numbers come from nvidia-devices.md (open-gpu-kernel-modules 595.45.04): major 195 is fixed,
-every other NVIDIA major is dynamic and must be read from /proc/devices at runtime.
+The numbers come from docs/reference/nvidia-devices.md (open-gpu-kernel-modules 595.45.04): major
+195 is fixed, every other NVIDIA major is dynamic and must be read from /proc/devices at runtime.
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ class DeviceCatalog:
                 elif name == "kfd":
                     majors[major] = DeviceKind.CONTROL
                 elif "davinci" in name:
-                    # Ascend majors/minors are not documented (nvidia-devices.md section 5): count the
-                    # holder, but do not guess which NPU a minor stands for.
+                    # Ascend majors/minors are not documented (docs/reference/nvidia-devices.md
+                    # section 5): count the holder, but do not guess which NPU a minor stands for.
                     majors[major] = DeviceKind.OTHER
         if self.drm_render:
             majors[DRM_MAJOR] = "drm"
@@ -240,7 +240,7 @@ class DeviceCatalog:
         by_rdev = self.classify_rdev(rdev) if rdev else None
         if by_rdev is not None:
             # The number wins over the name: a runtime may create /dev/nvidia0 in a container for
-            # the host's GPU 3 (nvidia-devices.md: identify devices by i_rdev, not by path).
+            # the host's GPU 3 (docs/reference/nvidia-devices.md: identify devices by i_rdev, not by path).
             return DeviceRef(path, by_rdev[0], by_rdev[1], major, minor)
         if path.startswith(self.prefixes):
             ref = classify_device_path(path, self.mig_minors)

@@ -1,4 +1,4 @@
-"""Names for GPU ioctl request words, from the facts in shared/reference/nvidia-devices.md.
+"""Names for GPU ioctl request words, from the facts in docs/reference/nvidia-devices.md.
 
 NVIDIA frontend/RM escapes on /dev/nvidiactl and /dev/nvidiaN are _IOWR('F', nr, size): they are
 named by nr only, because the size part differs between parameter structs (RM_ALLOC takes NVOS21
@@ -15,7 +15,7 @@ NV_IOCTL_MAGIC = 0x46  # 'F'
 KFD_IOCTL_MAGIC = 0x4B  # 'K'
 IOC_DIR_NAMES = {0: "none", 1: "write", 2: "read", 3: "readwrite"}  # asm-generic _IOC_NONE/WRITE/READ
 
-# nvidia-devices.md §2a (frontend, NV_IOCTL_BASE 200 + i) and §2b (RM escapes).
+# docs/reference/nvidia-devices.md §2b (frontend escapes, NV_IOCTL_BASE 200 + i, and RM escapes).
 NV_ESCAPES: dict[int, str] = {
     0xC8: "NV_ESC_CARD_INFO",
     0xC9: "NV_ESC_REGISTER_FD",
@@ -61,8 +61,8 @@ NV_ESCAPES: dict[int, str] = {
 }
 NV_REMOVED = frozenset({0x32, 0x33, 0x37, 0x38})
 
-# nvidia-devices.md §3: the request word is the number itself. Older numbers stay: none was ever
-# reassigned, and nodes run old drivers.
+# docs/reference/nvidia-devices.md §3: the request word is the number itself. Older numbers stay:
+# none was ever reassigned, and nodes run old drivers.
 UVM_IOCTLS: dict[int, str] = {
     0x30000001: "UVM_INITIALIZE",
     0x30000002: "UVM_DEINITIALIZE",
@@ -135,16 +135,16 @@ UVM_IOCTLS: dict[int, str] = {
     73: "UVM_CREATE_EXTERNAL_RANGE",
     74: "UVM_MAP_EXTERNAL_SPARSE",
     75: "UVM_MM_INITIALIZE",  # since 535.43.02
-    76: "UVM_TOOLS_INIT_EVENT_TRACKER_V2",  # after 550.40.07
-    77: "UVM_TOOLS_GET_PROCESSOR_UUID_TABLE_V2",  # after 550.40.07
-    78: "UVM_ALLOC_DEVICE_P2P",  # after 550.40.07
-    79: "UVM_CLEAR_ALL_ACCESS_COUNTERS",  # after 550.40.07
-    80: "UVM_DISCARD",  # after 550.40.07
+    76: "UVM_TOOLS_INIT_EVENT_TRACKER_V2",  # since 565.57.01
+    77: "UVM_TOOLS_GET_PROCESSOR_UUID_TABLE_V2",  # since 565.57.01
+    78: "UVM_ALLOC_DEVICE_P2P",  # since 565.57.01
+    79: "UVM_CLEAR_ALL_ACCESS_COUNTERS",  # since 565.57.01
+    80: "UVM_DISCARD",  # since 580.65.06
     2047: "UVM_IS_8_SUPPORTED",
 }
 UVM_REMOVED = frozenset({9, 11, 18, 19, 36, 54, 55})
 
-# nvidia-devices.md §4 (include/uapi/linux/kfd_ioctl.h), by nr.
+# docs/reference/nvidia-devices.md §4 (Linux include/uapi/linux/kfd_ioctl.h), by nr.
 KFD_IOCTLS: dict[int, str] = {
     0x01: "AMDKFD_IOC_GET_VERSION",
     0x02: "AMDKFD_IOC_CREATE_QUEUE",

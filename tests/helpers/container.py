@@ -97,7 +97,7 @@ def parse_cgroup_mounts(mountinfo: str) -> list[CgroupMount]:
 
 
 def kube_cgroup_path(runtime: str, qos: str, cgroup_driver: str, container_id: str, pod_uid: str) -> str:
-    """The container's cgroup path as /proc/PID/cgroup shows it (cgroup-container-ids.md §2)."""
+    """The container's cgroup path as /proc/PID/cgroup shows it (docs/reference/cgroup-paths.md §2)."""
     if runtime not in RUNTIMES or qos not in QOS_CLASSES or cgroup_driver not in CGROUP_DRIVERS:
         raise ValueError(f"unsupported runtime/qos/driver {runtime!r}/{qos!r}/{cgroup_driver!r}")
     levels = ["kubepods"] if qos == "guaranteed" else ["kubepods", qos]

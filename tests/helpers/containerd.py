@@ -1,6 +1,6 @@
 """A real CRI endpoint for tests: Debian's containerd with its CRI plugin, all state in a temp dir.
 
-Follows shared/reference/cri-containerd-recipe.md: a version-2 config with root, state, sockets
+Follows docs/reference/containerd-test-recipe.md: a version-2 config with root, state, sockets
 and runc root under one short /tmp dir (a unix socket path must stay under 108 bytes), the
 busybox image built here as a docker-save tarball (no registry) and imported into namespace
 k8s.io, host-network pods with a cgroupfs parent /kubepods/besteffort/pod<uid>, kubelet's labels

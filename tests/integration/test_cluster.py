@@ -252,7 +252,7 @@ def test_containerd_container_is_named_through_the_tracers_cri_relay(
         assert row["cri_runtime"].startswith("containerd ")
         assert (row["class"], row["node_class"], row["allocated"]) == ("hidden", "hidden", True)
         # containerd's cgroupfs path (pod<uid>/<id>) reads the same as cri-dockerd's: the node leaves the
-        # runtime open (cgroup-container-ids.md, T03) and CRI names it.
+        # runtime open (docs/reference/cgroup-paths.md, vector T03) and CRI names it.
         assert (row["gpu"], row["gpu_uuid"], row["runtime"]) == (0, GPU0_UUID, "")
         assert "/dev/nvidia0" in row["devices"]
     nspid = Path(f"/proc/{init_pid}/status").read_text().split("NSpid:")[1].split("\n")[0].split()

@@ -47,7 +47,7 @@ def status(pid: int) -> dict[str, str]:
 
 
 # Same shapes as vectors T01, T02, T07, T11 (systemd) and T03, T10 (cgroupfs) of
-# shared/reference/cgroup-container-ids.md, with one container id and pod uid.
+# tests/data/cgroup_vectors.json (docs/reference/cgroup-paths.md), with one container id and pod uid.
 @pytest.mark.parametrize(
     ("runtime", "qos", "driver", "expected"),
     [

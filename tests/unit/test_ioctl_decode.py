@@ -1,4 +1,4 @@
-"""Ioctl naming against the facts of shared/reference/nvidia-devices.md (§2, §3, §4)."""
+"""Ioctl naming against the facts of docs/reference/nvidia-devices.md (§2, §3, §4)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from tracer.ioctl_decode import decode_ioctl, ioc_fields
 
-# §2c "Typical full request words": every row, (cmd, name, nr, size).
+# §2c "Common request words": every row, (cmd, name, nr, size).
 NV_WORDS = [
     (0xC0104629, "NV_ESC_RM_FREE", 0x29, 0x10),
     (0xC020462A, "NV_ESC_RM_CONTROL", 0x2A, 0x20),
@@ -37,7 +37,7 @@ def test_nvidia_request_words(cmd: int, name: str, nr: int, size: int, kind: str
     assert got.known and not got.removed
 
 
-# Named by nr whatever the size part says (§2: "Decode by nr, never by the full word").
+# Named by nr whatever the size part says (§2a: name by nr, never by the whole word).
 @pytest.mark.parametrize(
     ("cmd", "name", "removed"),
     [
