@@ -33,7 +33,8 @@ LABEL_POD_NAME = "io.kubernetes.pod.name"
 LABEL_POD_NAMESPACE = "io.kubernetes.pod.namespace"
 LABEL_POD_UID = "io.kubernetes.pod.uid"
 LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
-_CRI_VERSION = "v1"  # containerd and CRI-O ignore VersionRequest.version (docs/reference/cri-and-podresources.md §1.4)
+# containerd and CRI-O ignore VersionRequest.version (docs/reference/cri-and-podresources.md §1.4)
+_CRI_VERSION = "v1"
 
 # A runtime restart makes a new socket; gRPC's default reconnect backoff (1 s growing to 120 s)
 # would leave resolution failing long after the runtime is back, so keep it short.
