@@ -2,6 +2,7 @@
 """Benchmark: the tracer as a node agent: time to first event, memory, and CPU at idle.
 
 Run as root:  .venv/bin/python bench/bench_agent.py [--trials 3] [--rss-after-s 10] [--idle-s 60]
+                                                   [--node-procs 1000] [--node-fds 100]
 
 (a) Start to first event: spawn `ghostgpu tracer` (fake NVML) and at once start a fresh short
     consumer in a fake container every 50 ms (`open /dev/nvidia0`, `exit 0`) until the tracer
@@ -12,7 +13,9 @@ Run as root:  .venv/bin/python bench/bench_agent.py [--trials 3] [--rss-after-s 
     idling, measured the same way at the same time. Goal: tracer at most 150 MB.
 (c) CPU at idle: utime+stime (/proc/PID/stat) of the same processes over `idle-s` with no GPU
     activity, as % of one core, children (forked /proc scan workers) included. Goal: under 1%.
-(b) and (c) run the three processes side by side. Prints a table, writes bench/results/agent.json.
+(b) and (c) run the three processes side by side, then again on a busier node: `node-procs` more
+    sleeping processes of `node-fds` fds each (default 1,000 x 100; 0 skips it), which every periodic
+    /proc scan walks (`steady_busy_node` in the JSON). Prints a table, writes bench/results/agent.json.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
     CLK_TCK,
-    ROOT,
     best_median,
     cpu_ticks,
     interrupt_on_sigterm,
@@ -301,8 +303,8 @@ def main() -> int:
     ap.add_argument("--first-open-deadline-s", type=float, default=60.0)
     ap.add_argument("--idle-prefix", default="/dev/ghostgpu-bench-idle",
                     help="the device prefix of the tracer in (b) and (c); '' for the default /dev/nvidia")
-    ap.add_argument("--node-procs", type=int, default=0,
-                    help="also measure (b) and (c) with this many extra sleeping processes on the node")
+    ap.add_argument("--node-procs", type=int, default=1000,
+                    help="also measure (b) and (c) with this many more sleeping processes (0: skip)")
     ap.add_argument("--node-fds", type=int, default=100, help="fds held by each of those processes")
     ap.add_argument("--out", default="agent", help="result name under bench/results/")
     args = ap.parse_args()
@@ -348,7 +350,7 @@ def main() -> int:
         "goals": goals,
         "run_s": round(time.monotonic() - t_start, 1),
         "machine": {**machine(), "loadavg_1m_at_start": load_1m_at_start},
-        "tracer_cmd": f"{Path(sys.executable).name} -m ghostgpu.cli tracer (cwd {ROOT})",
+        "tracer_cmd": f"{Path(sys.executable).name} -m ghostgpu.cli tracer (cwd: the repository root)",
     }
     rows: list[list[Any]] = []
     if busy is not None:

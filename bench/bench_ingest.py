@@ -18,7 +18,9 @@ duplicated. Goal: >= 100,000 events/s. Writes bench/results/ingest.json.
 --paced EVENTS_PER_S [--duration-s 10] instead offers a steady total rate from the tracers for a
 fixed time, batched by the real tracer's policy (bench/ingest_paced.py), against the collector and
 echo-aio: offered vs acknowledged events/s, batch sizes, ack latency from event creation. Writes
-bench/results/ingest_paced.json.
+bench/results/ingest_paced.json (`--out NAME`: bench/results/NAME.json). `--paced-window N` sets the
+unacknowledged batches per tracer (default: the tracer's WINDOW_BATCHES; 0: no window, every due
+batch leaves, as the tracer did before it had one).
 """
 
 from __future__ import annotations
@@ -244,6 +246,10 @@ def main() -> int:
     p.add_argument("--paced", type=float, metavar="EVENTS_PER_S",
                    help="offer this many events/s in all, batched by the tracer's policy")
     p.add_argument("--duration-s", type=float, default=10.0, help="--paced: how long to offer")
+    p.add_argument("--paced-window", type=int, metavar="BATCHES",
+                   help="--paced: unacknowledged batches per tracer (default: tracer/stream.py's "
+                        "WINDOW_BATCHES; 0: no window)")
+    p.add_argument("--out", help="result name under bench/results/ (default: ingest, --paced: ingest_paced)")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--client", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -280,7 +286,7 @@ def main() -> int:
     data = {"goal_events_per_s": GOAL_EVENTS_PER_S, "tracers": args.tracers, "window": args.window,
             "events_per_tracer": args.events_per_tracer, "client_procs": args.client_procs,
             "best_collector_events_per_s": best, "runs": runs, "machine": machine()}
-    path = write_json("ingest", data)
+    path = write_json(args.out or "ingest", data)
     print(f"wrote {path.relative_to(ROOT)}")
     ok = all(r.get("exactly_once", True) for r in runs) and best is not None and best >= GOAL_EVENTS_PER_S
     return 0 if ok else 1
@@ -293,7 +299,7 @@ def main_paced(args: argparse.Namespace) -> int:
     for target in (args.targets or "collector,echo-aio").split(","):
         with tempfile.TemporaryDirectory(prefix="ghostgpu-bench-ingest-") as tmp:
             r = measure_paced(target, args.tracers, args.client_procs, args.paced, args.duration_s,
-                              _spawn_server, _node_totals, tmp)
+                              _spawn_server, _node_totals, tmp, args.paced_window)
         runs.append(r)
         note = f" ({r['note']})" if r.get("note") else ""
         print(f"{target:10s} paced: offered {r['offered_events_per_s']}, acked {r['acked_events_per_s']} "
@@ -305,8 +311,9 @@ def main_paced(args: argparse.Namespace) -> int:
     print_table(["target", "offered/s", "acked/s", "batch mean", "p50", "p99", "ack ms p50", "p99",
                  "client late ms p99", "server CPU s", "clients CPU s", "exactly once"], rows)
     data = {"offered_events_per_s": args.paced, "duration_s": args.duration_s, "tracers": args.tracers,
-            "client_procs": args.client_procs, "runs": runs, "machine": machine()}
-    path = write_json("ingest_paced", data)
+            "client_procs": args.client_procs, "window_batches": runs[0]["window_batches"] if runs else None,
+            "runs": runs, "machine": machine()}
+    path = write_json(args.out or "ingest_paced", data)
     print(f"wrote {path.relative_to(ROOT)}")
     ok = all(r["clients_kept_up"] and r["acked_events_per_s"] and r.get("exactly_once", True) for r in runs)
     return 0 if ok else 1

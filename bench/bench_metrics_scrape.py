@@ -2,6 +2,7 @@
 """Benchmark: the collector's /metrics scrape with 1,000 nodes x 20 consumers (goal < 100 ms a scrape).
 
 Run:  .venv/bin/python bench/bench_metrics_scrape.py [--nodes 1000] [--consumers 20] [--scrapes 20]
+      .venv/bin/python bench/bench_metrics_scrape.py --no-heap-policy --out metrics_scrape_no_heap_policy
 
 A real Collector (SQLite in a temp dir) with --metrics-listen on loopback. Its state is built the way
 ingest builds it, on its event loop: per node a Hello/Position, a Snapshot of `consumers` consumers
@@ -20,7 +21,11 @@ to the last body byte, without and with `Accept-Encoding: gzip`:
 Also how long each scrape holds the collector's event loop (the one Collector.call per scrape).
 Side by side in the same run: prometheus_client's generate_latest over a custom collector yielding the
 same ghostgpu_* series (the naive way), and the same HttpServer serving a static body of the page's
-size (the transport floor). Writes bench/results/metrics_scrape.json.
+size (the transport floor). Writes bench/results/metrics_scrape.json (`--out NAME`: NAME.json).
+
+Each case lists the full (generation 2) garbage collections that landed in its scrapes and how long
+each stopped the process: with collector/heap.py's policy (the default here, as `ghostgpu collector`
+runs) and without it (`--no-heap-policy`) they are the figures behind that policy.
 """
 
 from __future__ import annotations
@@ -184,6 +189,7 @@ def main() -> int:
     p.add_argument("--max-process-series", type=int, default=1000)
     p.add_argument("--no-heap-policy", action="store_true",
                    help="leave gc alone (without collector/heap.py's freeze, as an embedded collector runs)")
+    p.add_argument("--out", default="metrics_scrape", help="result name under bench/results/")
     args = p.parse_args()
 
     from prometheus_client import generate_latest
@@ -307,7 +313,7 @@ def main() -> int:
             "max_process_series": args.max_process_series, "samples": sample_lines, "page_bytes": len(body),
             "cases": results, "ratios": ratios, "goal_ms": GOAL_MS, "goal_met_p50": worst_p50 < GOAL_MS,
             "goal_met_p99": worst_p99 < GOAL_MS, "heap_policy": not args.no_heap_policy, "machine": machine()}
-    path = write_json("metrics_scrape", data)
+    path = write_json(args.out, data)
     print(f"wrote {path.relative_to(ROOT)}")
     return 0
 

@@ -7,15 +7,16 @@ sender (a coroutine: each client process runs its tracers on one grpc.aio event 
 StreamSink._pump: pending events leave at once when nothing is in flight (every seq sent is
 acknowledged), otherwise when `max_batch_events` are pending or 10 ms after the first pending event
 was created, as long as fewer than WINDOW_BATCHES batches await their Ack; with the window full they
-gather until an Ack frees it (the one time the sender wakes on an Ack, as the real one). Events are
-encoded once per tracer as a pool of NodeEvent bodies without their seq; a send prefixes each with
-its seq field and frames them as tracer.spool.encode_events_message does (same bytes, checked at
-connect; varints from tables), so no protobuf work is done per event. Ack latency runs from an
-event's creation to the arrival (client side) of the first Ack covering it. The clients did not
-offer the rate, and no offered rate is reported, when the last event left more than 0.1 s after the
-window or the senders woke more than 10 ms late (p99, `client_wake_late_ms`).
+gather until an Ack frees it (the one time the sender wakes on an Ack, as the real one); a window
+of 0 (bench_ingest.py --paced-window 0) is none: every due batch leaves, as before the tracer had
+one. Events are encoded once per tracer as a pool of NodeEvent bodies without their seq; a send
+prefixes each with its seq field and frames them as tracer.spool.encode_events_message does (same
+bytes, checked at connect; varints from tables), so no protobuf work is done per event. Ack latency
+runs from an event's creation to the arrival (client side) of the first Ack covering it. The
+clients did not offer the rate, and no offered rate is reported, when the last event left more
+than 0.1 s after the window or the senders woke more than 10 ms late (p99, `client_wake_late_ms`).
 
-Client processes run this file: `ingest_paced.py client ADDR FIRST COUNT TRACERS RATE DURATION`.
+Client processes run this file: `ingest_paced.py client ADDR FIRST COUNT TRACERS RATE DURATION WINDOW`.
 """
 
 from __future__ import annotations
@@ -140,10 +141,9 @@ class PacedTracer:
                 if self.acked_seq >= total:
                     self.acked.set()
 
-    async def pace(self, pfx: list[bytes], rate: float, total: int, t0: float) -> None:
-        """The tracer's sender (StreamSink._pump), window included."""
-        from tracer.stream import WINDOW_BATCHES
-
+    async def pace(self, pfx: list[bytes], rate: float, total: int, t0: float, window_batches: int) -> None:
+        """The tracer's sender (StreamSink._pump), window included (window_batches 0: no window)."""
+        limit = window_batches if window_batches > 0 else float("inf")
         period, sent, bodies, max_batch, mono = 1.0 / rate, 0, self.bodies, self.max_batch, time.monotonic
         ends: deque[int] = deque()  # last seq of each batch awaiting its Ack
         while sent < total:
@@ -152,7 +152,7 @@ class PacedTracer:
             first = t0 + sent * period  # creation of the oldest pending (or the next) event
             while ends and ends[0] <= self.acked_seq:
                 ends.popleft()
-            window = len(ends) < WINDOW_BATCHES
+            window = len(ends) < limit
             if pending > 0:
                 if not ends or (window and (pending >= max_batch or now >= first + FLUSH_S)):
                     n = min(pending, max_batch)
@@ -175,7 +175,8 @@ class PacedTracer:
             self.late[int((mono() - wake) * LATE_RES)] += 1
 
 
-async def _client(addr: str, first: int, count: int, tracers: int, rate: float, duration_s: float) -> None:
+async def _client(addr: str, first: int, count: int, tracers: int, rate: float, duration_s: float,
+                  window_batches: int) -> None:
     from tracer.spool import varint
 
     total = max(1, round(rate * duration_s))
@@ -189,7 +190,7 @@ async def _client(addr: str, first: int, count: int, tracers: int, rate: float, 
     t0 = float(line.split()[1])
     starts = [t0 + ((first + k) / tracers) / rate for k in range(count)]  # staggered phases
     errors: list[str] = []
-    await asyncio.gather(*(t.pace(pfx, rate, total, starts[k]) for k, t in enumerate(sims)))
+    await asyncio.gather(*(t.pace(pfx, rate, total, starts[k], window_batches) for k, t in enumerate(sims)))
     for t in sims:
         try:
             await asyncio.wait_for(t.acked.wait(), 120)
@@ -219,9 +220,10 @@ async def _client(addr: str, first: int, count: int, tracers: int, rate: float, 
         await t.channel.close()
 
 
-def run_client(addr: str, first: int, count: int, tracers: int, rate: float, duration_s: float) -> None:
+def run_client(addr: str, first: int, count: int, tracers: int, rate: float, duration_s: float,
+               window_batches: int) -> None:
     """`count` paced tracers; 'ready' once connected, then 'go T0' on stdin; one JSON line out."""
-    asyncio.run(_client(addr, first, count, tracers, rate, duration_s))
+    asyncio.run(_client(addr, first, count, tracers, rate, duration_s, window_batches))
 
 
 # ---- orchestration -------------------------------------------------------------------------------
@@ -254,7 +256,11 @@ def _cpu_busy() -> tuple[int, int]:
 
 def measure_paced(target: str, tracers: int, client_procs: int, events_per_s: float, duration_s: float,
                   spawn_server: Callable[[str, str], Any], node_totals: Callable[[str], dict[str, int]],
-                  tmp: str) -> dict[str, Any]:
+                  tmp: str, window_batches: int | None = None) -> dict[str, Any]:
+    """window_batches: unacknowledged batches per tracer (None: the tracer's WINDOW_BATCHES; 0: no window)."""
+    from tracer.stream import WINDOW_BATCHES
+
+    window = WINDOW_BATCHES if window_batches is None else window_batches
     rate = events_per_s / tracers
     server, addr = spawn_server(target, tmp)
     clients: list[subprocess.Popen[str]] = []
@@ -263,7 +269,7 @@ def measure_paced(target: str, tracers: int, client_procs: int, events_per_s: fl
         first = 0
         for count in per:
             cmd = [PY, str(Path(__file__).resolve()), "client", addr, str(first), str(count), str(tracers),
-                   repr(rate), repr(duration_s)]
+                   repr(rate), repr(duration_s), str(window)]
             clients.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}))
             first += count
@@ -306,7 +312,7 @@ def measure_paced(target: str, tracers: int, client_procs: int, events_per_s: fl
 
     out: dict[str, Any] = {
         "target": target, "offered_events_per_s_target": events_per_s, "duration_s": duration_s,
-        "events": events, "clients_kept_up": kept_up,
+        "window_batches": window, "events": events, "clients_kept_up": kept_up,  # window 0: none
         "offered_events_per_s": round(events / max(duration_s, last_send)) if kept_up else None,
         "acked_events_per_s": round(events / last_ack) if last_ack > 0 and not errors else None,
         "last_send_after_t0_s": round(last_send, 3), "last_ack_after_t0_s": round(last_ack, 3),
@@ -334,7 +340,7 @@ def measure_paced(target: str, tracers: int, client_procs: int, events_per_s: fl
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 8 or sys.argv[1] != "client":
+    if len(sys.argv) != 9 or sys.argv[1] != "client":
         raise SystemExit(__doc__)
     a = sys.argv[2:]
-    run_client(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]))
+    run_client(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]), int(a[6]))

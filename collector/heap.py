@@ -2,13 +2,15 @@
 
 A collector for 1,000 nodes keeps about half a million tracked objects (consumers, CRI answers,
 rendered /metrics lines) alive for as long as their nodes run. CPython 3.11's full (generation 2)
-collection walks all of them: 100-150 ms with the event loop stopped, measured with
-bench/bench_metrics_scrape.py, so the ack of every stream and the scrape that happen to meet it wait
+collection walks all of them: 62-96 ms with the event loop stopped on this project's 2-core VM
+(bench/bench_metrics_scrape.py --no-heap-policy, bench/results/metrics_scrape_no_heap_policy.json),
+so the ack of every stream and the scrape that happen to meet it wait
 that long. Every `freeze_s` the loop moves what survived into the permanent generation
 (gc.freeze(), a list splice), so later collections walk only what was allocated since: the same
-bench then saw full collections of 12-45 ms. A frozen object is never collected, so garbage cycles
-frozen with it would leak; once every `thaw_s` everything is unfrozen and swept in one full
-collection, which bounds that to an hour's cycles and costs one long pause an hour.
+bench then saw full collections of 3-13 ms (bench/results/metrics_scrape.json). A frozen object is
+never collected, so garbage cycles frozen with it would leak; once every `thaw_s` everything is
+unfrozen and swept in one full collection, which bounds that to an hour's cycles and costs one
+long pause an hour.
 
 Only the long-running commands (`ghostgpu collector`, `ghostgpu up`) install it: gc state is
 process-wide and an embedded collector (tests, benchmarks) must not change its host's.

@@ -13,7 +13,8 @@ SIGKILL; the kernel kills it too if the test runner dies, through PR_SET_PDEATHS
 
 Fixtures (import them into a test module or conftest): `alertmanager`, `prometheus` (empty config,
 function scope) and `prometheus_module` (one per module, for parse checks). Tests that use them are
-marked `prometheus`: without the binaries they skip, or fail under GHOSTGPU_REQUIRE_INTEGRATION=1.
+marked `prometheus`: without the binaries they skip, or fail under GHOSTGPU_REQUIRE_INTEGRATION=1
+(tests/conftest.py turns every skip into a failure then).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _BIND_ATTEMPTS = 3  # a free port can be taken between our probe and the daemon'
 
 
 def require_binary(path: str) -> None:
-    """Skip (or, under GHOSTGPU_REQUIRE_INTEGRATION=1 with the `prometheus` marker, fail) without `path`."""
+    """Skip without `path` (a failure under GHOSTGPU_REQUIRE_INTEGRATION=1: see tests/conftest.py)."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         pytest.skip(f"{path} is missing: apt-get install prometheus prometheus-alertmanager "
                     "(scripts/bootstrap.sh install)")

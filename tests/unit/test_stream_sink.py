@@ -11,7 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,9 @@ from tests.helpers.fake_collector import FakeCollector
 from tests.helpers.polling import wait_until
 from tests.unit.test_cri_relay import RawRuntime
 from tracer import records
+from tracer import stream as stream_module
 from tracer.cri_relay import CriRelay
-from tracer.stream import WINDOW_BATCHES, StreamOptions, StreamSink
+from tracer.stream import FLUSH_S, WINDOW_BATCHES, StreamOptions, StreamSink
 
 NODE = "node-a"
 FAST = StreamOptions(backoff_min_s=0.01, backoff_max_s=0.2, info_wait_s=0.0, heartbeat_s=30.0)
@@ -78,6 +81,42 @@ class Sinks:
         sink = StreamSink(target, NODE, options=options, boot_id=kw.pop("boot_id", None), **kw)
         self.made.append(sink)
         return sink
+
+
+class WatchedWake(threading.Event):
+    """The sender thread's wake-up event (StreamSink._wake), logging each wait it starts and ends, so
+    a test can tell when the sender has looked at its state again instead of sleeping and hoping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []  # "enter" / "return"; list.append is atomic under the GIL
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.log.append("enter")
+        try:
+            return super().wait(timeout)
+        finally:
+            self.log.append("return")
+
+    def mark(self) -> int:
+        return len(self.log)
+
+    def looked_again_since(self, mark: int) -> bool:
+        """The sender returned from a wait after `mark` and has started its next one: it evaluated its
+        state (the pump reads the clock after each wake) entirely after `mark`, and acted on it."""
+        tail = self.log[mark:]
+        return "return" in tail and "enter" in tail[tail.index("return"):]
+
+
+def watched_sink(sinks: Sinks, monkeypatch: pytest.MonkeyPatch,
+                 target: str) -> tuple[StreamSink, WatchedWake]:
+    """A sink whose wake-up event is a WatchedWake (put in while it is made: its thread starts at once)."""
+    with monkeypatch.context() as m:
+        m.setattr(stream_module, "threading",
+                  types.SimpleNamespace(Lock=threading.Lock, Thread=threading.Thread, Event=WatchedWake))
+        sink = sinks(target)
+    assert isinstance(sink._wake, WatchedWake)
+    return sink, sink._wake
 
 
 @pytest.fixture
@@ -181,11 +220,11 @@ def test_a_partial_batch_leaves_within_10_ms_while_acks_are_pending(tcp_collecto
     assert min(latencies) >= 0.009, "while acks are pending, a partial batch waits for company up to 10 ms"
 
 
-def test_a_full_window_gathers_events_until_an_ack_frees_it(tcp_collector: FakeCollector,
-                                                           sinks: Sinks) -> None:
+def test_a_full_window_gathers_events_until_an_ack_frees_it(tcp_collector: FakeCollector, sinks: Sinks,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A collector that falls behind gets fewer, larger batches: they cost it less per event."""
     tcp_collector.ack_limit = 0
-    sink = sinks(tcp_collector.target)
+    sink, wake = watched_sink(sinks, monkeypatch, tcp_collector.target)
     wait_until(lambda: sink.stats()["connected"], "connected")
     for seq in range(1, WINDOW_BATCHES + 1):
         sink.emit(notice(seq))
@@ -193,7 +232,12 @@ def test_a_full_window_gathers_events_until_an_ack_frees_it(tcp_collector: FakeC
     assert sink.stats()["batches_sent"] == WINDOW_BATCHES  # the window is full
     for i in range(5):
         sink.emit(notice(WINDOW_BATCHES + 1 + i))
-    time.sleep(5 * 0.010)  # let the 10 ms flush timer lapse: with the window full, nothing may leave
+    # The 10 ms flush timer lapses by the sink's own clock; then the sender is woken and must look at
+    # the held events again, past their flush time: with the window full, nothing may leave.
+    wait_until(lambda: time.monotonic() >= sink._first_pending_s + FLUSH_S, "the flush timer to lapse")
+    mark = wake.mark()
+    wake.set()
+    wait_until(lambda: wake.looked_again_since(mark), "the sender to look at the held events again")
     for i in range(5):
         sink.emit(notice(WINDOW_BATCHES + 6 + i))
     assert len(tcp_collector.seqs()) == WINDOW_BATCHES and sink.stats()["batches_sent"] == WINDOW_BATCHES

@@ -1,0 +1,498 @@
+"""Every figure in the README's benchmark table comes from a committed bench/results/*.json.
+
+ROWS maps each row of the table (by the start of its first cell) to the figures it holds. A figure
+is a text the row must contain, rendered from a stored result with the README's rounding (`fig`),
+or, for the few numbers that are not measurements, from the code's own constant (`const`) or with a
+stated reason (`fixed`). For each row the test fails when
+
+- the row has no entry in ROWS (a new row: add its figures, naming the results file they come from);
+- a figure's text is not in the row (the README and the stored result disagree);
+- the row holds a number that no figure accounts for (a figure with no stored source).
+
+PROSE does the same for the sentences outside the table that quote measured figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ghostgpu import api
+from tracer import stream
+from tracer.config import TracerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+RESULTS = ROOT / "bench" / "results"
+# A number as the README writes one: 1,014,695 / 0.323 / 2.9 (not the 50 of "p50", nor the 0 of "nvidia0").
+NUMBER = re.compile(r"(?<![\w.,])\d+(?:,\d{3})*(?:\.\d+)?")
+
+Getter = str | Callable[[dict[str, Any]], Any]
+
+
+@cache
+def result(name: str) -> dict[str, Any]:
+    path = RESULTS / f"{name}.json"
+    assert path.is_file(), f"bench/results/{name}.json is not in the repository"
+    return json.loads(path.read_text())
+
+
+def dig(data: Any, path: str) -> Any:
+    """'runs.0.events_per_s' -> data['runs'][0]['events_per_s']."""
+    for part in path.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+@dataclass(frozen=True)
+class Figure:
+    render: Callable[[], str]  # the text the README must hold
+    source: str  # where it comes from, for the failure message
+
+
+def fig(template: str, name: str, *getters: Getter) -> Figure:
+    """template.format(*values), each value a dotted path into bench/results/NAME.json or a function of it."""
+    def render() -> str:
+        data = result(name)
+        return template.format(*(dig(data, g) if isinstance(g, str) else g(data) for g in getters))
+
+    paths = ", ".join(g if isinstance(g, str) else "computed" for g in getters)
+    return Figure(render, f"bench/results/{name}.json ({paths})")
+
+
+def const(template: str, *values: Any, where: str) -> Figure:
+    """A setting of the code under test (not a measurement), read from the code."""
+    return Figure(lambda: template.format(*values), where)
+
+
+def fixed(text: str, why: str) -> Figure:
+    """A number that is neither measured nor in the code (a tool's version): the reason is required."""
+    assert why.strip(), f"{text!r}: say why it has no stored source"
+    return Figure(lambda: text, f"fixed: {why}")
+
+
+def sig2(x: float) -> str:
+    """Two significant figures, as the README writes a rough ratio (326 -> 330)."""
+    return f"{round(x, 1 - math.floor(math.log10(abs(x)))):,.0f}"
+
+
+def run(target: str, batch: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda d: next(r for r in d["runs"] if r["target"] == target and r["batch_events"] == batch)
+
+
+def per_batch(target: str, key: str) -> list[Callable[[dict[str, Any]], Any]]:
+    """`key` of the target's runs at 2,000, 200 and 50 events a batch, in the README's order."""
+    return [lambda d, b=b: run(target, b)(d)[key] for b in (2000, 200, 50)]
+
+
+def paced(target: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda d: next(r for r in d["runs"] if r["target"] == target)
+
+
+def ingest_goal(d: dict[str, Any]) -> str:
+    """'met at 200 and 2,000; missed at 50' from the collector's runs and the goal."""
+    runs = sorted((r for r in d["runs"] if r["target"] == "collector"), key=lambda r: r["batch_events"])
+    met = [f"{r['batch_events']:,}" for r in runs if r["events_per_s"] >= d["goal_events_per_s"]]
+    missed = [f"{r['batch_events']:,}" for r in runs if r["events_per_s"] < d["goal_events_per_s"]]
+    return f"met at {' and '.join(met)}; missed at {' and '.join(missed)}"
+
+
+SCRAPE_GOAL_CASES = ("warm", "cold", "warm_gzip", "cold_gzip")  # bench_metrics_scrape.py goal_cases
+
+
+def scrape_goal(d: dict[str, Any]) -> str:
+    cases = d["cases"]
+    p50 = "met" if d["goal_met_p50"] else "missed"
+    if d["goal_met_p99"]:
+        return f"p50 {p50}; p99 met"
+    worst = max(SCRAPE_GOAL_CASES, key=lambda c: cases[c]["p99_ms"])
+    return f"p50 {p50}; p99 missed by the {worst.replace('_', ' ')} case"
+
+
+def loop_hold_range(d: dict[str, Any]) -> str:
+    held = [d["cases"][c]["loop_hold"]["p50_ms"] for c in SCRAPE_GOAL_CASES]
+    return f"{min(held):.0f}-{max(held):.0f}"
+
+
+def full_gc_range(d: dict[str, Any]) -> str:
+    """The shortest and longest full collection that landed in any scrape of the run."""
+    pauses = [ms for case in d["cases"].values() for ms in case.get("full_gc_during_scrapes_ms", [])]
+    assert pauses, "no full collection landed in a scrape: nothing to quote"
+    return f"{min(pauses):.0f}-{max(pauses):.0f}"
+
+
+def alert_push(d: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    return [phase[key] for phase in d["phases"].values()]
+
+
+def met_or_missed(goals: list[tuple[str, bool]]) -> str:
+    """'both missed', 'both met', or 'fuser met, lsof missed'."""
+    if all(ok for _, ok in goals) or not any(ok for _, ok in goals):
+        return f"both {'met' if goals[0][1] else 'missed'}"
+    return ", ".join(f"{name} {'met' if ok else 'missed'}" for name, ok in goals)
+
+
+def machines() -> str:
+    """'2-core VM, Linux 6.18' when every stored result says so (scan.json calls it `host`)."""
+    seen = set()
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        m = data.get("machine") or data.get("host")
+        assert m, f"{path.name} does not record its machine"
+        seen.add((m["cpus"], ".".join(m["kernel"].split(".")[:2])))
+    return "; ".join(f"{cpus}-core VM, Linux {kernel}" for cpus, kernel in sorted(seen))
+
+
+def poller_key(d: dict[str, Any]) -> str:
+    """bench_shortlived.py stores the reference poller under poller_<interval>s (poller_1s)."""
+    return next(k for k in d if re.fullmatch(r"poller_\d+s", k))
+
+
+def busy(path: str) -> Callable[[dict[str, Any]], Any]:
+    """A figure of bench_agent.py's busy-node window (steady_busy_node)."""
+    def get(d: dict[str, Any]) -> Any:
+        window = d["steady_busy_node"]
+        assert window is not None, "bench_agent.py ran with --node-procs 0: no busy-node window stored"
+        return dig(window, path)
+    return get
+
+
+def churn_growth_mb(d: dict[str, Any]) -> float:
+    return d["churn"]["growth_after_checkpoint_mb"]
+
+
+def clients_kept_up(d: dict[str, Any]) -> str:
+    """The paced goal: the clients offered the rate on schedule and every event was acknowledged once."""
+    r = paced("collector")(d)
+    return "met: the clients kept up" if r["clients_kept_up"] and r["exactly_once"] else "NOT met"
+
+
+def load_under(limit: float, *names: str) -> Callable[[dict[str, Any]], str]:
+    """`limit` when every named result started under that 1-minute load average (else the highest)."""
+    def render(_: dict[str, Any]) -> str:
+        worst = max(result(n)["loadavg_1m_at_start"] for n in names)
+        return f"{limit:g}" if worst < limit else f"{worst:g} (not under {limit:g})"
+    return render
+
+
+# The tracer's batching policy, quoted where the README explains the ingest figures.
+TRACER_BATCHING = [
+    const("else {:g} ms or {:,} events", stream.FLUSH_S * 1000, api.MAX_BATCH_EVENTS,
+          where="tracer/stream.py FLUSH_S, ghostgpu/api.py MAX_BATCH_EVENTS"),
+    const("at most {} batches unacknowledged", stream.WINDOW_BATCHES,
+          where="tracer/stream.py WINDOW_BATCHES"),
+]
+
+# Row key (the start of the row's first cell) -> its figures. Keep them in the table's order.
+ROWS: dict[str, list[Figure]] = {
+    "added cost per non-GPU `ioctl`": [
+        fig("best of {}", "syscall_cost", lambda d: len(d["rounds"]["ioctl"])),
+        fig("+{:.0f} ns", "syscall_cost", "added_ns_ghostgpu.ioctl"),
+        fig("+{:.0f} ns", "syscall_cost", "added_ns_empty.ioctl"),
+        fig("{:.2f}x", "syscall_cost", "ratio_ghostgpu_vs_empty.ioctl"),
+        fig("<= {}x", "syscall_cost", "goal_ratio"),
+    ],
+    "added cost per `openat`+`close`": [
+        fig("+{:.0f} ns", "syscall_cost", "added_ns_ghostgpu.open"),
+        fig("+{:.0f} ns", "syscall_cost", "added_ns_empty.open"),
+        fig("{:.2f}x", "syscall_cost", "ratio_ghostgpu_vs_empty.open"),
+        fig("<= {}x", "syscall_cost", "goal_ratio"),
+    ],
+    "full `/proc` scan": [
+        fig("{:,} procs x {} fds", "scan", "procs", "fds_per_proc"),
+        fig("best of {}", "scan", "runs"),
+        fig("{:.3f} s", "scan", "best_s.ours"),
+        fig("`fuser -v` {:.3f} s, `lsof` {:.3f} s", "scan", "best_s.fuser", "best_s.lsof"),
+        fig("{:.2f}x fuser, {:.2f}x lsof", "scan", "ours_vs_fuser", "ours_vs_lsof"),
+        fig("{}x, {}x ({})", "scan", "goal_vs_fuser", "goal_vs_lsof", lambda d: met_or_missed(
+            [(tool, d[f"ours_vs_{tool}"] <= d[f"goal_vs_{tool}"]) for tool in ("fuser", "lsof")])),
+    ],
+    "1,000 short-lived consumers": [
+        fig("{:,} short-lived consumers ({}-{} ms) in {} fake containers", "shortlived",
+            "consumers", "sleep_ms.0", "sleep_ms.1", "containers"),
+        fig("{:.0%} caught", "shortlived", lambda d: min(d["tracer"]["open_rate"], d["tracer"]["exit_rate"])),
+        fig("{} s `/proc` poller: {:.1%}", "shortlived", lambda d: poller_key(d).removeprefix("poller_")[:-1],
+            lambda d: d[poller_key(d)]["rate"]),
+        fig("| {:.0%} |", "shortlived", "goal_catch_rate"),
+    ],
+    "tracer spawn to first BPF event": [
+        fig("{:.2f} s (best of {})", "agent", "first_event.spawn_to_first_open_s.best",
+            lambda d: len(d["first_event"]["trials"])),
+        fig("< {:g} s", "agent", "goals.first_open_under_s"),
+    ],
+    "RSS after": [
+        fig("RSS after {:g} s", "agent", "steady.rss_after_s"),
+        fig("{:.1f} MB", "agent", "steady.memory_mb.tracer.VmRSS"),
+        fig("minimal bcc program {:.1f} MB", "agent", "steady.memory_mb.minimal_bcc.VmRSS"),
+        fig("{:.2f}x", "agent", "rss_ratio_tracer_vs_minimal_bcc"),
+        fig("<= {:g} MB", "agent", "goals.rss_at_most_mb"),
+    ],
+    "CPU at idle over": [
+        fig("CPU at idle over {:.0f} s", "agent", "steady.idle_window_s"),
+        fig("{:.2f}% of a core", "agent", "steady.idle_cpu_pct_of_one_core.tracer"),
+        fig("minimal bcc program {:.2f}%", "agent", "steady.idle_cpu_pct_of_one_core.minimal_bcc"),
+        fig("< {:g}%", "agent", "goals.idle_cpu_under_pct"),
+    ],
+    "CPU at idle, node with": [
+        fig("node with {:,} more processes x {} fds", "agent", busy("node_filler.procs"),
+            busy("node_filler.fds_each")),
+        fig("{:.2f}% of a core", "agent", busy("idle_cpu_pct_of_one_core.tracer")),
+        fig("minimal bcc program {:.2f}%", "agent", busy("idle_cpu_pct_of_one_core.minimal_bcc")),
+        fig("< {:g}% ({}", "agent", "goals.idle_cpu_under_pct",
+            lambda d: "met" if d["goals"]["idle_cpu_busy_node_under_goal"] else "missed"),
+        const("the {:g} s full rescan", TracerConfig.scan_interval_s,
+              where="tracer/config.py scan_interval_s"),
+    ],
+    "detection latency": [
+        fig("{} trials", "detect_latency", "trials"),
+        fig("p50 {:.1f} ms, p99 {:.1f} ms", "detect_latency", "open_to_resolved.p50_ms",
+            "open_to_resolved.p99_ms"),
+        fig("scrape interval {:g} s", "detect_latency", "dcgm_exporter_scrape_interval_s"),
+        fig("1/{:.0f}", "detect_latency",
+            lambda d: d["dcgm_exporter_scrape_interval_s"] * 1000 / d["open_to_resolved"]["p50_ms"]),
+        fig("p50 < {:g} ms, p99 < {:g} ms", "detect_latency", "goal.p50_ms", "goal.p99_ms"),
+    ],
+    "the same, `ps`-style ListConsumers": [
+        fig("polled every {:g} ms", "detect_latency_poll", "poll_ms"),
+        fig("p50 {:.1f} ms, p99 {:.1f} ms", "detect_latency_poll", "open_to_resolved.p50_ms",
+            "open_to_resolved.p99_ms"),
+        fig("{:g} s scrape", "detect_latency_poll", "dcgm_exporter_scrape_interval_s"),
+        fig("1/{:.0f}", "detect_latency_poll",
+            lambda d: d["dcgm_exporter_scrape_interval_s"] * 1000 / d["open_to_resolved"]["p50_ms"]),
+    ],
+    "collector ingest,": [
+        fig("{} simulated tracers", "ingest", "tracers"),
+        fig("batches of {:,} / {:,} / {:,} events", "ingest", "runs.0.batch_events", "runs.3.batch_events",
+            "runs.6.batch_events"),
+        fig("{:,} / {:,} / {:,} events/s", "ingest", *per_batch("collector", "events_per_s")),
+        fig("stores nothing: {:,} / {:,} / {:,}", "ingest", *per_batch("echo-aio", "events_per_s")),
+        fig("{:.2f} / {:.2f} / {:.2f}", "ingest", *per_batch("collector", "ratio_vs_echo_aio")),
+        fig("≥ {:,} events/s ({})", "ingest", "goal_events_per_s", ingest_goal),
+    ],
+    "the same 50 tracers offering": [
+        fig("the same {} tracers offering {:,.0f} events/s for {:g} s", "ingest_paced", "tracers",
+            "offered_events_per_s", "duration_s"),
+        *TRACER_BATCHING,
+        fig("--paced {:.0f}", "ingest_paced", "offered_events_per_s"),
+        fig("{:,} events/s acknowledged, all {:,} stored once", "ingest_paced",
+            lambda d: paced("collector")(d)["acked_events_per_s"],
+            lambda d: paced("collector")(d)["node_status"]["ingested"]),
+        fig("batches mean {:.0f} events (p99 {})", "ingest_paced",
+            lambda d: paced("collector")(d)["batch_events"]["mean"],
+            lambda d: paced("collector")(d)["batch_events"]["p99"]),
+        fig("ack latency p50 {:.0f} ms, p99 {:.0f} ms", "ingest_paced",
+            lambda d: paced("collector")(d)["ack_latency_ms"]["p50"],
+            lambda d: paced("collector")(d)["ack_latency_ms"]["p99"]),
+        fig("echo: {:,} acknowledged, batches mean {:.0f}, ack p50 {:.0f} ms", "ingest_paced",
+            lambda d: paced("echo-aio")(d)["acked_events_per_s"],
+            lambda d: paced("echo-aio")(d)["batch_events"]["mean"],
+            lambda d: paced("echo-aio")(d)["ack_latency_ms"]["p50"]),
+        fig("≥ {:,} events/s", "ingest", "goal_events_per_s"),
+        fig("({}, offering {:,} events/s, and every event was acknowledged)", "ingest_paced", clients_kept_up,
+            lambda d: paced("collector")(d)["offered_events_per_s"]),
+    ],
+    "collector memory, 1,000 simulated nodes": [
+        fig("{:,} simulated nodes × {} consumers", "collector_memory", "nodes", "consumers_per_node"),  # noqa: RUF001
+        fig("{:.1f} MB RSS ({:.0f} KiB per node), {} threads", "collector_memory", "collector.rss_mb",
+            "collector.per_node_kib", "collector.threads"),
+        fig("holding the streams: {:.1f} MB", "collector_memory", "reference_echo_aio.rss_mb"),
+        fig("thread-pool echo: {:.1f} MB, {:,} threads", "collector_memory", "reference_echo_sync.rss_mb",
+            "reference_echo_sync.threads"),
+        fig("{:.1f}x aio echo", "collector_memory", "collector_over_echo_rss"),
+    ],
+    "collector memory under process churn": [
+        fig("{:,} short-lived consumers", "collector_churn", "consumers"),
+        fig("RSS {:.1f} MB after the first {:,}, {:.1f} MB at {:,} (+{:.1f} MB", "collector_churn",
+            "churn.rss_at_checkpoint_mb", "checkpoint", "churn.rss_at_end_mb", "consumers", churn_growth_mb),
+        fig("another run to {:,}: +{:.1f} MB", "collector_churn_60000", "consumers", churn_growth_mb),
+        fig("before CRI answers were dropped: {:.1f} → {:.1f} MB (+{:.1f} MB", "collector_churn_before_drop",
+            "churn.rss_at_checkpoint_mb", "churn.rss_at_end_mb", churn_growth_mb),
+        fig("the same events for {} long-lived consumers: {:.1f} → {:.1f} MB (+{:.1f} MB", "collector_churn",
+            "per_batch", "reference_long_lived.rss_at_checkpoint_mb", "reference_long_lived.rss_at_end_mb",
+            "reference_long_lived.growth_after_checkpoint_mb"),
+        fig("| {:.2f}x |", "collector_churn", "churn_over_reference_rss"),
+        fig("flat within {:g} MB from {:,} to {:,} ({})", "collector_churn", "goal_growth_mb", "checkpoint",
+            "consumers", lambda d: "met" if d["goal_met"] else "missed"),
+    ],
+    "`StreamSink.emit`": [
+        fig("{:.2f} µs CPU per event", "stream_emit",
+            lambda d: d["ns_per_emit"]["stream_connected_cpu"] / 1000),
+        fig("`JsonlSink` {:.1f} µs", "stream_emit", lambda d: d["ns_per_emit"]["jsonl_cpu"] / 1000),
+        fig("{:.2f}x", "stream_emit",
+            lambda d: d["ns_per_emit"]["stream_connected_cpu"] / d["ns_per_emit"]["jsonl_cpu"]),
+    ],
+    "`/metrics` scrape": [
+        fig("{:,} nodes × {} consumers ({:,} series, {:.1f} MB; {:.0f} KB gzipped)",  # noqa: RUF001
+            "metrics_scrape", "nodes", "consumers_per_node", "samples", lambda d: d["page_bytes"] / 1e6,
+            lambda d: d["cases"]["cold_gzip"]["wire_bytes"] / 1e3),
+        fig("{} per case", "metrics_scrape", "scrapes_per_case"),
+        fig("warm p50 {:.0f} ms (gzip {:.0f} ms), p99 {:.0f} ms ({:.0f} ms)", "metrics_scrape",
+            "cases.warm.p50_ms", "cases.warm_gzip.p50_ms", "cases.warm.p99_ms", "cases.warm_gzip.p99_ms"),
+        fig("scrape p50 {:.0f} ms (gzip {:.0f} ms), p99 {:.0f} ms ({:.0f} ms)", "metrics_scrape",
+            "cases.cold.p50_ms", "cases.cold_gzip.p50_ms", "cases.cold.p99_ms", "cases.cold_gzip.p99_ms"),
+        fig("event loop held {} ms a scrape", "metrics_scrape", loop_hold_range),
+        fig("same series {:.0f} ms", "metrics_scrape", "cases.naive_generate_latest.p50_ms"),
+        fig("same size {:.1f} ms (gzip {:.1f} ms)", "metrics_scrape", "cases.static.p50_ms",
+            "cases.static_gzip.p50_ms"),
+        fig("cold {:.2f}x `generate_latest`; {:.1f}x the gzipped static body", "metrics_scrape",
+            lambda d: d["cases"]["cold"]["p50_ms"] / d["cases"]["naive_generate_latest"]["p50_ms"],
+            "ratios.cold_gzip_over_static_gzip_p50"),
+        fig("< {:g} ms a scrape ({})", "metrics_scrape", "goal_ms", scrape_goal),
+    ],
+    "a planted hidden consumer": [
+        fixed("Alertmanager 0.25", "the Debian package the bench runs (tests/helpers/promstack.py)"),
+        fig("p50 {:.0f} ms, max {:.0f} ms over {} trials", "alert_latency", lambda d: d["push_p50_s"] * 1000,
+            lambda d: max(p["max_s"] for p in alert_push(d, "push")) * 1000,
+            lambda d: sum(p["n"] for p in alert_push(d, "push"))),
+        fig("resolved p50 {:.0f} ms", "alert_latency",
+            lambda d: d["phases"]["1s"]["push_resolve"]["p50_s"] * 1000),
+        fixed("Prometheus 2.42", "the Debian package the bench runs (tests/helpers/promstack.py)"),
+        fixed("(`for:` 0 s)", "the bench's rules: the shipped ones with `for:` at 0 s (promstack.py)"),
+        fig("every 1 s: p50 {:.2f} s", "alert_latency", "phases.1s.scrape.p50_s"),
+        fig("every 15 s: p50 {:.1f} s ({:.1f}-{:.1f} s, {} trials)", "alert_latency",
+            *(f"phases.15s.scrape.{k}" for k in ("p50_s", "min_s", "max_s", "n"))),
+        fig("push = 1/{:.0f} of the 1 s scrape path, 1/{} of a {:g} s interval", "alert_latency",
+            "scrape_1s_over_push_p50", lambda d: sig2(d["reference_scrape_interval_s"] / d["push_p50_s"]),
+            "reference_scrape_interval_s"),
+        fig("push < {:g} s ({})", "alert_latency", "goal_push_p50_s",
+            lambda d: "met" if d["push_p50_s"] < d["goal_push_p50_s"] else "missed"),
+    ],
+    # "`bench_churn.py`": the row for bench/results/churn.json goes here once it is in the table.
+}
+
+# Sentences outside the table that quote measured figures: (first words, last words) -> figures.
+PROSE: dict[tuple[str, str], list[Figure]] = {
+    ("Latest figures (", "; raw numbers in"): [
+        Figure(lambda: f"({machines()};", "machine (or host) of every bench/results/*.json"),
+    ],
+    ("A 1,000-node x 20-consumer cluster is about", "gzipped)"): [
+        fig("A {:,}-node x {}-consumer cluster is about {} series ({:.0f} MB, {} KB gzipped)",
+            "metrics_scrape", "nodes", "consumers_per_node", lambda d: sig2(d["samples"]),
+            lambda d: d["page_bytes"] / 1e6,
+            lambda d: sig2(d["cases"]["cold_gzip"]["wire_bytes"] / 1e3)),
+    ],
+    ("`emit()` only assigns a sequence number", "µs)"): [
+        fig("(about {:.1f} µs)", "stream_emit", lambda d: d["ns_per_emit"]["stream_connected_cpu"] / 1000),
+    ],
+    ("one `grpc.aio` event loop holds the streams (", "not 1,000)"): [
+        fig("({:,} tracers cost {} threads, not {:,})", "collector_memory", "nodes", "collector.threads",
+            "nodes"),
+    ],
+    ("already-rendered lines from the event loop in one call", "for 1,000 nodes)"): [
+        fig("(about {} ms of loop time for {:,} nodes)", "metrics_scrape", loop_hold_range, "nodes"),
+    ],
+    ("over the per-node series takes about", " s. The Alertmanager"): [
+        fig("takes about {:.1f} s", "metrics_scrape",
+            lambda d: d["cases"]["naive_generate_latest"]["p50_ms"] / 1000),
+    ],
+    ("full garbage collections stop the loop for", "at 1,000 nodes."): [
+        fig("stop the loop for {} ms", "metrics_scrape", full_gc_range),
+        fig("instead of {} ms at {:,} nodes", "metrics_scrape_no_heap_policy", full_gc_range, "nodes"),
+    ],
+    ("a real tracer sends a lone event at once", "batches unacknowledged"): [
+        const("gathers up to {:g} ms or {:,} events", stream.FLUSH_S * 1000, api.MAX_BATCH_EVENTS,
+              where="tracer/stream.py FLUSH_S, ghostgpu/api.py MAX_BATCH_EVENTS"),
+        const("at most {} batches unacknowledged", stream.WINDOW_BATCHES,
+              where="tracer/stream.py WINDOW_BATCHES"),
+    ],
+    ("In the paced run above the collector kept up", "-event batches."): [
+        fig("the collector {}", "ingest_paced",
+            lambda d: "kept up" if paced("collector")(d)["clients_kept_up"] else "fell behind"),
+        fig("without it (`--paced-window {}`)", "ingest_paced_no_window", "window_batches"),
+        fig("acknowledged {:,} events/s, in {:.0f}-event batches", "ingest_paced_no_window",
+            lambda d: paced("collector")(d)["acked_events_per_s"],
+            lambda d: paced("collector")(d)["batch_events"]["mean"]),
+    ],
+    ("At 50-event batches even the bare echo server", "here."): [
+        fig("At {}-event batches even the bare echo server reaches only {:,} events/s", "ingest",
+            lambda d: run("echo-aio", 50)(d)["batch_events"],
+            lambda d: run("echo-aio", 50)(d)["events_per_s"]),
+    ],
+    ("the detection-latency runs started under", "(`loadavg_1m_at_start`)"): [
+        fig("started under {}", "detect_latency", load_under(0.7, "detect_latency", "detect_latency_poll")),
+    ],
+}
+
+
+def benchmark_table() -> list[list[str]]:
+    """The rows (cells, stripped) of the first table under '## Benchmarks', header and rule left out."""
+    lines = README.read_text().splitlines()
+    start = lines.index("## Benchmarks")
+    rows: list[list[str]] = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif rows:
+            break  # the end of the first table
+    assert len(rows) > 2, "no benchmark table under '## Benchmarks' in README.md"
+    header, rule, *body = rows
+    assert header[:2] == ["benchmark", "ghostgpu"] and set("".join(rule)) <= set("-: "), header
+    return body
+
+
+def row_key(first_cell: str) -> str | None:
+    keys = [k for k in ROWS if first_cell.startswith(k)]
+    assert len(keys) <= 1, f"row {first_cell[:60]!r} matches several ROWS keys: {keys}"
+    return keys[0] if keys else None
+
+
+def check(text: str, figures: list[Figure], what: str) -> None:
+    covered = [False] * len(text)
+    problems = []
+    for f in figures:
+        expected = f.render()
+        spans = [m.span() for m in re.finditer(re.escape(expected), text)]
+        if not spans:
+            problems.append(f"{expected!r} (from {f.source}) is not in the README")
+        for a, b in spans:
+            covered[a:b] = [True] * (b - a)
+    for m in NUMBER.finditer(text):
+        if not all(covered[m.start():m.end()]):
+            context = text[max(0, m.start() - 30):m.end() + 10]
+            problems.append(f"{m.group()!r} (…{context}…) has no stored source: "
+                            "add a figure for it to tests/unit/test_readme_figures.py")
+    assert not problems, f"{what}:\n  " + "\n  ".join(problems)
+
+
+def table_ids() -> list[str]:
+    return [row[0][:48] for row in benchmark_table()]
+
+
+@pytest.mark.parametrize("row", benchmark_table(), ids=table_ids())
+def test_every_table_figure_comes_from_a_stored_result(row: list[str]) -> None:
+    key = row_key(row[0])
+    assert key is not None, (f"README benchmark row {row[0][:80]!r} has no entry in ROWS "
+                             "(tests/unit/test_readme_figures.py): map each of its figures to the "
+                             "bench/results JSON it comes from")
+    check(" | ".join(["", *row, ""]).strip(), ROWS[key], f"README benchmark row {key!r}")
+
+
+def test_every_rows_entry_names_a_row_of_the_table() -> None:
+    keys = {row_key(row[0]) for row in benchmark_table()}
+    assert set(ROWS) <= keys, f"ROWS entries with no README row: {sorted(set(ROWS) - keys)}"
+
+
+@pytest.mark.parametrize("span", list(PROSE), ids=[first for first, _ in PROSE])
+def test_figures_quoted_in_the_text_come_from_stored_results(span: tuple[str, str]) -> None:
+    text = " ".join(README.read_text().split())
+    first, last = span
+    start = text.find(first)
+    assert start >= 0, f"README no longer says {first!r}: update PROSE"
+    end = text.find(last, start)
+    assert end >= 0, f"README: {last!r} does not follow {first!r}: update PROSE"
+    check(text[start:end + len(last)], PROSE[span], f"README text {first!r}")
+
+
+def test_the_number_pattern() -> None:
+    found = NUMBER.findall("p50 12.0 ms on /dev/nvidia0, 1,014,695 / 1/1250, +0.2 MB, 8.0-19.7 s, at 2,000,")
+    assert found == ["12.0", "1,014,695", "1", "1250", "0.2", "8.0", "19.7", "2,000"]
