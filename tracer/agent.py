@@ -7,8 +7,6 @@ re-classify. Everything that changes goes to the sink as it happens.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import threading
@@ -97,7 +95,7 @@ class Tracer:
             self.cfg.prefixes,
             max_fds=self.cfg.bpf_max_fds,
             ringbuf_pages=self.cfg.bpf_ringbuf_pages,
-            classify=self._device_ref,
+            classify=self.catalog.ref_for,
         )
         try:
             source.start()
@@ -107,19 +105,7 @@ class Tracer:
             self._notice("bpf", f"{exc}; running on /proc scans every {self.cfg.scan_interval_s:g} s only")
             return str(exc)
         self.bpf = source
-        # LLVM's compile leaves ~25 MB of freed heap the allocator keeps (measured with bcc 0.26,
-        # glibc 2.36): hand it back, the tracer never compiles again.
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
         return ""
-
-    def _device_ref(self, path: str) -> Any:
-        ref = self.catalog.match(path)
-        if ref is None:  # the kernel matched a prefix, so it is a GPU device file all the same
-            from tracer.devices import classify_device_path
-
-            ref = classify_device_path(path)
-        return ref
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -240,10 +226,13 @@ class Tracer:
         # entry for it (it reports EXIT only for a tgid in procs): nobody else will report it, so
         # it is settled here at once. After a FORK or EXEC every rescanned pid is checked, since
         # its exit may also have come before this rescan (the kernel's EXIT is then still queued,
-        # and finds nothing left to report).
+        # and finds nothing left to report). So is a holder whose identity, re-read after its fds,
+        # says zombie: it died during the scan, and would otherwise read as orphaned until its EXIT.
         for pid in sorted(created | (pids or set())):
             if not self.identities.alive(pid):
                 self._settle_exit(pid)
+        for pid in sorted(view.keys() - created - (pids or set())):
+            self._settle_if_gone(pid)
         if pids is None and self.bpf is not None:
             self.errors.run("sweep", self.bpf.sweep, self.identities.alive)
         # A scan also refreshes identities (a parent that died, a leader turned zombie) without
@@ -303,7 +292,10 @@ class Tracer:
         after = self.state.holders.get(ev.pid)
         if ev.kind in (EventKind.FORK, EventKind.EXEC):
             # Reported before the rescan, which may settle the process's exit: records stay in order.
-            self._emit_event(ev, after or before)
+            # An EXEC of a process whose exit was already settled (a rescan found it gone while its
+            # EXEC and EXIT were still queued) is not reported: it would read as a resurrection.
+            if ev.kind is EventKind.FORK or (after or before) is not None:
+                self._emit_event(ev, after or before)
             pid = ev.child_pid if ev.kind is EventKind.FORK else ev.pid
             if ev.kind is EventKind.EXEC and self.bpf is not None:
                 # The kernel muted the exec'd process: its fd entries name the old image's fds
@@ -322,6 +314,10 @@ class Tracer:
                 counts = self.ioctls.get(ev.pid, {})
             self._emit_event(ev, after or before, counts=counts)
             self._dirty = True
+            if after is not None and after is not before:
+                # A new holder's identity is read when its OPEN is handled: a 10 ms job may be a
+                # zombie by then. It holds nothing any more; classified, it would read as orphaned.
+                self._settle_if_gone(ev.pid)
 
     def _exit(self, ev: HolderEvent, before: Any) -> None:
         if before is None:  # not a holder (or already settled by a rescan): only kernel leftovers
@@ -335,6 +331,12 @@ class Tracer:
         self._emit_event(ev, before, counts=counts)
         self._forget(ev.pid)
         self._dirty = True
+
+    def _settle_if_gone(self, pid: int) -> None:
+        """Settle a holder whose last identity read says zombie, once /proc confirms it is gone."""
+        holder = self.state.holders.get(pid)
+        if holder is not None and holder.process.state in ("Z", "X") and not self.identities.alive(pid):
+            self._settle_exit(pid)
 
     def _settle_exit(self, pid: int) -> None:
         """The process is gone and the kernel may never say so: report its EXIT now."""

@@ -247,6 +247,11 @@ class DeviceCatalog:
             return DeviceRef(path, ref.kind, ref.gpu_minor, major, minor)
         return None
 
+    def ref_for(self, path: str) -> DeviceRef:
+        """A path the kernel side matched by prefix: a GPU device file even where match() (with this
+        catalog's prefixes) would not say so."""
+        return self.match(path) or classify_device_path(path, self.mig_minors)
+
 
 def _read_text(path: str) -> str:
     """A whole /proc file, or "" when it is missing or unreadable (a driver not loaded is normal)."""

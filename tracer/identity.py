@@ -7,10 +7,25 @@ happens at every moment.
 
 from __future__ import annotations
 
-from tracer.bpf_source import group_dead  # a pure /proc parser: bcc loads only in BpfSource.start()
 from tracer.cgroup import CgroupIdResolver
 from tracer.events import ProcessInfo
 from tracer.procfs import parse_stat, read_process
+
+PF_EXITING = 0x00000004  # include/linux/sched.h; /proc/PID/stat field 9 is task->flags (proc(5))
+
+
+def group_gone(stat_text: str) -> bool:
+    """From /proc/<tgid>/stat ("" once reaped): the thread group holds nothing any more. Either no
+    live task is left (a zombie leader counts itself in num_threads, field 20, until the last other
+    thread is gone), or its last task is inside do_exit (PF_EXITING): exit_files() has closed its
+    fds by then, or is about to, so a rescan that finds none must read it as an exit, not a close.
+    A multi-threaded group whose leader alone exits keeps num_threads above 1: not gone."""
+    fields = stat_text.rpartition(")")[2].split()
+    if len(fields) < 18 or not fields[17].isdigit() or not fields[6].isdigit():
+        return True
+    if int(fields[17]) > 1:
+        return False
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
 
 class Identities:
@@ -32,10 +47,10 @@ class Identities:
         return info
 
     def alive(self, pid: int) -> bool:
-        """Does the thread group still have a live task? A zombie whose last thread is gone holds
-        nothing any more, though /proc/PID stays until its parent reaps it: under churn a scan
-        lands in that window often, and reading it as alive turned exits into closes."""
-        return not group_dead(self._stat(pid))
+        """Is the thread group alive and not exiting (see group_gone)? A zombie whose last thread is
+        gone holds nothing any more, though /proc/PID stays until its parent reaps it: under churn a
+        scan lands in that window often, and reading it as alive turned exits into closes."""
+        return not group_gone(self._stat(pid))
 
     def start_ticks(self, pid: int) -> int | None:
         """The PID's start time (clock ticks since boot) while it exists, else None."""

@@ -55,21 +55,26 @@ def build_gpuwork() -> Path:
 
     The binary keeps the plain name `gpuwork` so that /proc/PID/comm reads `gpuwork`.
     """
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    binary = BUILD_DIR / digest / "gpuwork"
+    return build_program(SOURCE, "gpuwork")
+
+
+def build_program(source: Path, name: str, cflags: tuple[str, ...] = CFLAGS) -> Path:
+    """Compile one C file of the helpers once per content (and flags): build/<hash>/NAME."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:16]
+    binary = BUILD_DIR / digest / name
     if binary.exists():
         return binary
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise GpuworkError("gpuwork: no C compiler (gcc) on PATH; install gcc (apt-get install gcc)")
+        raise GpuworkError(f"{name}: no C compiler (gcc) on PATH; install gcc (apt-get install gcc)")
     binary.parent.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name and rename: parallel test runs never see half a binary.
-    fd, tmp = tempfile.mkstemp(dir=binary.parent, prefix=".gpuwork-")
+    fd, tmp = tempfile.mkstemp(dir=binary.parent, prefix=f".{name}-")
     os.close(fd)
-    proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
+    proc = subprocess.run([cc, *cflags, "-o", tmp, str(source)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise GpuworkError(f"gpuwork: {cc} failed (rc={proc.returncode}):\n{proc.stderr}")
+        raise GpuworkError(f"{name}: {cc} failed (rc={proc.returncode}):\n{proc.stderr}")
     os.replace(tmp, binary)
     return binary
 

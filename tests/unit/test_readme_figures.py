@@ -365,7 +365,32 @@ ROWS: dict[str, list[Figure]] = {
         fig("push < {:g} s ({})", "alert_latency", "goal_push_p50_s",
             lambda d: "met" if d["push_p50_s"] < d["goal_push_p50_s"] else "missed"),
     ],
-    # "`bench_churn.py`": the row for bench/results/churn.json goes here once it is in the table.
+    "process churn": [
+        fig("{:,} consumers that open", "churn", "consumers"),
+        fig("hold it ~{} ms", "churn", "hold_ms"),
+        fig("half in {} fake containers", "churn", "containers"),
+        fig("all {:,} open and exit records", "churn",
+            lambda d: d["consumers"] if d["tracer"]["open_records"] == d["tracer"]["exit_records"]
+            == d["consumers"] else -1),
+        fig("exit-record lag p50 {:.1f} ms, p99 {:.1f} ms", "churn", "tracer.exit_lag_ms.p50",
+            "tracer.exit_lag_ms.p99"),
+        fig("{} false findings; {:.0f} agent errors", "churn", "tracer.false_findings",
+            "tracer.agent_errors_total"),
+        fig("tracer CPU {:.3f} ms per consumer", "churn", "tracer.cpu_ms_per_consumer"),
+        fig("after the first {:,} → at the end", "churn", "rss_after_first_consumers"),
+        fig("tracer {:.1f} → {:.1f} MB", "churn", lambda d: d["tracer"]["rss_bytes_after_first"] / 1e6,
+            lambda d: d["tracer"]["rss_bytes_end"] / 1e6),
+        fig("collector {:.1f} → {:.1f} MB", "churn", lambda d: d["collector"]["rss_bytes_after_first"] / 1e6,
+            lambda d: d["collector"]["rss_bytes_end"] / 1e6),
+        fixed("every 1 s", "the reference poller's interval (bench/churn_poller.py)"),
+        fig("saw {:,} of {:,}", "churn", "poller_1s.caught", "consumers"),
+        fig("{:.1f}x the poller's catch", "churn", "ratio_tracer_exits_vs_poller"),
+        fixed("p99 < 100 ms, 0 false findings", "the issue's goals for exit lag and findings (bench_churn.py "
+              "checks them)"),
+        fixed("RSS flat within 5 MB", "the issue's goal for RSS growth (bench_churn.py checks it)"),
+        fig("flat within 5 MB ({})", "churn", lambda d: "met" if all(d["goals"].values()) else "missed"),
+        fixed("as fd 3", "the fd tests/helpers/churn.c opens the device as"),
+    ],
 }
 
 # Sentences outside the table that quote measured figures: (first words, last words) -> figures.
