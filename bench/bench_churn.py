@@ -157,8 +157,8 @@ def poller_caught(lifetimes: list[Lifetime], sightings: list[list[int]]) -> int:
 
 def collector_false_findings(address: str, lifetimes: list[Lifetime], since_unix_ns: int) -> int:
     """Consumers of ours with a non-visible finding in the collector's history."""
-    from ghostgpu.client import Query
-    from ghostgpu.view import finding_json
+    from ghostgpu.cli.client import Query
+    from ghostgpu.cli.view import finding_json
 
     query = Query(address)
     try:

@@ -55,14 +55,14 @@ class Names:
         pass
 
     def get(self, node: str, container_id: str) -> Any:
-        from ghostgpu.cluster import K8sInfo
+        from ghostgpu.common.cluster import K8sInfo
 
         return K8sInfo("resolved", "ml", f"train-{container_id[:6]}-{container_id[6:10]}", "uid",
                        "trainer", "registry.local/ml/train:1.4", "CONTAINER_RUNNING", "SANDBOX_READY")
 
 
 def consumers_of(node: int, count: int) -> list[Any]:
-    from ghostgpu.model import ConsumerClass
+    from ghostgpu.common.model import ConsumerClass
     from tests.helpers.sim_tracer import make_consumer
 
     out = []
@@ -77,9 +77,10 @@ def consumers_of(node: int, count: int) -> list[Any]:
 
 
 def populate(collector: Any, nodes: int, consumers: int) -> None:
-    from collector.nodes import NodeState
-    from collector.store import Position
-    from ghostgpu.convert import consumer_to_proto
+    from ghostgpu.collector.nodes import NodeState
+    from ghostgpu.collector.store import Position
+
+    from ghostgpu.common.convert import consumer_to_proto
     from ghostgpu.v1 import stream_pb2
 
     info = stream_pb2.NodeInfo(bpf=True, nvml=True, driver_version="550.54.15", gpus=[
@@ -106,7 +107,7 @@ def change_every_node(collector: Any, step: int, settle: bool = True) -> None:
     1,000-node burst of ingest work that a real cluster spreads over the scrape interval."""
     from dataclasses import replace
 
-    from ghostgpu.convert import consumer_to_proto
+    from ghostgpu.common.convert import consumer_to_proto
     from ghostgpu.v1 import stream_pb2
 
     def run() -> None:
@@ -157,11 +158,10 @@ def series(runs: int, scrape: Callable[[], float],
 def naive_registry(page: str) -> Any:
     """A prometheus_client registry whose custom collector yields the page's ghostgpu_* per-node series,
     building every family and sample at each collect, as a collector over the tables would."""
+    from ghostgpu.collector.metrics import COLLECTOR_METRICS
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.parser import text_string_to_metric_families
-
-    from collector.metrics import COLLECTOR_METRICS
 
     fams = [(f.name, f.type, [(list(s.labels), list(s.labels.values()), s.value) for s in f.samples])
             for f in text_string_to_metric_families(page) if f.name in COLLECTOR_METRICS
@@ -192,12 +192,12 @@ def main() -> int:
     p.add_argument("--out", default="metrics_scrape", help="result name under bench/results/")
     args = p.parse_args()
 
+    from ghostgpu.collector.main import Collector
     from prometheus_client import generate_latest
 
-    from collector.main import Collector
-    from ghostgpu.httpserve import PROMETHEUS_TEXT, HttpServer, Response
+    from ghostgpu.common.httpserve import PROMETHEUS_TEXT, HttpServer, Response
 
-    sys.setswitchinterval(0.0005)  # as `ghostgpu collector` runs (ghostgpu/cli.py main)
+    sys.setswitchinterval(0.0005)  # as `ghostgpu collector` runs (ghostgpu/cli/__init__.py main)
     tmp = tempfile.mkdtemp(prefix="ghostgpu-bench-metrics-")
     collector = Collector(["127.0.0.1:0"], f"{tmp}/collector.db", resolver_factory=Names,
                           metrics_listen="127.0.0.1:0", metrics_max_process_series=args.max_process_series)

@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tracer.devices import DeviceCatalog
-from tracer.procfs import ProcScanner
+from ghostgpu.tracer.devices import DeviceCatalog
+from ghostgpu.tracer.procfs import ProcScanner
 
 GOAL_VS_FUSER = 0.5
 GOAL_VS_LSOF = 0.1

@@ -36,12 +36,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ghostgpu.tracer.cgroup import parse_proc_cgroup
+
 from bench.common import interrupt_on_sigterm, machine, preflight, print_table, write_json
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 from tests.helpers.tracer_proc import TracerProcess
 from tests.helpers.workload import build_gpuwork
-from tracer.cgroup import parse_proc_cgroup
 
 GOAL_CATCH_RATE = 1.0
 GPU0_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000000"

@@ -33,14 +33,15 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ghostgpu.tracer import records  # noqa: E402
+from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlView, ProcessInfo  # noqa: E402
+from ghostgpu.tracer.sinks import CallbackSink, JsonlSink  # noqa: E402
+from ghostgpu.tracer.spool import encode_event  # noqa: E402
+from ghostgpu.tracer.stream import StreamOptions, StreamSink  # noqa: E402
+
 from bench.common import RESULTS_DIR, machine  # noqa: E402
-from ghostgpu.model import Consumer, ConsumerClass, DeviceKind, DeviceRef  # noqa: E402
+from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef  # noqa: E402
 from ghostgpu.v1 import stream_pb2, stream_pb2_grpc  # noqa: E402
-from tracer import records  # noqa: E402
-from tracer.events import EventKind, HolderEvent, NvmlView, ProcessInfo  # noqa: E402
-from tracer.sinks import CallbackSink, JsonlSink  # noqa: E402
-from tracer.spool import encode_event  # noqa: E402
-from tracer.stream import StreamOptions, StreamSink  # noqa: E402
 
 
 class AckingCollector(stream_pb2_grpc.NodeStreamServicer):

@@ -68,7 +68,7 @@ def frame(pfx: list[bytes], bodies: list[bytes], lo: int, hi: int) -> bytes:
     the varints from a table: the tracers' encoding cost is theirs, not what the clients measure."""
     vi = _VARINT
     if not vi:
-        from tracer.spool import varint
+        from ghostgpu.tracer.spool import varint
 
         vi.extend(varint(n) for n in range(1 << 14))
     parts = []
@@ -81,7 +81,7 @@ def frame(pfx: list[bytes], bodies: list[bytes], lo: int, hi: int) -> bytes:
 
 
 def _varint(n: int) -> bytes:
-    from tracer.spool import varint
+    from ghostgpu.tracer.spool import varint
 
     return varint(n)
 
@@ -103,8 +103,8 @@ class PacedTracer:
     async def connect(self) -> None:
         import grpc
 
-        from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options
-        from ghostgpu.convert import consumer_to_proto
+        from ghostgpu.common.convert import consumer_to_proto
+        from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
         from ghostgpu.v1 import stream_pb2
         from tests.helpers.sim_tracer import METHOD, make_consumer
 
@@ -124,7 +124,7 @@ class PacedTracer:
         snap = stream_pb2.Snapshot(seq=0, ts_unix_ns=time.time_ns(), consumers=consumers)
         await self.call.write(stream_pb2.TracerMessage(snapshot=snap).SerializeToString())
         self.bodies = _bodies(self.node)
-        from tracer.spool import encode_events_message, varint
+        from ghostgpu.tracer.spool import encode_events_message, varint
 
         pfx = [b"\x08" + varint(s) for s in range(POOL + 2)]
         assert frame(pfx, self.bodies, 1, POOL + 2) == encode_events_message(
@@ -177,7 +177,7 @@ class PacedTracer:
 
 async def _client(addr: str, first: int, count: int, tracers: int, rate: float, duration_s: float,
                   window_batches: int) -> None:
-    from tracer.spool import varint
+    from ghostgpu.tracer.spool import varint
 
     total = max(1, round(rate * duration_s))
     pfx = [b"\x08" + varint(s) for s in range(total + 1)]  # NodeEvent.seq = 1, varint
@@ -258,7 +258,7 @@ def measure_paced(target: str, tracers: int, client_procs: int, events_per_s: fl
                   spawn_server: Callable[[str, str], Any], node_totals: Callable[[str], dict[str, int]],
                   tmp: str, window_batches: int | None = None) -> dict[str, Any]:
     """window_batches: unacknowledged batches per tracer (None: the tracer's WINDOW_BATCHES; 0: no window)."""
-    from tracer.stream import WINDOW_BATCHES
+    from ghostgpu.tracer.stream import WINDOW_BATCHES
 
     window = WINDOW_BATCHES if window_batches is None else window_batches
     rate = events_per_s / tracers

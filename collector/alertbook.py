@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import islice
 
-from collector.cri import PENDING_ERROR
-from ghostgpu.convert import class_from_proto
+from ghostgpu.collector.cri import PENDING_ERROR
+
+from ghostgpu.common.convert import class_from_proto
 from ghostgpu.v1 import query_pb2
 
 log = logging.getLogger("ghostgpu.alertpush")

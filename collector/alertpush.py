@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from collector.alertbook import (
+from ghostgpu.collector.alertbook import (
     ALERT_ANNOTATIONS,
     BUILTIN_LABELS,
     FINDING_ALERTS,
@@ -31,8 +31,9 @@ from collector.alertbook import (
     Due,
     check_label_name,
 )
-from collector.alertsend import Endpoint, PostResult, Sender
-from collector.cluster import Watcher
+from ghostgpu.collector.alertsend import Endpoint, PostResult, Sender
+from ghostgpu.collector.cluster import Watcher
+
 from ghostgpu.v1 import query_pb2
 
 __all__ = ["ALERT_ANNOTATIONS", "FINDING_ALERTS", "SOURCE", "AlertPushStats", "AlertPusher",

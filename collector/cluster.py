@@ -5,7 +5,7 @@ never blocks) and the node's PodResources allocations go through `collector.k8s.
 final class. When CRI's answer for a container changes, `on_cri_change` re-enriches that
 container's consumers.
 
-A cluster consumer whose final class is in ghostgpu.api.FINDING_CLASSES is an open finding, keyed
+A cluster consumer whose final class is in ghostgpu.common.protocol.FINDING_CLASSES is an open finding, keyed
 by (node, consumer key). A class change or the consumer's disappearance resolves it (and a new
 class may open another). Every change is written to the store (history) and pushed to watchers.
 A watcher has a bounded queue: one that falls behind is dropped (its RPC ends with
@@ -26,12 +26,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from collector.cri_fetch import normalize_container_id
-from collector.k8s import NO_CONTAINER, enrich
-from collector.nodes import Changes, ConsumerKey, NodeState
-from collector.store import FindingRow, Store
-from ghostgpu.api import FINDING_CLASSES
-from ghostgpu.cluster import ClusterConsumer, K8sInfo, cluster_consumer_from_proto, cluster_consumer_to_proto
+from ghostgpu.collector.cri_fetch import normalize_container_id
+from ghostgpu.collector.k8s import NO_CONTAINER, enrich
+from ghostgpu.collector.nodes import Changes, ConsumerKey, NodeState
+from ghostgpu.collector.store import FindingRow, Store
+
+from ghostgpu.common.cluster import (
+    ClusterConsumer,
+    K8sInfo,
+    cluster_consumer_from_proto,
+    cluster_consumer_to_proto,
+)
+from ghostgpu.common.protocol import FINDING_CLASSES
 from ghostgpu.v1 import query_pb2
 
 Resolve = Callable[[str, str], K8sInfo]

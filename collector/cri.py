@@ -27,8 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
-
-from collector.cri_fetch import (
+from ghostgpu.collector.cri_fetch import (
     READ_ONLY_METHODS,
     CriCallError,
     CriClient,
@@ -37,8 +36,9 @@ from collector.cri_fetch import (
     fetch_k8s_info,
     normalize_container_id,
 )
-from collector.k8s import NO_CONTAINER
-from ghostgpu.cluster import K8sInfo
+from ghostgpu.collector.k8s import NO_CONTAINER
+
+from ghostgpu.common.cluster import K8sInfo
 
 __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriTransport", "direct_transport"]
 

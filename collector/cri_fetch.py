@@ -20,7 +20,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ghostgpu.cluster import K8sInfo
+from ghostgpu.common.cluster import K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 
 CriTransport = Callable[[str, bytes, float], bytes]  # (method, request bytes, timeout_s) -> response bytes

@@ -26,14 +26,14 @@ from functools import partial
 from typing import Any
 
 import grpc
+from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.cri_fetch import CriCallError, CriTransport, answer_of
+from ghostgpu.collector.nodes import BatchError, NodeState, validate_batch
+from ghostgpu.collector.store import Position, Store
 from google.protobuf.message import DecodeError
 
-from collector.cluster import ClusterTable
-from collector.cri_fetch import CriCallError, CriTransport, answer_of
-from collector.nodes import BatchError, NodeState, validate_batch
-from collector.store import Position, Store
 from ghostgpu import __version__
-from ghostgpu.api import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
+from ghostgpu.common.protocol import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger(__name__)

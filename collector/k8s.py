@@ -2,7 +2,7 @@
 
 `enrich()` is the collector's part of classification, a pure function. The node tracer already
 decided system, ghost, orphaned (zombie, reparented), visible, hidden, pending, ...; the collector
-knows two more facts a node cannot judge alone, and they rank above `visible` (see ghostgpu.model):
+knows two more facts a node cannot judge alone, and they rank above `visible` (see ghostgpu.common.model):
 
 - CRI says the holder's container exited, is unknown, or its pod sandbox is gone: `orphaned`.
 - PodResources says the container was never given this GPU: `unallocated`.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ghostgpu.cluster import K8sInfo
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.model import Consumer, ConsumerClass
 
 # Classes the node decided that outrank anything CRI or PodResources can add.
 NODE_FINAL = (ConsumerClass.SYSTEM, ConsumerClass.GHOST, ConsumerClass.ORPHANED)

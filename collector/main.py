@@ -28,17 +28,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from collector.cluster import ClusterTable
-from collector.heap import HeapPolicy
-from collector.ingest import Ingest
-from collector.nodes import NodeState
-from collector.query import QueryService
-from collector.server import ListenError, check_listen, start_server
-from collector.store import Store, StoreError
+from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.heap import HeapPolicy
+from ghostgpu.collector.ingest import Ingest
+from ghostgpu.collector.nodes import NodeState
+from ghostgpu.collector.query import QueryService
+from ghostgpu.collector.server import ListenError, check_listen, start_server
+from ghostgpu.collector.store import Store, StoreError
+
 from ghostgpu import __version__
-from ghostgpu.api import MAX_BATCH_EVENTS
-from ghostgpu.cluster import K8sInfo
-from ghostgpu.httpserve import HttpListenError, HttpServer, Unavailable, parse_listen
+from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable, parse_listen
+from ghostgpu.common.protocol import MAX_BATCH_EVENTS
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class Collector:
 
     def _build(self) -> None:
         if self.cri_endpoint:
-            from collector.cri import direct_transport
+            from ghostgpu.collector.cri import direct_transport
 
             try:
                 self._direct = direct_transport(self.cri_endpoint)
@@ -145,7 +146,7 @@ class Collector:
         if self._resolver_factory is not None:
             self.resolver = self._resolver_factory(self.transport_for, self._on_cri_change)
         else:
-            from collector.cri import CriResolver
+            from ghostgpu.collector.cri import CriResolver
 
             self.resolver = CriResolver(self.transport_for, self._on_cri_change, ttl_s=self.cri_ttl_s)
         self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
@@ -158,12 +159,12 @@ class Collector:
             if self._pusher_factory is not None:
                 factory = self._pusher_factory
             else:
-                from collector.alertpush import AlertPusher as factory  # only with --alertmanager
+                from ghostgpu.collector.alertpush import AlertPusher as factory  # only with --alertmanager
             # ValueError naming --alertmanager or --alert-label on a bad URL or label
             self.pusher = factory(self.alertmanager, extra_labels=self.alert_labels,
                                   resend_s=self.alert_resend_s)
         if self.metrics_listen is not None:
-            from collector.metrics import CollectorMetrics
+            from ghostgpu.collector.metrics import CollectorMetrics
 
             self.metrics = CollectorMetrics(
                 self.nodes, self.cluster, call=self._call_for_scrape,
@@ -315,7 +316,7 @@ def collector_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--alert-label: labels go on alerts pushed to Alertmanager; add --alertmanager URL "
                          "(alerts from Prometheus rules take labels from its external_labels)")
     if urls:
-        from collector.alertpush import parse_alert_labels, parse_alertmanager_urls
+        from ghostgpu.collector.alertpush import parse_alert_labels, parse_alertmanager_urls
 
         urls, labels = parse_alertmanager_urls(urls), parse_alert_labels(labels)
     return {

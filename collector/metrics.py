@@ -20,18 +20,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from prometheus_client import (
-    CollectorRegistry,
-    GCCollector,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-
-from collector.cluster import ALL_ROWS, ClusterTable
-from collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
-from collector.metrics_render import (
+from ghostgpu.collector.cluster import ALL_ROWS, ClusterTable
+from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
+from ghostgpu.collector.metrics_render import (
     ALERTMANAGER_METRICS,
     COLLECTOR_METRICS,
     NodeConsumers,
@@ -41,11 +32,20 @@ from collector.metrics_render import (
     render_info,
     render_status,
 )
-from collector.nodes import NodeState
+from ghostgpu.collector.nodes import NodeState
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
 from ghostgpu import __version__
-from ghostgpu.api import API_VERSION
-from ghostgpu.cluster import ClusterConsumer
-from ghostgpu.httpserve import PROMETHEUS_TEXT, Request, Response
+from ghostgpu.common.cluster import ClusterConsumer
+from ghostgpu.common.httpserve import PROMETHEUS_TEXT, Request, Response
+from ghostgpu.common.protocol import API_VERSION
 
 __all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "DEFAULT_MAX_PROCESS_SERIES", "CollectorMetrics"]
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from collector.k8s import NO_ALLOCATIONS, Allocations, allocations_from
-from collector.store import Position
-from ghostgpu.convert import consumer_from_proto
-from ghostgpu.model import Consumer
+from ghostgpu.collector.k8s import NO_ALLOCATIONS, Allocations, allocations_from
+from ghostgpu.collector.store import Position
+
+from ghostgpu.common.convert import consumer_from_proto
+from ghostgpu.common.model import Consumer
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
 ConsumerKey = tuple[int, int | None, str]

@@ -16,21 +16,21 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from ghostgpu.collector.cluster import ClusterTable, Watcher
+from ghostgpu.collector.nodes import NodeState
+from ghostgpu.collector.store import FindingRow, Store, decode_blob
 
-from collector.cluster import ClusterTable, Watcher
-from collector.nodes import NodeState
-from collector.store import FindingRow, Store, decode_blob
 from ghostgpu import __version__
-from ghostgpu.api import MAX_MESSAGE_BYTES
-from ghostgpu.cluster import cluster_consumer_to_proto
-from ghostgpu.convert import class_from_proto
+from ghostgpu.common.cluster import cluster_consumer_to_proto
+from ghostgpu.common.convert import class_from_proto
+from ghostgpu.common.protocol import MAX_MESSAGE_BYTES
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 
 T = TypeVar("T")
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 100_000
 # A ListEvents answer stays within what every client receives (MAX_MESSAGE_BYTES, the default of
-# ghostgpu.api.channel_options), with room to spare: 1,000 holder events of processes with 10 KB
+# ghostgpu.common.protocol.channel_options), with room to spare: 1,000 holder events of processes with 10 KB
 # command lines are 10 MB. A client pages on with after_seq, so a shorter page loses nothing.
 EVENTS_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
 

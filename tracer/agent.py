@@ -12,24 +12,22 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ghostgpu.model import Consumer, ConsumerClass
-from tracer import records
-from tracer.cgroup import CgroupIdResolver
-from tracer.classify import ClassifyConfig, classify, diff_consumers
-from tracer.config import TracerConfig
-from tracer.containment import Containment
-from tracer.devices import DeviceCatalog
-from tracer.events import EventKind, HolderEvent, NvmlView, ProcView, boot_ns
-from tracer.identity import Identities
-from tracer.nvml import NvmlSource
-from tracer.procfs import ProcScanner, ticks_to_boot_ns
-from tracer.sinks import Sink
-from tracer.state import NodeState
+from ghostgpu.tracer import records
+from ghostgpu.tracer.cgroup import CgroupIdResolver
+from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
+from ghostgpu.tracer.config import TracerConfig
+from ghostgpu.tracer.containment import Containment, HealthReport
+from ghostgpu.tracer.devices import DeviceCatalog
+from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlView, ProcView, boot_ns
+from ghostgpu.tracer.identity import Identities
+from ghostgpu.tracer.nvml import NvmlSource
+from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
+from ghostgpu.tracer.sinks import Sink
+from ghostgpu.tracer.state import NodeState
 
-if TYPE_CHECKING:  # tracer.health imports prometheus_client (~85 ms): only with --health-listen
-    from tracer.health import AgentHealth
+from ghostgpu.common.model import Consumer, ConsumerClass
 
 log = logging.getLogger("ghostgpu.tracer")
 
@@ -37,7 +35,7 @@ CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grac
 
 
 class Tracer:
-    def __init__(self, cfg: TracerConfig, sink: Sink, health: AgentHealth | None = None) -> None:
+    def __init__(self, cfg: TracerConfig, sink: Sink, health: HealthReport | None = None) -> None:
         self.cfg = cfg
         self.sink = sink
         self.health = health  # reported into at start, per loop step and per full scan; read by HTTP
@@ -89,7 +87,7 @@ class Tracer:
         """Attach the kernel side; '' when attached, else why it is off."""
         if self.cfg.bpf == "off":
             return "--bpf off"
-        from tracer.bpf_source import BpfSource, BpfUnavailable
+        from ghostgpu.tracer.bpf_source import BpfSource, BpfUnavailable
 
         source = BpfSource(
             self.cfg.prefixes,
@@ -197,8 +195,14 @@ class Tracer:
         before = dict(holders) if pids is None else {p: holders[p] for p in pids if p in holders}
         scan_start_s = time.monotonic()
         view = self.scanner.scan(sorted(pids) if pids is not None else None)
-        if pids is None and self.health is not None:
-            self.health.scan_observed(time.monotonic() - scan_start_s)
+        if pids is None:
+            if self.health is not None:
+                self.health.scan_observed(time.monotonic() - scan_start_s)
+            # And what the kernel said while /proc was read: do_exit fires the exit tracepoint before
+            # exit_files() closes the fds the scan then missed, so the exact EXIT wins (reconcile
+            # skips what newer events touched). Not in a FORK/EXEC rescan: it runs inside a batch.
+            if self.bpf is not None:
+                self._drain(0)
         events = self.state.reconcile(view, ts_ns, scanned_pids=pids)
         if events and self.bpf is not None:
             if pids is None:

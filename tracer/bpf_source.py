@@ -17,8 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ghostgpu.model import DeviceRef
-from tracer.bpf_build import (  # noqa: F401  (re-exported for callers and tests)
+from ghostgpu.tracer.bpf_build import (  # noqa: F401  (re-exported for callers and tests)
     BPF_DIR,
     BPF_FILES,
     MAX_PREFIXES,
@@ -36,9 +35,11 @@ from tracer.bpf_build import (  # noqa: F401  (re-exported for callers and tests
     prefix_words,
     program_text,
 )
-from tracer.events import EventKind, HolderEvent, boot_ns
-from tracer.kernel_maps import KernelMap, LibbccOps
-from tracer.kernel_tables import HolderTables
+from ghostgpu.tracer.events import EventKind, HolderEvent, boot_ns
+from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
+from ghostgpu.tracer.kernel_tables import HolderTables
+
+from ghostgpu.common.model import DeviceRef
 
 EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
 # ghostgpu.h GG_EV_*, GG_FLAG_* and the GG_STAT_* slot order.

@@ -18,9 +18,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ghostgpu.model import Consumer, ConsumerClass
-from tracer.config import DEFAULT_SYSTEM_ALLOWLIST
-from tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+from ghostgpu.tracer.config import DEFAULT_SYSTEM_ALLOWLIST
+from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+
+from ghostgpu.common.model import Consumer, ConsumerClass
 
 ConsumerKey = tuple[int, int | None, str]
 COMM_LEN = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to 15 bytes

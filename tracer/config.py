@@ -91,7 +91,7 @@ class TracerConfig:
             raise ConfigError("node_name: empty; set --node-name or GHOSTGPU_NODE_NAME")
         if self.health_listen:
             # Lazily: httpserve pulls in http.server, which commands without a health server never need.
-            from ghostgpu.httpserve import HttpListenError, parse_listen
+            from ghostgpu.common.httpserve import HttpListenError, parse_listen
 
             try:
                 parse_listen(self.health_listen, "--health-listen")

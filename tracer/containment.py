@@ -1,4 +1,6 @@
-"""Containment: one bad event or scan must not take the node agent down.
+"""The agent loop's self-reporting: contained errors, and the lifecycle it reports for health.
+
+One bad event or scan must not take the node agent down.
 
 A privileged DaemonSet that crash-loops detects nothing, so the agent loop runs each unit of work
 (one ring-buffer event, one scan, one NVML read, one classification) through `Containment.run`.
@@ -7,6 +9,9 @@ and the line that raised it), then only counted; the count per stage is exported
 `ghostgpu_agent_errors_total{stage}` and turns `/healthz` into "degraded" (still 200: restarting
 the pod would lose the holder table and fix nothing). Tests assert the count stays 0, so no bug
 hides behind the containment.
+
+`HealthReport` is what the loop tells tracer/health.py (BPF attached, scans, steps): a protocol here
+so that the agent never imports the health module, which reads the agent.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger("ghostgpu.tracer")
 
@@ -66,3 +71,14 @@ class Containment:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+class HealthReport(Protocol):
+    """What the loop reports into: tracer/health.py's AgentHealth, with --health-listen."""
+
+    tracer: Any
+
+    def bpf_started(self, programs: int, off_reason: str = "") -> None: ...
+    def scan_observed(self, duration_s: float) -> None: ...
+    def started(self) -> None: ...
+    def stepped(self) -> None: ...

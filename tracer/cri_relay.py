@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from ghostgpu import api
+from ghostgpu.common import protocol
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.cri_relay")
@@ -43,8 +43,8 @@ DEFAULT_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 30.0
 REDETECT_INTERVAL_S = 1.0  # with no socket found, look again at most this often (a runtime starting late)
 # The answer travels back inside a CommandResult on the stream, whose messages are capped at
-# ghostgpu.api.MAX_MESSAGE_BYTES: keep room for the envelope.
-MAX_RESPONSE_BYTES = api.MAX_MESSAGE_BYTES - (64 << 10)
+# ghostgpu.common.protocol.MAX_MESSAGE_BYTES: keep room for the envelope.
+MAX_RESPONSE_BYTES = protocol.MAX_MESSAGE_BYTES - (64 << 10)
 
 
 def socket_path(endpoint: str, flag: str = "--cri-endpoint", example: str = "runtime.sock") -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ghostgpu.model import DeviceKind, DeviceRef
+from ghostgpu.common.model import DeviceKind, DeviceRef
 
 NVIDIA_MAJOR = 195
 NVIDIA_MAX_GPU_MINOR = 247  # 248..253 unused, 254 nvidia-modeset, 255 nvidiactl

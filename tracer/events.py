@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ghostgpu.model import DeviceRef
+from ghostgpu.common.model import DeviceRef
 
 
 def boot_ns() -> int:

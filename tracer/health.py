@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ghostgpu.tracer.bpf_source import STAT_NAMES
+from ghostgpu.tracer.containment import STAGES
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
@@ -38,14 +40,13 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from ghostgpu import __version__, api
-from ghostgpu.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response
-from ghostgpu.model import ConsumerClass
-from tracer.bpf_source import STAT_NAMES
-from tracer.containment import STAGES
+from ghostgpu import __version__
+from ghostgpu.common import protocol
+from ghostgpu.common.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response
+from ghostgpu.common.model import ConsumerClass
 
 if TYPE_CHECKING:
-    from tracer.agent import Tracer
+    from ghostgpu.tracer.agent import Tracer
 
 LIVE_WINDOW_S = 30.0  # a loop step is at most ~0.25 s plus a scan; 30 s without one is a wedged loop
 START_DEADLINE_S = 180.0  # start() compiles BPF with bcc: 1.3 s to ready measured here (bcc 0.26, 2 cores)
@@ -184,7 +185,7 @@ class AgentCollector:
         h, tracer = self.health, self.health.tracer
         info = GaugeMetricFamily("ghostgpu_build_info", _help("ghostgpu_build_info"),
                                  labels=("version", "api_version", "python_version"))
-        info.add_metric((__version__, str(api.API_VERSION), platform.python_version()), 1)
+        info.add_metric((__version__, str(protocol.API_VERSION), platform.python_version()), 1)
         yield info
         yield _gauge("ghostgpu_agent_ready", int(h.ready))
         yield _gauge("ghostgpu_agent_bpf_programs_attached", h.bpf_programs)

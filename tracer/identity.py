@@ -7,9 +7,9 @@ happens at every moment.
 
 from __future__ import annotations
 
-from tracer.cgroup import CgroupIdResolver
-from tracer.events import ProcessInfo
-from tracer.procfs import parse_stat, read_process
+from ghostgpu.tracer.cgroup import CgroupIdResolver
+from ghostgpu.tracer.events import ProcessInfo
+from ghostgpu.tracer.procfs import parse_stat, read_process
 
 PF_EXITING = 0x00000004  # include/linux/sched.h; /proc/PID/stat field 9 is task->flags (proc(5))
 

@@ -24,7 +24,7 @@ import mmap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, KernelMap, Update
+from ghostgpu.tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, KernelMap, Update
 
 log = logging.getLogger(__name__)
 

@@ -25,17 +25,19 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ghostgpu import api
-from tracer.agent import Tracer
-from tracer.config import TracerConfig
-from tracer.cri_relay import CriRelay
-from tracer.podresources import PodResourcesPoller
-from tracer.sinks import FanOut, JsonlSink, Sink
-from tracer.stream import StreamOptions, StreamSink
+from ghostgpu.tracer.agent import Tracer
+from ghostgpu.tracer.config import TracerConfig
+from ghostgpu.tracer.cri_relay import CriRelay
+from ghostgpu.tracer.podresources import PodResourcesPoller
+from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
+from ghostgpu.tracer.stream import StreamOptions, StreamSink
+
+from ghostgpu.common import protocol
 
 if TYPE_CHECKING:
-    from ghostgpu.httpserve import HttpServer
-    from tracer.health import AgentHealth
+    from ghostgpu.tracer.health import AgentHealth
+
+    from ghostgpu.common.httpserve import HttpServer
 
 log = logging.getLogger("ghostgpu.tracer")
 
@@ -58,7 +60,7 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
         sinks.append(JsonlSink(jsonl or "-"))
     if not collector:
         return sinks, None, None
-    target = api.collector_address(collector)
+    target = protocol.collector_address(collector)
     spool_events = getattr(args, "spool_events", None)
     options = StreamOptions() if spool_events is None else StreamOptions(spool_events=spool_events)
     # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.
@@ -75,7 +77,7 @@ def start_health(cfg: TracerConfig, args: argparse.Namespace,
     listen = getattr(args, "health_listen", None) or cfg.health_listen
     if not listen:
         return None, None
-    from tracer.health import AgentHealth, start_health_server  # prometheus_client: only when asked
+    from ghostgpu.tracer.health import AgentHealth, start_health_server  # prometheus_client: only when asked
 
     health = AgentHealth()
     server = start_health_server(listen, health)  # HttpListenError names --health-listen: exit 2

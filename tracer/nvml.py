@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tracer.events import NvmlGpu, NvmlProcess, NvmlView, boot_ns
+from ghostgpu.tracer.events import NvmlGpu, NvmlProcess, NvmlView, boot_ns
 
 log = logging.getLogger("ghostgpu.nvml")
 

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from ghostgpu.tracer.cri_relay import rpc_status, socket_path
 
 from ghostgpu.k8s import podresources_v1_pb2
-from tracer.cri_relay import rpc_status, socket_path
 
 log = logging.getLogger("ghostgpu.podresources")
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from stat import S_ISCHR
 
-from tracer.cgroup import parse_proc_cgroup, unified_path
-from tracer.devices import DeviceCatalog, on_skipped_mount, parse_mount_skips
-from tracer.events import DeviceHold, ProcessInfo, ProcView, boot_ns
+from ghostgpu.tracer.cgroup import parse_proc_cgroup, unified_path
+from ghostgpu.tracer.devices import DeviceCatalog, on_skipped_mount, parse_mount_skips
+from ghostgpu.tracer.events import DeviceHold, ProcessInfo, ProcView, boot_ns
 
 _DELETED = " (deleted)"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC

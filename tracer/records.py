@@ -11,9 +11,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ghostgpu.model import Consumer
-from tracer.events import HolderEvent, NvmlView, ProcessInfo
-from tracer.ioctl_decode import decode_ioctl
+from ghostgpu.tracer.events import HolderEvent, NvmlView, ProcessInfo
+from ghostgpu.tracer.ioctl_decode import decode_ioctl
+
+from ghostgpu.common.model import Consumer
 
 SNAPSHOT_KEYS = (
     "node", "pid", "ns_pid", "comm", "gpu", "devices", "container_id", "pod_uid",

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ghostgpu.model import Consumer
-from tracer.agent import Tracer
-from tracer.config import TracerConfig
+from ghostgpu.tracer.agent import Tracer
+from ghostgpu.tracer.config import TracerConfig
+
+from ghostgpu.common.model import Consumer
 
 
 class _Discard:

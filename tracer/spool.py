@@ -23,8 +23,8 @@ import time
 from collections import deque
 from typing import Any
 
+from ghostgpu.common.wire import record_to_event
 from ghostgpu.v1 import stream_pb2
-from ghostgpu.wire import record_to_event
 
 log = logging.getLogger("ghostgpu.stream")
 

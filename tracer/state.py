@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from tracer.events import DeviceHold, EventKind, Holder, HolderEvent, ProcessInfo, ProcView
+from ghostgpu.tracer.events import DeviceHold, EventKind, Holder, HolderEvent, ProcessInfo, ProcView
 
 log = logging.getLogger(__name__)
 

@@ -28,20 +28,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from ghostgpu.tracer.cri_relay import CommandRunner, CriRelay
+from ghostgpu.tracer.records import notice_record
+from ghostgpu.tracer.spool import Spool, consumer_key, encode_event, encode_events_message
+from ghostgpu.tracer.stream_session import Session, read_boot_id
 
-from ghostgpu import __version__, api
+from ghostgpu import __version__
+from ghostgpu.common import protocol
+from ghostgpu.common.wire import STREAMED_KINDS, snapshot_from_records
 from ghostgpu.v1 import stream_pb2
-from ghostgpu.wire import STREAMED_KINDS, snapshot_from_records
-from tracer.cri_relay import CommandRunner, CriRelay
-from tracer.records import notice_record
-from tracer.spool import Spool, consumer_key, encode_event, encode_events_message
-from tracer.stream_session import Session, read_boot_id
 
 log = logging.getLogger("ghostgpu.stream")
 
 FLUSH_S = 0.010  # a batch leaves at most this long after its first event (while the window is open)
 WINDOW_BATCHES = 4  # unacknowledged at once: a collector behind gets fewer, larger, cheaper batches
-MAX_BATCH_BYTES = api.MAX_MESSAGE_BYTES // 2  # a batch of long command lines still fits a message
+MAX_BATCH_BYTES = protocol.MAX_MESSAGE_BYTES // 2  # a batch of long command lines still fits a message
 _STATE_KINDS = frozenset(("finding", "resolved", "info", "allocations"))
 COMMAND_REPLY_S = 5.0  # a command's answer that cannot be queued this soon is dropped (the collector retries)
 
@@ -80,7 +81,7 @@ class StreamSink:
         self._consumers: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._info: dict[str, Any] | None = None
         self._allocations: dict[str, Any] | None = None
-        self._max_batch = api.MAX_BATCH_EVENTS
+        self._max_batch = protocol.MAX_BATCH_EVENTS
         self._dropped_unreported = 0
         self._overflowing = self._connected = self._closed = False
         self._welcomes = self._connect_failures = self._events_sent = self._batches_sent = 0
@@ -228,7 +229,7 @@ class StreamSink:
         caps = list(self._capabilities)
         info = self._info or {}
         caps[:0] = [c for c in ("bpf", "nvml") if info.get(c)]
-        hello = stream_pb2.Hello(api_version=api.API_VERSION, node=self.node, boot_id=self.boot_id,
+        hello = stream_pb2.Hello(api_version=protocol.API_VERSION, node=self.node, boot_id=self.boot_id,
                                  instance_id=self.instance_id, tracer_version=__version__, capabilities=caps)
         return stream_pb2.TracerMessage(hello=hello).SerializeToString()
 
@@ -269,7 +270,7 @@ class StreamSink:
             # Version skew: nothing changes until someone upgrades one side, so say it once and
             # come back rarely; never crash the tracer over it.
             line = (f"collector at {self.target} refused this tracer (ghostgpu {__version__}, API "
-                    f"v{api.API_VERSION}): {details}")
+                    f"v{protocol.API_VERSION}): {details}")
             if line != self._refusal_logged:
                 log.error("%s", line)
                 self._refusal_logged = line
@@ -281,14 +282,14 @@ class StreamSink:
             self._down_logged = True
 
     def _on_welcome(self, welcome: stream_pb2.Welcome) -> bool:
-        if welcome.api_version not in api.SUPPORTED_API_VERSIONS:
+        if welcome.api_version not in protocol.SUPPORTED_API_VERSIONS:
             log.error("collector at %s speaks ghostgpu API v%d, this tracer (ghostgpu %s) speaks v%d; run "
                       "matching versions of ghostgpu", self.target, welcome.api_version, __version__,
-                      api.API_VERSION)
+                      protocol.API_VERSION)
             self._backoff_s = self.options.backoff_max_s
             return False
         with self._lock:
-            self._max_batch = welcome.max_batch_events or api.MAX_BATCH_EVENTS
+            self._max_batch = welcome.max_batch_events or protocol.MAX_BATCH_EVENTS
             self._spool.ack(min(welcome.acked_seq, self._seq))
             self._connected = True
             self._welcomes += 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from ghostgpu import api
+from ghostgpu.common import protocol
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")
@@ -66,12 +66,12 @@ class Session:
     def open(self, hello: bytes) -> None:
         # A fresh channel per attempt: a reused one keeps gRPC's own reconnect backoff (up to 120 s),
         # which would override ours after a collector restart.
-        self._channel = grpc.insecure_channel(self.target, options=api.channel_options())
+        self._channel = grpc.insecure_channel(self.target, options=protocol.channel_options())
         connect = self._channel.stream_stream(CONNECT_METHOD, request_serializer=None,
                                               response_deserializer=stream_pb2.CollectorMessage.FromString)
         self.outq.put(hello)
         self._call = connect(self._requests(),
-                             metadata=((api.API_VERSION_METADATA, str(api.API_VERSION)),))
+                             metadata=((protocol.API_VERSION_METADATA, str(protocol.API_VERSION)),))
         self._rx = threading.Thread(target=self._receive, name="ghostgpu-stream-rx", daemon=True)
         self._rx.start()
 

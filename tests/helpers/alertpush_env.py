@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from collector.cluster import ClusterTable
-from collector.nodes import Changes, NodeState
-from ghostgpu.cluster import K8sInfo
-from ghostgpu.model import Consumer
+from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.nodes import Changes, NodeState
+
+from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.model import Consumer
 from tests.helpers.polling import wait_until
 
 PENDING = K8sInfo("unresolved", error="CRI lookup pending")

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from ghostgpu.collector.main import Collector
 
-from collector.main import Collector
-from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options
+from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.v1 import query_pb2, query_pb2_grpc
 
 

@@ -12,8 +12,8 @@ import errno
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, KernelMap
-from tracer.kernel_tables import HolderTables
+from ghostgpu.tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, KernelMap
+from ghostgpu.tracer.kernel_tables import HolderTables
 
 
 class FdKey(ctypes.Structure):

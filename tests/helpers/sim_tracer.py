@@ -18,13 +18,13 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+from ghostgpu.tracer.cri_relay import ALLOWED_METHODS
 from google.protobuf.message import Message
 
-from ghostgpu.api import API_VERSION, API_VERSION_METADATA, channel_options
-from ghostgpu.convert import consumer_to_proto
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.common.convert import consumer_to_proto
+from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.v1 import node_pb2, stream_pb2
-from tracer.cri_relay import ALLOWED_METHODS
 
 METHOD = "/ghostgpu.v1.NodeStream/Connect"
 CriAnswer = Callable[[str, bytes], tuple[int, str, bytes]]  # (method, request) -> (code, message, response)

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ghostgpu.collector.alertpush import AlertPusher
 
-from collector.alertpush import AlertPusher
-from ghostgpu.model import ConsumerClass
+from ghostgpu.common.model import ConsumerClass
 from tests.helpers.alertpush_env import FindingTable, k8s
 from tests.helpers.polling import wait_until
 from tests.helpers.promstack import Alertmanager, alertmanager  # noqa: F401  (fixture)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from ghostgpu.tracer import bpf_source
+from ghostgpu.tracer.bpf_source import SLOW_PATHS, BpfSource, BpfUnavailable
+from ghostgpu.tracer.events import EventKind, HolderEvent
 
 from tests.conftest import require_root
-from tracer import bpf_source
-from tracer.bpf_source import SLOW_PATHS, BpfSource, BpfUnavailable
-from tracer.events import EventKind, HolderEvent
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 

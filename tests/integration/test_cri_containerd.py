@@ -16,14 +16,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from ghostgpu.collector.cri import CriResolver, direct_transport
+from ghostgpu.tracer.cgroup import parse_proc_cgroup
 
-from collector.cri import CriResolver, direct_transport
-from ghostgpu.cluster import K8sInfo
+from ghostgpu.common.cluster import K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.containerd import Containerd, Pod
 from tests.helpers.containerd_image import BUSYBOX_IMAGE
 from tests.helpers.polling import wait_until
-from tracer.cgroup import parse_proc_cgroup
 
 pytestmark = [pytest.mark.root, pytest.mark.containerd]
 

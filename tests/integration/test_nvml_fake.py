@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.tracer.events import NvmlGpu, NvmlProcess, NvmlView
 
 from tests.helpers.fakenvml import FakeGpu, FakeNvml, FakeNvmlBuildError, FakeProc, build_fake_nvml
-from tracer.events import NvmlGpu, NvmlProcess, NvmlView
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UUID0 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -33,7 +33,7 @@ GIB = 1024**3
 CHILD = r"""
 import dataclasses, json, logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-from tracer.nvml import NvmlSource
+from ghostgpu.tracer.nvml import NvmlSource
 source = NvmlSource(retry_interval_s=float(sys.argv[1]))
 for line in sys.stdin:
     if line.strip() == "close":

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.tracer.procfs import parse_stat
 
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml, FakeProc
@@ -23,7 +24,6 @@ from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
 from tests.helpers.workload import build_gpuwork, run_host
 from tests.integration.conftest import GPU0_UUID, GPU1_UUID
-from tracer.procfs import parse_stat
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
 

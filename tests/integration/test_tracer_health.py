@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.tracer.health import LIVE_WINDOW_S, TRACER_METRICS
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.container import FakeContainer
@@ -20,7 +21,6 @@ from tests.helpers.httpget import http_get
 from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
 from tests.unit.test_health import assert_port_released
-from tracer.health import LIVE_WINDOW_S, TRACER_METRICS
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
 

@@ -252,7 +252,7 @@ def _parent(pid: int) -> int:
 @needs_bpf
 def test_up_restarts_a_killed_tracer_and_the_demo_is_found_again(tmp_path: Path, root_bpf: None,
                                                                  demo_guard: set[str]) -> None:
-    from ghostgpu.client import Query
+    from ghostgpu.cli.client import Query
 
     proc = subprocess.Popen(_up(tmp_path, "--demo"), env=_environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -344,7 +344,7 @@ def test_up_restarts_a_killed_tracer_and_the_demo_is_found_again(tmp_path: Path,
 @pytest.mark.netns
 def test_demo_failing_half_way_leaves_nothing(monkeypatch: pytest.MonkeyPatch, demo_guard: set[str]) -> None:
     """The hidden container is planted, then planting the orphan fails: start() undoes everything."""
-    from ghostgpu import demo as demo_module
+    from ghostgpu.cli import demo as demo_module
 
     real_hold = demo_module.Demo._hold
     calls: list[str] = []

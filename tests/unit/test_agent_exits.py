@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.tracer.agent import Tracer
+from ghostgpu.tracer.bpf_source import BpfSource
+from ghostgpu.tracer.config import TracerConfig
+from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlView, boot_ns
+from ghostgpu.tracer.identity import PF_EXITING
+from ghostgpu.tracer.sinks import CallbackSink
 
 from tests.helpers.fake_kmaps import FdKey, IoctlKey, fake_tables
-from tracer.agent import Tracer
-from tracer.bpf_source import BpfSource
-from tracer.config import TracerConfig
-from tracer.events import EventKind, HolderEvent, NvmlView, boot_ns
-from tracer.identity import PF_EXITING
-from tracer.sinks import CallbackSink
 
 HOLDER, NEWCOMER = 100, 200
 RM_CONTROL = 0xC020462A

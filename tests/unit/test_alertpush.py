@@ -14,17 +14,17 @@ from dataclasses import replace
 from datetime import datetime
 
 import pytest
-
-from collector.alertpush import (
+from ghostgpu.collector.alertpush import (
     ALERT_ANNOTATIONS,
     FINDING_ALERTS,
     AlertPusher,
     parse_alert_labels,
     parse_alertmanager_urls,
 )
-from collector.alertsend import Endpoint
-from ghostgpu.cluster import K8sInfo
-from ghostgpu.model import ConsumerClass
+from ghostgpu.collector.alertsend import Endpoint
+
+from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.model import ConsumerClass
 from ghostgpu.v1 import query_pb2
 from tests.helpers.alertpush_env import FakeAlertmanager, FindingTable, k8s
 from tests.helpers.polling import wait_until

@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ghostgpu.model import DeviceKind, DeviceRef
-from tracer import bpf_source
-from tracer.bpf_source import (
+from ghostgpu.tracer import bpf_source
+from ghostgpu.tracer.bpf_source import (
     BOOKKEEPING_KINDS,
     BPF_DIR,
     BPF_FILES,
@@ -34,7 +32,9 @@ from tracer.bpf_source import (
     program_text,
     unpack_event,
 )
-from tracer.events import EventKind
+from ghostgpu.tracer.events import EventKind
+
+from ghostgpu.common.model import DeviceKind, DeviceRef
 
 DEV_PATHS = {7: "/dev/nvidia0", 0x80000001: "/dev/nvidiactl"}
 

@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.conftest import require_root
-from tracer import cgroup
-from tracer.cgroup import (
+from ghostgpu.tracer import cgroup
+from ghostgpu.tracer.cgroup import (
     CgroupIdentity,
     CgroupIdResolver,
     find_cgroup2_root,
@@ -22,6 +20,8 @@ from tracer.cgroup import (
     parse_proc_cgroup,
     unified_path,
 )
+
+from tests.conftest import require_root
 
 # The cgroup vectors live in the repository (tests/data/cgroup_vectors.json, described in
 # docs/reference/cgroup-paths.md). A missing or unreadable file fails collection: never a skip.

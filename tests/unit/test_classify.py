@@ -6,10 +6,10 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
+from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
-from ghostgpu.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
-from tracer.classify import ClassifyConfig, classify, diff_consumers
-from tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
 
 S = 1_000_000_000
 NOW = 100 * S

@@ -24,11 +24,10 @@ from typing import Any
 import grpc
 import pytest
 
-from ghostgpu import view
-from ghostgpu.cli import main
-from ghostgpu.client import parse_classes, parse_since
-from ghostgpu.cluster import ClusterConsumer, K8sInfo, cluster_consumer_to_proto
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.cli import main, view
+from ghostgpu.cli.client import parse_classes, parse_since
+from ghostgpu.common.cluster import ClusterConsumer, K8sInfo, cluster_consumer_to_proto
+from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 from tests.helpers.polling import wait_until
 

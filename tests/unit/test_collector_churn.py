@@ -16,15 +16,15 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.collector import alertbook
+from ghostgpu.collector.alertbook import AlertBook
+from ghostgpu.collector.cluster import Watcher
+from ghostgpu.collector.cri_fetch import CriCallError
+from ghostgpu.collector.main import Collector
+from ghostgpu.collector.metrics_render import NodeConsumers
 
-from collector import alertbook
-from collector.alertbook import AlertBook
-from collector.cluster import Watcher
-from collector.cri_fetch import CriCallError
-from collector.main import Collector
-from collector.metrics_render import NodeConsumers
-from ghostgpu.cluster import ClusterConsumer, K8sInfo
-from ghostgpu.httpserve import MAX_LOGGED_FAILURES, HttpServer, Request
+from ghostgpu.common.cluster import ClusterConsumer, K8sInfo
+from ghostgpu.common.httpserve import MAX_LOGGED_FAILURES, HttpServer, Request
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import node_pb2
 from tests.helpers.alertpush_env import FindingTable, k8s

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.collector.cri import CriCallError
 
-from collector.cri import CriCallError
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import node_pb2
 from tests.helpers.collector_env import QueryClient, running_collector

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.collector.main import Collector, run_collector
+from ghostgpu.collector.server import ListenError
+from ghostgpu.collector.store import FindingRow, Store, StoreError
 
-from collector.main import Collector, run_collector
-from collector.server import ListenError
-from collector.store import FindingRow, Store, StoreError
-from ghostgpu.model import ConsumerClass
+from ghostgpu.common.model import ConsumerClass
 from tests.helpers.collector_env import QueryClient, running_collector
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer, StreamEnded, finding, holder, make_consumer

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.collector.main import Collector
 
-from collector.main import Collector
-from ghostgpu.api import MAX_BATCH_EVENTS, MAX_MESSAGE_BYTES
+from ghostgpu.common.protocol import MAX_BATCH_EVENTS, MAX_MESSAGE_BYTES
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.collector_env import QueryClient, running_collector
 from tests.helpers.polling import wait_until

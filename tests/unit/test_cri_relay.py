@@ -12,10 +12,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.tracer.cri_relay import ALLOWED_METHODS, CommandRunner, CriRelay
 
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import stream_pb2
-from tracer.cri_relay import ALLOWED_METHODS, CommandRunner, CriRelay
 
 WRITE_METHODS = ("RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "CreateContainer", "StartContainer",
                  "StopContainer", "RemoveContainer", "ExecSync", "Exec", "UpdateContainerResources", "")
@@ -142,7 +142,7 @@ def test_no_socket_is_unavailable_naming_where_it_looked(tmp_path: Path) -> None
 
 def test_detection_order_and_a_runtime_that_starts_late(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import tracer.cri_relay as mod
+    import ghostgpu.tracer.cri_relay as mod
 
     monkeypatch.setattr(mod, "REDETECT_INTERVAL_S", 0.0)
     first, second = tmp_path / "a.sock", tmp_path / "b.sock"

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from ghostgpu.collector.cri import CriCallError, CriResolver, CriTransport, direct_transport
 
-from collector.cri import CriCallError, CriResolver, CriTransport, direct_transport
-from ghostgpu.cluster import K8sInfo
+from ghostgpu.common.cluster import K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until

@@ -99,8 +99,8 @@ def test_a_broken_expression_is_refused_by_the_query_api(prometheus_module: Prom
 
 
 def test_expressions_read_only_metrics_ghostgpu_exports() -> None:
-    from collector.metrics import COLLECTOR_METRICS
-    from tracer.health import TRACER_METRICS
+    from ghostgpu.collector.metrics import COLLECTOR_METRICS
+    from ghostgpu.tracer.health import TRACER_METRICS
 
     families = {**COLLECTOR_METRICS, **TRACER_METRICS}
     unknown = {}

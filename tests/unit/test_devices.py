@@ -6,9 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from ghostgpu.model import DeviceKind, DeviceRef
-from tracer.devices import (
+from ghostgpu.tracer.devices import (
     DeviceCatalog,
     classify_device_path,
     classify_mig_minor,
@@ -17,6 +15,8 @@ from tracer.devices import (
     parse_mount_skips,
     parse_proc_devices,
 )
+
+from ghostgpu.common.model import DeviceKind, DeviceRef
 
 G, M, C, U, X = DeviceKind.GPU, DeviceKind.MIG, DeviceKind.CONTROL, DeviceKind.UVM, DeviceKind.OTHER
 

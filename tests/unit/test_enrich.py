@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
+from ghostgpu.collector.k8s import NO_ALLOCATIONS, NO_CONTAINER, Allocations, allocations_from, enrich
 
-from collector.k8s import NO_ALLOCATIONS, NO_CONTAINER, Allocations, allocations_from, enrich
-from ghostgpu.cluster import K8sInfo
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.model import Consumer, ConsumerClass
 
 C = ConsumerClass
 CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904ec6e38d4fd0f1d4e4c1c8a10"

@@ -12,26 +12,26 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from ghostgpu.httpserve import HttpListenError, HttpServer
-from ghostgpu.model import ConsumerClass
-from tests.helpers.fake_collector import FakeCollector
-from tests.helpers.httpget import http_get
-from tests.helpers.polling import wait_until
-from tests.unit.test_tracer_node import ScriptedNvml, stop, tracer
-from tracer.agent import Tracer
-from tracer.config import ConfigError, TracerConfig, load_config
-from tracer.containment import STAGES, Containment
-from tracer.events import NvmlView
-from tracer.health import (
+from ghostgpu.tracer.agent import Tracer
+from ghostgpu.tracer.config import ConfigError, TracerConfig, load_config
+from ghostgpu.tracer.containment import STAGES, Containment
+from ghostgpu.tracer.events import NvmlView
+from ghostgpu.tracer.health import (
     SCAN_BUCKETS_S,
     TRACER_METRICS,
     AgentHealth,
     health_routes,
     start_health_server,
 )
-from tracer.sinks import CallbackSink
+from ghostgpu.tracer.sinks import CallbackSink
+from prometheus_client.parser import text_string_to_metric_families
+
+from ghostgpu.common.httpserve import HttpListenError, HttpServer
+from ghostgpu.common.model import ConsumerClass
+from tests.helpers.fake_collector import FakeCollector
+from tests.helpers.httpget import http_get
+from tests.helpers.polling import wait_until
+from tests.unit.test_tracer_node import ScriptedNvml, stop, tracer
 
 PROMTOOL = "/usr/bin/promtool"
 

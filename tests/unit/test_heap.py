@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from collector.heap import HeapPolicy
+from ghostgpu.collector.heap import HeapPolicy
 
 
 class FakeGc:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from tracer.identity import PF_EXITING, group_gone
+from ghostgpu.tracer.identity import PF_EXITING, group_gone
 
 
 def stat(state: str, threads: int, flags: int = 0x400040, comm: str = "python3") -> str:

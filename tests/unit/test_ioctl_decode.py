@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from tracer.ioctl_decode import decode_ioctl, ioc_fields
+from ghostgpu.tracer.ioctl_decode import decode_ioctl, ioc_fields
 
 # §2c "Common request words": every row, (cmd, name, nr, size).
 NV_WORDS = [

@@ -9,9 +9,9 @@ import ctypes
 import errno
 
 import pytest
+from ghostgpu.tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, MapError, Update
 
 from tests.helpers.fake_kmaps import FdKey, FdVal, HoldKey, HoldVal, IoctlKey, PathKey, fake_tables
-from tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, MapError, Update
 
 GPU, CTL = "/dev/nvidia0", "/dev/nvidiactl"
 PID = 4242

@@ -13,17 +13,17 @@ import time
 from dataclasses import replace
 
 import pytest
+from ghostgpu.collector import metrics_render
+from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriCallError, CriResolver, CriStats
+from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
+from ghostgpu.collector.metrics_render import escape
+from ghostgpu.collector.nodes import Changes, NodeState
+from ghostgpu.collector.store import Position
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector import metrics_render
-from collector.cluster import ClusterTable
-from collector.cri import CALL_LATENCY_BUCKETS_S, CriCallError, CriResolver, CriStats
-from collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
-from collector.metrics_render import escape
-from collector.nodes import Changes, NodeState
-from collector.store import Position
-from ghostgpu.cluster import ClusterConsumer, K8sInfo
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.common.cluster import ClusterConsumer, K8sInfo
+from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import make_consumer

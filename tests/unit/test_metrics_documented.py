@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from collector.metrics import COLLECTOR_METRICS
-from tracer.health import TRACER_METRICS
+from ghostgpu.collector.metrics import COLLECTOR_METRICS
+from ghostgpu.tracer.health import TRACER_METRICS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ROW = re.compile(r"^\| `(ghostgpu_[a-z0-9_]+)` \| ([a-z]+)", re.MULTILINE)

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ghostgpu.collector.cluster import Watcher
+from ghostgpu.collector.main import Collector
+from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS
 
-from collector.cluster import Watcher
-from collector.main import Collector
-from collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS
-from ghostgpu.cluster import K8sInfo
-from ghostgpu.httpserve import PROMETHEUS_TEXT, HttpListenError
-from ghostgpu.model import ConsumerClass
+from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.httpserve import PROMETHEUS_TEXT, HttpListenError
+from ghostgpu.common.model import ConsumerClass
 from ghostgpu.v1 import query_pb2, stream_pb2
 from tests.helpers.collector_env import running_collector
 from tests.helpers.polling import wait_until
@@ -166,13 +166,13 @@ def test_the_pusher_is_built_registered_started_stopped_and_counted(tmp_path: Pa
 
 def test_the_real_pusher_is_imported_only_with_alertmanager(tmp_path: Path) -> None:
     db = str(tmp_path / "p.db")
-    code = ("import sys; from collector.main import Collector; "
+    code = ("import sys; from ghostgpu.collector.main import Collector; "
             f"c = Collector(['127.0.0.1:0'], {db!r}, metrics_listen='127.0.0.1:0').start(); "
-            "c.stop(grace_s=0.1); print('collector.alertpush' in sys.modules)")
+            "c.stop(grace_s=0.1); print('ghostgpu.collector.alertpush' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).parents[2])
     assert (done.returncode, done.stdout) == (0, "False\n"), done.stderr
-    from collector import alertpush
+    from ghostgpu.collector import alertpush
 
     with running_collector(tmp_path, metrics_listen="127.0.0.1:0",
                            alertmanager=["http://127.0.0.1:9,http://127.0.0.2:9"]) as c:

@@ -10,9 +10,14 @@ from typing import Any
 
 import pynvml
 import pytest
-
-from tracer.events import NvmlGpu, NvmlProcess
-from tracer.nvml import NOT_AVAILABLE_U64, NvmlSource, describe_failure, merge_processes, used_memory_bytes
+from ghostgpu.tracer.events import NvmlGpu, NvmlProcess
+from ghostgpu.tracer.nvml import (
+    NOT_AVAILABLE_U64,
+    NvmlSource,
+    describe_failure,
+    merge_processes,
+    used_memory_bytes,
+)
 
 NA = None  # what nvidia-ml-py 11+ puts in usedGpuMemory for NVML_VALUE_NOT_AVAILABLE
 NO_MIG = pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value  # gpuInstanceId/computeInstanceId outside MIG

@@ -8,7 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tracer.bpf_build import BPF_FILES, find_bpf_dir
+from ghostgpu.tracer.bpf_build import BPF_FILES, find_bpf_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,6 +30,12 @@ def test_the_wheel_installs_the_bpf_sources_where_the_tracer_looks(tmp_path: Pat
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {n.split("/data/", 1)[1] for n in names if ".data/data/" in n}
     assert {f"share/ghostgpu/bpf/{f}" for f in BPF_FILES} <= data
+    # Nothing outside `ghostgpu`: no generic top-level `tracer` or `collector` in site-packages.
+    tops = {n.split("/", 1)[0] for n in names}
+    assert {t for t in tops if not t.startswith("ghostgpu-")} == {"ghostgpu"}, sorted(tops)
+    assert not [n for n in names if ".data/" in n and "/data/share/ghostgpu/" not in n]
+    assert {"ghostgpu/tracer/agent.py", "ghostgpu/collector/main.py", "ghostgpu/common/model.py",
+            "ghostgpu/cli/__init__.py", "ghostgpu/cli/demo_nvml.c", "ghostgpu/v1/stream_pb2.py"} <= names
     # Installed into a venv of its own (never this one: pip would uninstall the editable ghostgpu
     # here first) and imported from there, the tracer's default lookup finds the installed copies.
     venv = tmp_path / "venv"
@@ -41,7 +47,7 @@ def test_the_wheel_installs_the_bpf_sources_where_the_tracer_looks(tmp_path: Pat
                                 "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True,
                                timeout=300, check=False)
     assert installed.returncode == 0, installed.stderr[-2000:]
-    probe = ("import tracer.bpf_build as b; print(b.__file__); print(b.BPF_DIR); "
+    probe = ("import ghostgpu.tracer.bpf_build as b; print(b.__file__); print(b.BPF_DIR); "
              "print(len(b.program_text(b.BPF_DIR)))")
     out = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, timeout=60,
                          check=False, cwd=tmp_path)
@@ -49,6 +55,6 @@ def test_the_wheel_installs_the_bpf_sources_where_the_tracer_looks(tmp_path: Pat
     module_file, bpf_dir, text_len = out.stdout.split()
     assert module_file.startswith(str(venv))
     assert bpf_dir == str(venv / "share" / "ghostgpu" / "bpf")
-    from tracer.bpf_build import program_text
+    from ghostgpu.tracer.bpf_build import program_text
 
     assert int(text_len) == len(program_text(REPO / "bpf").replace(str(REPO / "bpf"), bpf_dir))

@@ -9,10 +9,10 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.tracer.podresources import PodResourcesPoller, containers_of, physical_id
 
 from tests.helpers.podresources_server import Container, Pod, PodResourcesServer, response_for
 from tests.helpers.polling import wait_until
-from tracer.podresources import PodResourcesPoller, containers_of, physical_id
 
 UUID0 = "GPU-6a1cd0c3-0000-4000-8000-000000000000"
 UUID1 = "GPU-6a1cd0c3-0000-4000-8000-000000000001"

@@ -13,14 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from ghostgpu.model import DeviceKind
-from tests.conftest import require_root
-from tests.helpers.polling import wait_until
-from tracer import procfs
-from tracer.devices import DeviceCatalog
-from tracer.events import boot_ns
-from tracer.procfs import (
+from ghostgpu.tracer import procfs
+from ghostgpu.tracer.devices import DeviceCatalog
+from ghostgpu.tracer.events import boot_ns
+from ghostgpu.tracer.procfs import (
     MapsEntry,
     ProcScanner,
     StatFields,
@@ -32,6 +28,10 @@ from tracer.procfs import (
     read_process,
     ticks_to_boot_ns,
 )
+
+from ghostgpu.common.model import DeviceKind
+from tests.conftest import require_root
+from tests.helpers.polling import wait_until
 
 DEADLINE_S = 10.0
 LIBC = ctypes.CDLL(None, use_errno=True)

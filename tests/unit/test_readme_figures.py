@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.tracer import stream
+from ghostgpu.tracer.config import TracerConfig
 
-from ghostgpu import api
-from tracer import stream
-from tracer.config import TracerConfig
+from ghostgpu.common import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -185,8 +185,8 @@ def load_under(limit: float, *names: str) -> Callable[[dict[str, Any]], str]:
 
 # The tracer's batching policy, quoted where the README explains the ingest figures.
 TRACER_BATCHING = [
-    const("else {:g} ms or {:,} events", stream.FLUSH_S * 1000, api.MAX_BATCH_EVENTS,
-          where="tracer/stream.py FLUSH_S, ghostgpu/api.py MAX_BATCH_EVENTS"),
+    const("else {:g} ms or {:,} events", stream.FLUSH_S * 1000, protocol.MAX_BATCH_EVENTS,
+          where="tracer/stream.py FLUSH_S, ghostgpu/protocol.py MAX_BATCH_EVENTS"),
     const("at most {} batches unacknowledged", stream.WINDOW_BATCHES,
           where="tracer/stream.py WINDOW_BATCHES"),
 ]
@@ -423,8 +423,8 @@ PROSE: dict[tuple[str, str], list[Figure]] = {
         fig("instead of {} ms at {:,} nodes", "metrics_scrape_no_heap_policy", full_gc_range, "nodes"),
     ],
     ("a real tracer sends a lone event at once", "batches unacknowledged"): [
-        const("gathers up to {:g} ms or {:,} events", stream.FLUSH_S * 1000, api.MAX_BATCH_EVENTS,
-              where="tracer/stream.py FLUSH_S, ghostgpu/api.py MAX_BATCH_EVENTS"),
+        const("gathers up to {:g} ms or {:,} events", stream.FLUSH_S * 1000, protocol.MAX_BATCH_EVENTS,
+              where="tracer/stream.py FLUSH_S, ghostgpu/protocol.py MAX_BATCH_EVENTS"),
         const("at most {} batches unacknowledged", stream.WINDOW_BATCHES,
               where="tracer/stream.py WINDOW_BATCHES"),
     ],

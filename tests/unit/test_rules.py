@@ -127,7 +127,7 @@ def test_promtool_unit_tests_cover_every_alert_firing_and_not() -> None:
 
 
 def test_rules_read_only_metrics_the_collector_exports() -> None:
-    from collector.metrics import COLLECTOR_METRICS
+    from ghostgpu.collector.metrics import COLLECTOR_METRICS
 
     used = {name for rule in _rules().values() for name in metric_names(rule["expr"])}
     assert used, "no metric names found in the rules"
@@ -135,7 +135,7 @@ def test_rules_read_only_metrics_the_collector_exports() -> None:
 
 
 def test_finding_alerts_and_texts_match_the_direct_push() -> None:
-    from collector.alertpush import ALERT_ANNOTATIONS, FINDING_ALERTS
+    from ghostgpu.collector.alertpush import ALERT_ANNOTATIONS, FINDING_ALERTS
 
     rules = _rules()
     assert {name for name, _ in FINDING_ALERTS.values()} == set(FINDING_CLASS)

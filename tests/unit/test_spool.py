@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from ghostgpu.tracer import records
+from ghostgpu.tracer.spool import MAX_EVENT_BYTES, Spool, encode_event, encode_events_message, varint
 
 from ghostgpu.v1 import stream_pb2
-from tracer import records
-from tracer.spool import MAX_EVENT_BYTES, Spool, encode_event, encode_events_message, varint
 
 
 def rec(i: int) -> dict[str, object]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from ghostgpu.tracer.events import DeviceHold, EventKind, HolderEvent, ProcessInfo, ProcView
+from ghostgpu.tracer.state import Change, NodeState
 
-from ghostgpu.model import DeviceKind, DeviceRef
-from tracer.events import DeviceHold, EventKind, HolderEvent, ProcessInfo, ProcView
-from tracer.state import Change, NodeState
+from ghostgpu.common.model import DeviceKind, DeviceRef
 
 E = EventKind
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)

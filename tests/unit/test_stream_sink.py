@@ -20,18 +20,18 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.tracer import records
+from ghostgpu.tracer import stream as stream_module
+from ghostgpu.tracer.cri_relay import CriRelay
+from ghostgpu.tracer.stream import FLUSH_S, WINDOW_BATCHES, StreamOptions, StreamSink
 
 from ghostgpu import __version__
+from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
-from ghostgpu.model import Consumer, ConsumerClass
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.fake_collector import FakeCollector
 from tests.helpers.polling import wait_until
 from tests.unit.test_cri_relay import RawRuntime
-from tracer import records
-from tracer import stream as stream_module
-from tracer.cri_relay import CriRelay
-from tracer.stream import FLUSH_S, WINDOW_BATCHES, StreamOptions, StreamSink
 
 NODE = "node-a"
 FAST = StreamOptions(backoff_min_s=0.01, backoff_max_s=0.2, info_wait_s=0.0, heartbeat_s=30.0)

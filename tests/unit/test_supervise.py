@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ghostgpu import cli, up
-from ghostgpu.supervise import (
+from ghostgpu import cli
+from ghostgpu.cli import up
+from ghostgpu.cli.supervise import (
     BACKOFF_MAX_S,
     DEFAULT_MAX_RESTARTS,
     TracerExit,

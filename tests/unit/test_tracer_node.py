@@ -16,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.tracer.agent import Tracer
+from ghostgpu.tracer.config import TracerConfig
+from ghostgpu.tracer.events import NvmlGpu, NvmlView
+from ghostgpu.tracer.sinks import CallbackSink
 
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import stream_pb2
@@ -23,10 +27,6 @@ from tests.helpers.fake_collector import FakeCollector
 from tests.helpers.podresources_server import Container, Pod, PodResourcesServer
 from tests.helpers.polling import wait_until
 from tests.unit.test_cri_relay import RawRuntime
-from tracer.agent import Tracer
-from tracer.config import TracerConfig
-from tracer.events import NvmlGpu, NvmlView
-from tracer.sinks import CallbackSink
 
 ROOT = Path(__file__).resolve().parents[2]
 UUID0 = "GPU-6a1cd0c3-0000-4000-8000-000000000000"

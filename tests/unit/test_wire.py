@@ -11,12 +11,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from ghostgpu.tracer import records
+from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlGpu, NvmlView, ProcessInfo
 
-from ghostgpu.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
+from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
+from ghostgpu.common.wire import HOLDER_KINDS, STREAMED_KINDS, event_to_record, record_to_event
 from ghostgpu.v1 import stream_pb2
-from ghostgpu.wire import HOLDER_KINDS, STREAMED_KINDS, event_to_record, record_to_event
-from tracer import records
-from tracer.events import EventKind, HolderEvent, NvmlGpu, NvmlView, ProcessInfo
 
 NODE = "gpu-node-7"
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)

@@ -1,4 +1,4 @@
-"""Mapping between the common model (ghostgpu.model) and the generated API (ghostgpu.v1).
+"""Mapping between the common model (ghostgpu.common.model) and the generated API (ghostgpu.v1).
 
 The proto's scalars have no "unset": -1 stands for an unknown GPU index or minor, 0 for an unknown
 namespace PID or start time, and `gpu_memory_bytes` is an explicit `optional`. These helpers are
@@ -7,7 +7,7 @@ the one place that knows it, so the collector and the tracer agree.
 
 from __future__ import annotations
 
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.v1 import node_pb2
 
 _CLASS_TO_PB = {cls: node_pb2.ConsumerClass.Value(f"CONSUMER_CLASS_{cls.name}") for cls in ConsumerClass}

@@ -14,8 +14,8 @@ nothing reaches a real GPU). Three are planted:
   kind of job a 1 s poller (or dcgm-exporter's 15 s scrape) never sees.
 
 Without a real NVIDIA driver, NVML cannot say whether it lists a process, so "hidden" would read
-"unknown". The demo then builds a demo NVML (ghostgpu/demo_nvml.c) reporting one demo GPU with no
-processes, and the view labels it as such. A demo CRI runtime (ghostgpu/demo_cri.py) names the
+"unknown". The demo then builds a demo NVML (ghostgpu/cli/demo_nvml.c) reporting one demo GPU with no
+processes, and the view labels it as such. A demo CRI runtime (ghostgpu/cli/demo_cri.py) names the
 pods. Everything lives in one temporary directory and is removed by close(), which runs on exit,
 on SIGINT/SIGTERM (through `up`) and when planting fails half-way.
 """
@@ -38,8 +38,8 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
-from ghostgpu.demo_cri import DemoPod
-from ghostgpu.demo_cri import serve as serve_cri
+from ghostgpu.cli.demo_cri import DemoPod
+from ghostgpu.cli.demo_cri import serve as serve_cri
 
 log = logging.getLogger("ghostgpu.demo")
 

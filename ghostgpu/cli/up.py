@@ -5,9 +5,9 @@ The collector runs in this process (collector.main.Collector); the tracer is `gh
 talks to the collector over the same gRPC stream. The view is drawn from the query service,
 exactly as `ghostgpu ps` draws it, with the node's BPF/NVML status above the table and the
 latest events and findings under it, so a short-lived consumer gone before the next redraw is
-still seen. See ghostgpu/demo.py for `--demo`.
+still seen. See ghostgpu/cli/demo.py for `--demo`.
 
-A tracer that dies is restarted by ghostgpu/supervise.py (jittered backoff; `up` exits 1 with the
+A tracer that dies is restarted by ghostgpu/cli/supervise.py (jittered backoff; `up` exits 1 with the
 reason after --tracer-max-restarts failed restarts in a row); the view's loop drives it, and
 says when and why the tracer restarted.
 """
@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ghostgpu import view
-from ghostgpu.client import ClientError, FindingWaker, Query, show
-from ghostgpu.demo import Demo, DemoError
-from ghostgpu.model import ConsumerClass
-from ghostgpu.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
+from ghostgpu.cli import view
+from ghostgpu.cli.client import ClientError, FindingWaker, Query, show
+from ghostgpu.cli.demo import Demo, DemoError
+from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
+from ghostgpu.common.model import ConsumerClass
 from ghostgpu.v1 import query_pb2
 
 DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
@@ -76,7 +76,7 @@ def _client_address(address: str) -> str:
 
 def _real_gpu_visible() -> bool:
     """Whether this host's NVML (a real driver) sees a GPU; quiet either way."""
-    from tracer.nvml import NvmlSource
+    from ghostgpu.tracer.nvml import NvmlSource
 
     nvml_log = logging.getLogger("ghostgpu.nvml")
     level = nvml_log.level
@@ -91,7 +91,7 @@ def _real_gpu_visible() -> bool:
 
 
 def _local_cri_endpoint() -> str | None:
-    from tracer.cri_relay import detect_socket
+    from ghostgpu.tracer.cri_relay import detect_socket
 
     path = detect_socket()
     return f"unix://{path}" if path else None
@@ -130,9 +130,9 @@ def _open_db(args: argparse.Namespace) -> str:
 
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
-    from collector.main import Collector, collector_options
-    from collector.server import ListenError
-    from ghostgpu.httpserve import HttpListenError
+    from ghostgpu.collector.main import Collector, collector_options
+    from ghostgpu.collector.server import ListenError
+    from ghostgpu.common.httpserve import HttpListenError
 
     busy = _port_free(listen)
     if busy is not None:

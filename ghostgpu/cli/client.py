@@ -19,17 +19,17 @@ from typing import Any
 
 import grpc
 
-from ghostgpu import view
-from ghostgpu.api import (
+from ghostgpu.cli import view
+from ghostgpu.common.cluster import ClusterConsumer, cluster_consumer_from_proto
+from ghostgpu.common.convert import class_to_proto
+from ghostgpu.common.model import ConsumerClass
+from ghostgpu.common.protocol import (
     API_VERSION,
     API_VERSION_METADATA,
     MAX_ANSWER_BYTES,
     channel_options,
     collector_address,
 )
-from ghostgpu.cluster import ClusterConsumer, cluster_consumer_from_proto
-from ghostgpu.convert import class_to_proto
-from ghostgpu.model import ConsumerClass
 from ghostgpu.v1 import query_pb2, query_pb2_grpc
 
 CALL_TIMEOUT_S = 10.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ghostgpu.convert import class_from_proto, class_to_proto, consumer_from_proto, consumer_to_proto
-from ghostgpu.model import Consumer, ConsumerClass
+from ghostgpu.common.convert import class_from_proto, class_to_proto, consumer_from_proto, consumer_to_proto
+from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.v1 import query_pb2
 
 

@@ -6,7 +6,7 @@
  *
  * It is loaded only by the tracer that `up --demo` starts (LD_LIBRARY_PATH names the temporary
  * directory it was compiled into) and reads its one GPU from the file named by
- * $GHOSTGPU_DEMO_NVML, written by ghostgpu/demo.py:
+ * $GHOSTGPU_DEMO_NVML, written by ghostgpu/cli/demo.py:
  *
  *   driver=<version>  uuid=<GPU-...>  name=<text, '_' for spaces>  minor=<N>  memory=<bytes>
  *

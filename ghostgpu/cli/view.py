@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ghostgpu.cluster import ClusterConsumer, cluster_consumer_from_proto
-from ghostgpu.convert import class_from_proto
+from ghostgpu.common.cluster import ClusterConsumer, cluster_consumer_from_proto
+from ghostgpu.common.convert import class_from_proto
+from ghostgpu.common.wire import holder_kind
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
-from ghostgpu.wire import holder_kind
 
 Column = tuple[str, Callable[[ClusterConsumer], str]]
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ghostgpu.view import age
+from ghostgpu.cli.view import age
 
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0

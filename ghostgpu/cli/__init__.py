@@ -133,7 +133,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from tracer.config import load_config
+    from ghostgpu.tracer.config import load_config
 
     keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
             "scan_interval_s", "bpf", "health_listen")
@@ -150,7 +150,7 @@ def _install_signals(stop: Any) -> None:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from tracer.snapshot import render_table, take_snapshot
+    from ghostgpu.tracer.snapshot import render_table, take_snapshot
 
     consumers = take_snapshot(_config(args))  # notices go to stderr through logging
     if args.output == "json":
@@ -162,31 +162,31 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_tracer(args: argparse.Namespace) -> int:
-    from tracer.node import run_tracer
+    from ghostgpu.tracer.node import run_tracer
 
     return run_tracer(_config(args), args, install_signals=_install_signals)
 
 
 def cmd_collector(args: argparse.Namespace) -> int:
-    from collector.main import run_collector
+    from ghostgpu.collector.main import run_collector
 
     return run_collector(args, install_signals=_install_signals)
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    from ghostgpu.client import cmd_ps as run
+    from ghostgpu.cli.client import cmd_ps as run
 
     return run(args)
 
 
 def cmd_findings(args: argparse.Namespace) -> int:
-    from ghostgpu.client import cmd_findings as run
+    from ghostgpu.cli.client import cmd_findings as run
 
     return run(args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from ghostgpu.up import run_up
+    from ghostgpu.cli.up import run_up
 
     return run_up(_config(args), args, install_signals=_install_signals)
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="ghostgpu: %(name)s: %(message)s")
-    from tracer.config import ConfigError
+    from ghostgpu.tracer.config import ConfigError
 
     try:
         if args.command in ("tracer", "collector", "up"):
@@ -219,6 +219,3 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         raise
 
-
-if __name__ == "__main__":
-    sys.exit(main())

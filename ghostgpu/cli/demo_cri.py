@@ -1,6 +1,6 @@
 """The container runtime of `ghostgpu up --demo`: a CRI runtime.v1 endpoint that knows the demo pods.
 
-The demo's containers are made by hand (ghostgpu/demo.py), so no real runtime knows them; a real
+The demo's containers are made by hand (ghostgpu/cli/demo.py), so no real runtime knows them; a real
 containerd on the node would truthfully answer "no such container", and the collector would call
 every demo consumer orphaned. This endpoint, on a unix socket in the demo's temporary directory,
 answers the read-only RuntimeService calls the way containerd would for real pods, so the demo

@@ -4,7 +4,7 @@ The tracer's dict records are the one event vocabulary: `ghostgpu tracer --jsonl
 stream sends them as NodeEvents, and the collector hands them back to clients through
 `event_to_record`, so a record that makes the trip comes back with the keys and values it left
 with. JSON has null where proto3 scalars have none: -1 stands for an unknown GPU index, minor or
-fd, 0 for an unknown namespace PID, parent, cgroup id or total memory (ghostgpu.convert keeps the
+fd, 0 for an unknown namespace PID, parent, cgroup id or total memory (ghostgpu.common.convert keeps the
 same rules for consumers).
 
 `node` is not on the NodeEvent (the stream's Hello names the node once), so `event_to_record`
@@ -18,11 +18,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ghostgpu.convert import consumer_from_proto, consumer_to_proto
-from ghostgpu.model import Consumer
+from ghostgpu.common.convert import consumer_from_proto, consumer_to_proto
+from ghostgpu.common.model import Consumer
 from ghostgpu.v1 import node_pb2, stream_pb2
 
-log = logging.getLogger("ghostgpu.wire")
+log = logging.getLogger("ghostgpu.common.wire")
 
 HOLDER_KINDS = ("open", "close", "mmap", "unmap", "fork", "exec", "exit")
 # Record kinds that travel on the stream; `ready` is a local start-up marker and does not.
