@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ghostgpu.tracer.cgroup import parse_proc_cgroup
 
-from bench.common import interrupt_on_sigterm, machine, preflight, print_table, write_json
+from bench.common import interrupt_on_sigterm, machine, preflight, print_table, stop_by_stdin, write_json
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 from tests.helpers.tracer_proc import TracerProcess
@@ -132,14 +132,7 @@ class Poller:
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Close its stdin (its signal to write and exit); kill it past the deadline. Idempotent."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_by_stdin(self.proc, timeout_s)
 
     def finish(self, timeout_s: float = 10.0) -> dict[str, Any]:
         self.stop(timeout_s)

@@ -21,6 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_shortlived import scan_proc_fds  # the same /proc/*/fd walk as the short-lived bench
+from bench.common import stop_by_stdin
 
 POLL_PREFIX = "/dev/nvidia"
 
@@ -57,14 +58,7 @@ class Poller:
                                       str(interval_s)], stdin=subprocess.PIPE)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Close its stdin (its signal to write and exit); kill it past the deadline. Idempotent."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_by_stdin(self.proc, timeout_s)
 
     def finish(self) -> dict[str, Any]:
         self.stop()

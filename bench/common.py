@@ -9,6 +9,7 @@ import platform
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -121,3 +122,15 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def stop_by_stdin(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """Close a reference poller's stdin (its signal to write its results and exit); kill it past
+    the deadline. Idempotent."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -168,8 +168,10 @@ class HolderTables:
         mappings went without a close), keeping its procs entry, so that an exit from here on is
         still reported, and its ioctl counters, which belong to the process, not the image."""
         owned = self.owned.get(tgid)
-        if owned is None:
-            return
+        if owned is not None:
+            self._drop_fds_and_holds(tgid, owned)
+
+    def _drop_fds_and_holds(self, tgid: int, owned: Owned) -> None:
         for fd in owned.fds:
             self.fds.delete(self.fds.Key(tgid, fd))
         for dev_id in owned.dev_ids:
@@ -184,10 +186,7 @@ class HolderTables:
         owned = self.owned.pop(tgid, None)
         if owned is None:
             return
-        for fd in owned.fds:
-            self.fds.delete(self.fds.Key(tgid, fd))
-        for dev_id in owned.dev_ids:
-            self.holds.delete(self.holds.Key(tgid, dev_id))
+        self._drop_fds_and_holds(tgid, owned)
         for fd, dev_id, cmd in owned.ioctl_keys:
             self.ioctls.delete(self.ioctls.Key(tgid, fd, dev_id, cmd))
 
