@@ -42,7 +42,7 @@ from ghostgpu.collector.main import Collector
 
 from bench.common import ROOT, interrupt_on_sigterm, machine, preflight, print_table, write_json
 from ghostgpu.cli.client import Query
-from ghostgpu.common.cluster import cluster_consumer_from_proto
+from ghostgpu.common.convert import cluster_consumer_from_proto
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.containerd import Containerd, Pod, missing
 from tests.helpers.fakenvml import FakeGpu, FakeNvml

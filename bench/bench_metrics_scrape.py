@@ -6,7 +6,7 @@ Run:  .venv/bin/python bench/bench_metrics_scrape.py [--nodes 1000] [--consumers
 
 A real Collector (SQLite in a temp dir) with --metrics-listen on loopback. Its state is built the way
 ingest builds it, on its event loop: per node a Hello/Position, a Snapshot of `consumers` consumers
-(NodeState.apply_snapshot, then ClusterTable.update) with NodeInfo of 8 GPUs; containers resolve at
+(NodeView.apply_snapshot, then ClusterTable.update) with NodeInfo of 8 GPUs; containers resolve at
 once to namespace/pod/container names. Per node: 4 hidden and 2 unattributed consumers (non-visible:
 6,000 in all, so the default cap of 1,000 per-process series applies) and 14 visible ones.
 
@@ -55,7 +55,7 @@ class Names:
         pass
 
     def get(self, node: str, container_id: str) -> Any:
-        from ghostgpu.common.cluster import K8sInfo
+        from ghostgpu.common.model import K8sInfo
 
         return K8sInfo("resolved", "ml", f"train-{container_id[:6]}-{container_id[6:10]}", "uid",
                        "trainer", "registry.local/ml/train:1.4", "CONTAINER_RUNNING", "SANDBOX_READY")
@@ -77,7 +77,7 @@ def consumers_of(node: int, count: int) -> list[Any]:
 
 
 def populate(collector: Any, nodes: int, consumers: int) -> None:
-    from ghostgpu.collector.nodes import NodeState
+    from ghostgpu.collector.nodes import NodeView
     from ghostgpu.collector.store import Position
 
     from ghostgpu.common.convert import consumer_to_proto
@@ -89,7 +89,7 @@ def populate(collector: Any, nodes: int, consumers: int) -> None:
 
     def one(i: int) -> None:
         name = f"gpu-node-{i:04d}"
-        ns = collector.nodes.setdefault(name, NodeState(name))
+        ns = collector.nodes.setdefault(name, NodeView(name))
         ns.begin(stream_pb2.Hello(api_version=1, node=name, boot_id="b", instance_id=f"i-{i}",
                                   tracer_version="0.4.0"), Position(name, "b", f"i-{i}"))
         pool = [consumer_to_proto(c) for c in consumers_of(i, consumers)]

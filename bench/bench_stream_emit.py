@@ -2,18 +2,21 @@
 spool holds per event. No root needed: python bench/bench_stream_emit.py [--events N] [--reps R].
 
 emit() is on the tracer's hot path (every open, close, finding), so it must stay far below the
-JSON-lines sink the tracer always had. Modes, best of R rounds of N emits of real record shapes
+JSON-lines sink the tracer always had. Modes, best of R rounds of N emits of real typed records
 (a holder `open` and a `finding`, alternating), taking turns within each round:
 
-- callback: a sink that does nothing (the floor: a Python call)
-- jsonl: JsonlSink to /dev/null (what `ghostgpu tracer --jsonl` pays)
+- callback: a sink that hands each record's JSON object to a function that does nothing (the
+  live view's cost: to_json() and a Python call)
+- jsonl: JsonlSink to /dev/null (what `ghostgpu tracer --jsonl` pays: to_json() and json.dumps)
 - stream_connected: StreamSink streaming to an acknowledging collector on loopback
 - stream_spooling: StreamSink with the collector away (records go to the spool only)
 
 Each mode reports wall ns per emit and the emitting thread's CPU ns (`_cpu`): wall time also
 counts waiting for the GIL while the stream's sender thread encodes. Also: events/s through to the
-collector (every one acknowledged), and spool bytes per event once encoded (the (seq, bytes) entry
-and its deque slot). Writes bench/results/stream_emit.json.
+collector (every one acknowledged), spool bytes per event once encoded (the (seq, bytes) entry
+and its deque slot), and CPU ns per record (best of R) of what surrounds emit(): building the
+record in the agent (`build_cpu_ns`) and encoding it to NodeEvent bytes on the sender thread
+(`encode_cpu_ns`). Writes bench/results/stream_emit.json.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -34,13 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ghostgpu.tracer import records  # noqa: E402
-from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlView, ProcessInfo  # noqa: E402
+from ghostgpu.tracer.events import EventKind, NvmlView, ProcessInfo, SourceEvent  # noqa: E402
 from ghostgpu.tracer.sinks import CallbackSink, JsonlSink  # noqa: E402
 from ghostgpu.tracer.spool import encode_event  # noqa: E402
 from ghostgpu.tracer.stream import StreamOptions, StreamSink  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine  # noqa: E402
 from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef  # noqa: E402
+from ghostgpu.common.records import Record  # noqa: E402
 from ghostgpu.v1 import stream_pb2, stream_pb2_grpc  # noqa: E402
 
 
@@ -56,22 +60,40 @@ class AckingCollector(stream_pb2_grpc.NodeStreamServicer):
                 yield stream_pb2.CollectorMessage(ack=stream_pb2.Ack(seq=msg.events.events[-1].seq))
 
 
-def sample_records() -> list[dict[str, Any]]:
+def record_builders() -> list[Callable[[], Record]]:
+    """How the agent makes each sample record (tracer/records.py), from its own events and state."""
     info = ProcessInfo(pid=4242, ns_pid=7, comm="python3", exe="/usr/bin/python3", cmdline="python3 train.py",
                        uid=0, ppid=4200, state="S", cgroup_path="/kubepods.slice/x/cri-containerd-a.scope",
                        container_id="a" * 64, pod_uid="1441bc39-919a-4962-bb72-ea854cbd68ff",
                        runtime="containerd")
     dev = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)
-    ev = HolderEvent(EventKind.OPEN, "bpf", 123_456_789, 4242, tid=4242, fd=5, device=dev, cgroup_id=812)
-    opened = records.event_record("node-1", ev, info, ["/dev/nvidia0"], NvmlView(available=False))
+    ev = SourceEvent(EventKind.OPEN, "bpf", 123_456_789, 4242, tid=4242, fd=5, device=dev, cgroup_id=812)
+    nvml = NvmlView(available=False)
     consumer = Consumer(node="node-1", pid=4242, ns_pid=7, comm="python3", gpu=0, gpu_uuid="", gpu_minor=0,
                         devices=["/dev/nvidia0"], container_id="a" * 64, pod_uid="p", runtime="containerd",
                         cls=ConsumerClass.HIDDEN, reason="holds /dev/nvidia0; NVML does not list it",
                         gpu_memory_bytes=None)
-    return [opened, records.consumer_record("finding", consumer)]
+    return [lambda: records.event_record("node-1", ev, info, ["/dev/nvidia0"], nvml),
+            lambda: records.consumer_record("finding", consumer)]
 
 
-def ns_per_emit(sink: Any, recs: list[dict[str, Any]], n: int) -> tuple[float, float]:
+def sample_records() -> list[Record]:
+    return [build() for build in record_builders()]
+
+
+def cpu_ns_per_call(fn: Callable[[int], object], n: int, reps: int) -> float:
+    """Best of `reps` rounds of n calls: the calling thread's CPU ns per call."""
+    best = float("inf")
+    for _ in range(reps):
+        gc.collect()
+        start = time.thread_time_ns()
+        for i in range(n):
+            fn(i)
+        best = min(best, (time.thread_time_ns() - start) / n)
+    return round(best, 1)
+
+
+def ns_per_emit(sink: Any, recs: list[Record], n: int) -> tuple[float, float]:
     """(wall ns, CPU ns of the emitting thread) per emit. Wall time includes waiting for the GIL
     while the sender thread encodes; CPU time is what emit() itself costs the tracer's thread."""
     emit = sink.emit
@@ -125,8 +147,16 @@ def main() -> int:
     entries = [(seq + i, encode_event(seq + i, recs[i & 1])) for i in range(1000)]
     per_event = sum(sys.getsizeof(e) + sys.getsizeof(e[0]) + sys.getsizeof(e[1]) + 8 for e in entries) / 1000
     best = {name: min(r[name] for r in rounds) for name in rounds[0]}
+    n_calls = max(1, args.events // 2)
+    kinds = ("open", "finding")
+    build_cpu = {k: cpu_ns_per_call(lambda _i, b=b: b(), n_calls, args.reps)
+                 for k, b in zip(kinds, record_builders(), strict=True)}
+    encode_cpu = {k: cpu_ns_per_call(lambda i, r=r: encode_event(i + 1, r), n_calls, args.reps)
+                  for k, r in zip(kinds, recs, strict=True)}
     result = {
         "ns_per_emit": best,
+        "build_cpu_ns": build_cpu,
+        "encode_cpu_ns": encode_cpu,
         "ratio_to_jsonl": {name: round(v / best["jsonl"], 3) for name, v in best.items()
                            if not name.endswith("_cpu")},
         "events_per_s_acknowledged": round(max(throughput)),
@@ -135,8 +165,9 @@ def main() -> int:
     }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "stream_emit.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("ns_per_emit", "ratio_to_jsonl", "events_per_s_acknowledged",
-                                             "spool_bytes_per_encoded_event")}, indent=2))
+    shown = ("ns_per_emit", "ratio_to_jsonl", "events_per_s_acknowledged", "spool_bytes_per_encoded_event",
+             "build_cpu_ns", "encode_cpu_ns")
+    print(json.dumps({k: result[k] for k in shown}, indent=2))
     return 0
 
 

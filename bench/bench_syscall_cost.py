@@ -26,7 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ghostgpu.tracer.bpf_source import OPTIONAL_SYSCALLS, BpfSource, find_tracefs  # noqa: E402
+from ghostgpu.tracer.bpf_build import OPTIONAL_SYSCALLS, find_tracefs  # noqa: E402
+from ghostgpu.tracer.bpf_source import BpfSource  # noqa: E402
 
 LOOP_C = r"""
 #include <fcntl.h>

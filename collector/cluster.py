@@ -1,11 +1,11 @@
 """The cluster-wide consumer table and the findings lifecycle.
 
 For each node consumer: CRI's answer for its container (`resolve(node, container_id)`, which
-never blocks) and the node's PodResources allocations go through `collector.k8s.enrich` to the
+never blocks) and the node's PodResources allocations go through `collector.enrich.enrich` to the
 final class. When CRI's answer for a container changes, `on_cri_change` re-enriches that
 container's consumers.
 
-A cluster consumer whose final class is in ghostgpu.common.protocol.FINDING_CLASSES is an open finding, keyed
+A cluster consumer whose final class is in ghostgpu.common.classes.FINDING_CLASSES is an open finding, keyed
 by (node, consumer key). A class change or the consumer's disappearance resolves it (and a new
 class may open another). Every change is written to the store (history) and pushed to watchers.
 A watcher has a bounded queue: one that falls behind is dropped (its RPC ends with
@@ -27,17 +27,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ghostgpu.collector.cri_fetch import normalize_container_id
-from ghostgpu.collector.k8s import NO_CONTAINER, enrich
-from ghostgpu.collector.nodes import Changes, ConsumerKey, NodeState
+from ghostgpu.collector.enrich import NO_CONTAINER, enrich
+from ghostgpu.collector.nodes import Changes, ConsumerKey, NodeView
 from ghostgpu.collector.store import FindingRow, Store
 
-from ghostgpu.common.cluster import (
-    ClusterConsumer,
-    K8sInfo,
-    cluster_consumer_from_proto,
-    cluster_consumer_to_proto,
-)
-from ghostgpu.common.protocol import FINDING_CLASSES
+from ghostgpu.common.classes import FINDING_CLASSES
+from ghostgpu.common.convert import cluster_consumer_from_proto, cluster_consumer_to_proto
+from ghostgpu.common.model import ClusterConsumer, K8sInfo
 from ghostgpu.v1 import query_pb2
 
 Resolve = Callable[[str, str], K8sInfo]
@@ -123,7 +119,7 @@ def _same(a: ClusterConsumer, b: ClusterConsumer) -> bool:
 
 
 class ClusterTable:
-    def __init__(self, nodes: dict[str, NodeState], resolve: Resolve | None, store: Store | None,
+    def __init__(self, nodes: dict[str, NodeView], resolve: Resolve | None, store: Store | None,
                  next_finding_id: int = 1, open_findings: Iterable[FindingRow] = (), *,
                  forget: Callable[[str, str], None] | None = None,
                  unused_keep_s: float = UNUSED_CONTAINER_KEEP_S, unused_max: int = UNUSED_CONTAINERS_MAX,
@@ -156,7 +152,7 @@ class ClusterTable:
 
     # ---- updates -----------------------------------------------------------------------------
 
-    def update(self, ns: NodeState, changes: Changes) -> None:
+    def update(self, ns: NodeView, changes: Changes) -> None:
         """Re-enrich the consumers `changes` names (every one of the node when `full`)."""
         rows = self.rows.setdefault(ns.node, {})
         keys: Iterable[ConsumerKey] = changes.keys
@@ -179,7 +175,7 @@ class ClusterTable:
             self._refresh(ns, rows, key, now)
         self._flush()
 
-    def _refresh(self, ns: NodeState, rows: dict[ConsumerKey, ClusterConsumer], key: ConsumerKey,
+    def _refresh(self, ns: NodeView, rows: dict[ConsumerKey, ClusterConsumer], key: ConsumerKey,
                  now: int) -> None:
         node = ns.node
         c = ns.consumers.get(key)

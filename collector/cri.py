@@ -36,9 +36,9 @@ from ghostgpu.collector.cri_fetch import (
     fetch_k8s_info,
     normalize_container_id,
 )
-from ghostgpu.collector.k8s import NO_CONTAINER
+from ghostgpu.collector.enrich import NO_CONTAINER
 
-from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.model import K8sInfo
 
 __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriTransport", "direct_transport"]
 

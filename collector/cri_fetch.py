@@ -14,13 +14,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ghostgpu.common.cluster import K8sInfo
+from ghostgpu.common.addresses import socket_target
+from ghostgpu.common.model import K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 
 CriTransport = Callable[[str, bytes, float], bytes]  # (method, request bytes, timeout_s) -> response bytes
@@ -57,19 +57,10 @@ class CriCallError(Exception):
         self.message = message
 
 
-def endpoint_target(endpoint: str) -> str:
-    """gRPC target for a CRI endpoint: unix:///path or an absolute socket path."""
-    if endpoint.startswith("unix:///"):
-        return endpoint
-    if endpoint.startswith("/"):
-        return "unix://" + endpoint
-    raise ValueError(f"CRI endpoint {endpoint!r}: write it unix:///absolute/path/to/runtime.sock")
-
-
 def direct_transport(endpoint: str) -> CriTransport:
     """A transport over a local CRI socket: one channel, reused for every call and every runtime
     restart (gRPC reconnects by itself); only the read-only methods are let through."""
-    target = endpoint_target(endpoint)
+    target = socket_target(endpoint)
     channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
     calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
     lock = threading.Lock()
@@ -92,20 +83,6 @@ def direct_transport(endpoint: str) -> CriTransport:
 
     call.channel = channel  # type: ignore[attr-defined]  # tests and close() reach the channel
     return call
-
-
-def answer_of(fut: Future[bytes], timeout_s: float) -> bytes:
-    """fut.result(timeout_s) for a relayed call (concurrent.futures.TimeoutError past it), raising a new
-    CriCallError for a failed one: re-raising the future's own would tie it, its traceback, the waiting
-    frames and the future into a reference cycle per failed call (NOT_FOUND for a gone container or
-    sandbox is one), which only the cyclic GC frees, and which the commands' gc policy
-    (collector/heap.py) may freeze with the long-lived heap for up to an hour."""
-    error = fut.exception(timeout_s)
-    if error is None:
-        return fut.result()
-    if not isinstance(error, CriCallError):
-        raise error  # not one the relay sets: as it is
-    raise CriCallError(error.code, error.message)
 
 
 class CriClient:

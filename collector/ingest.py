@@ -15,9 +15,7 @@ duplicates (counted, not stored again); an Ack covers only committed events.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -27,8 +25,8 @@ from typing import Any
 
 import grpc
 from ghostgpu.collector.cluster import ClusterTable
-from ghostgpu.collector.cri_fetch import CriCallError, CriTransport, answer_of
-from ghostgpu.collector.nodes import BatchError, NodeState, validate_batch
+from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
+from ghostgpu.collector.relay import CriRelayClient
 from ghostgpu.collector.store import Position, Store
 from google.protobuf.message import DecodeError
 
@@ -38,7 +36,6 @@ from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger(__name__)
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 _ACK = object()
 MAX_INFLIGHT_BATCHES = 32  # per stream, uncommitted: past it the reader waits (back-pressure on the tracer)
 PENDING_BYTES_MAX = 64 << 20  # all streams: event bytes queued for the writer
@@ -50,10 +47,10 @@ class StreamAbort(Exception):
         self.code, self.details = code, details
 
 
-class Session:
-    """One connected stream of one tracer."""
+class IngestSession:
+    """One connected stream of one tracer, as the collector serves it."""
 
-    def __init__(self, hello: stream_pb2.Hello, state: NodeState) -> None:
+    def __init__(self, hello: stream_pb2.Hello, state: NodeView) -> None:
         self.hello = hello
         self.node = hello.node
         self.state = state
@@ -66,7 +63,6 @@ class Session:
         self.inflight = 0
         self.drained = asyncio.Event()
         self.drained.set()
-        self.commands: dict[int, concurrent.futures.Future[bytes]] = {}
 
     def end(self, code: grpc.StatusCode | None, details: str = "") -> None:
         """Finish the stream: OK when code is None, else abort with the code."""
@@ -80,25 +76,26 @@ class Session:
 
 
 class Ingest:
-    """The stream servicer and the CRI relay; every method but relay_call runs on the event loop."""
+    """The stream servicer; every method runs on the event loop. CRI calls to the tracers go through
+    `relay` (collector/relay.py), which this servicer hands the tracers' answers and ended streams."""
 
-    def __init__(self, nodes: dict[str, NodeState], cluster: ClusterTable, store: Store, event_log_max: int,
+    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int,
                  max_batch_events: int = MAX_BATCH_EVENTS) -> None:
         self.nodes = nodes
         self.cluster = cluster
         self.store = store
         self.event_log_max = event_log_max
         self.max_batch_events = max_batch_events
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, IngestSession] = {}
+        self.relay = CriRelayClient(self.sessions)
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
-        self._command_ids = itertools.count(1)
-        self._done: list[tuple[Session, tuple[str, str, str], int, BaseException | None]] = []
+        self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
         self._done_lock = threading.Lock()
         self._drain_scheduled = False
         for pos in store.load_positions():
             self.durable[pos.key] = pos.delivered_seq
-            self.nodes.setdefault(pos.node, NodeState(pos.node)).positions[pos.key] = pos
+            self.nodes.setdefault(pos.node, NodeView(pos.node)).positions[pos.key] = pos
 
     # ---- the handler ----------------------------------------------------------------------------
 
@@ -148,10 +145,10 @@ class Ingest:
             raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"malformed TracerMessage ({len(raw)} bytes): {e}") from None
 
-    async def _open(self, hello: stream_pb2.Hello) -> Session:
+    async def _open(self, hello: stream_pb2.Hello) -> IngestSession:
         node = hello.node
-        state = self.nodes.setdefault(node, NodeState(node))
-        session = Session(hello, state)
+        state = self.nodes.setdefault(node, NodeView(node))
+        session = IngestSession(hello, state)
         old = self.sessions.get(node)
         self.sessions[node] = session
         if old is not None:
@@ -178,19 +175,15 @@ class Ingest:
                  hello.instance_id, pos.delivered_seq)
         return session
 
-    def _close(self, session: Session) -> None:
+    def _close(self, session: IngestSession) -> None:
         session.active = False
-        for fut in session.commands.values():
-            if not fut.done():
-                fut.set_exception(CriCallError(grpc.StatusCode.UNAVAILABLE,
-                                               f"the stream of node {session.node} ended before it answered"))
-        session.commands.clear()
+        self.relay.stream_ended(session)
         if self.sessions.get(session.node) is session:
             del self.sessions[session.node]
             session.state.end()
             log.info("node %s disconnected", session.node)
 
-    async def _write(self, session: Session, context: grpc.aio.ServicerContext) -> None:
+    async def _write(self, session: IngestSession, context: grpc.aio.ServicerContext) -> None:
         while True:
             item = await session.out.get()
             if item is _ACK:
@@ -206,7 +199,7 @@ class Ingest:
             else:
                 await context.write(item)
 
-    async def _read(self, session: Session, it: AsyncIterator[bytes]) -> None:
+    async def _read(self, session: IngestSession, it: AsyncIterator[bytes]) -> None:
         try:
             async for raw in it:
                 if not session.active:
@@ -232,7 +225,7 @@ class Ingest:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def _handle(self, session: Session, raw: bytes) -> None:
+    def _handle(self, session: IngestSession, raw: bytes) -> None:
         msg = self._parse(raw)
         kind = msg.WhichOneof("msg")
         state = session.state
@@ -256,13 +249,13 @@ class Ingest:
                 state.set_stats(msg.heartbeat.stats)
                 self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
         elif kind == "result":
-            self._result(session, msg.result)
+            self.relay.answer(session, msg.result)
         elif kind == "hello":
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "Hello sent twice on one stream")
         else:
             log.debug("node %s sent a message this collector does not know; ignored", session.node)
 
-    def _batch(self, session: Session, batch: stream_pb2.EventBatch, raw: bytes) -> None:
+    def _batch(self, session: IngestSession, batch: stream_pb2.EventBatch, raw: bytes) -> None:
         events = batch.events
         try:
             seqs, bodies = validate_batch(events, self.max_batch_events)
@@ -293,7 +286,7 @@ class Ingest:
             if changes.keys or changes.full:
                 self.cluster.update(state, changes)
 
-    def _committed_elsewhere(self, session: Session, key: tuple[str, str, str], seq: int,
+    def _committed_elsewhere(self, session: IngestSession, key: tuple[str, str, str], seq: int,
                              error: BaseException | None) -> None:
         """Writer thread: hand the commit to the loop, waking it once per group commit rather than
         once per batch (each wake-up is a write to the loop's self-pipe)."""
@@ -314,7 +307,7 @@ class Ingest:
         for args in done:
             self._committed(*args)
 
-    def _committed(self, session: Session, key: tuple[str, str, str], seq: int,
+    def _committed(self, session: IngestSession, key: tuple[str, str, str], seq: int,
                    error: BaseException | None) -> None:
         session.inflight -= 1
         if error is not None:
@@ -327,71 +320,6 @@ class Ingest:
                     session.queue_ack()
         if session.inflight == 0:
             session.drained.set()
-
-    # ---- CRI relay -----------------------------------------------------------------------------
-
-    def _result(self, session: Session, result: stream_pb2.CommandResult) -> None:
-        fut = session.commands.pop(result.id, None)
-        if fut is None or fut.done():
-            log.debug("node %s answered command %d, which nobody waits for", session.node, result.id)
-            return
-        if result.WhichOneof("body") != "cri":
-            fut.set_exception(CriCallError(grpc.StatusCode.INTERNAL, f"tracer on node {session.node} "
-                                           "answered a CRI command without a CRI result"))
-            return
-        r = result.cri
-        if r.code == 0:
-            fut.set_result(bytes(r.response))
-        else:
-            where = f"via the tracer on node {session.node}" + (f", {r.endpoint}" if r.endpoint else "")
-            code = _CODES.get(r.code, grpc.StatusCode.UNKNOWN)
-            fut.set_exception(CriCallError(code, f"{r.message} ({where})"))
-
-    def relay_call(self, node: str, method: str, request: bytes, timeout_s: float) -> bytes:
-        """One CRI call through the node's tracer (blocking; call it off the event loop)."""
-        loop = self.loop
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None  # a worker thread, as it should be
-        if running is not None and running is loop:
-            raise RuntimeError("relay_call blocks: call it from a worker thread, not the event loop")
-        fut: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-        command_id = next(self._command_ids)
-
-        def send() -> None:
-            session = self.sessions.get(node)
-            if session is None or not session.active or not session.cri_relay:
-                fut.set_exception(CriCallError(grpc.StatusCode.UNAVAILABLE,
-                                               f"node {node} has no connected tracer offering cri-relay"))
-                return
-            session.commands[command_id] = fut
-            req = stream_pb2.CriRequest(method=method, request=request,
-                                        timeout_ms=max(1, int(timeout_s * 1000)))
-            command = stream_pb2.Command(id=command_id, cri=req)
-            session.out.put_nowait(stream_pb2.CollectorMessage(command=command))
-
-        if loop is None or loop.is_closed():
-            raise CriCallError(grpc.StatusCode.UNAVAILABLE, f"node {node} has no connected tracer")
-        loop.call_soon_threadsafe(send)
-        try:
-            return answer_of(fut, timeout_s + 1.0)  # the tracer's own CRI timeout, plus the round trip
-        except concurrent.futures.TimeoutError:
-            loop.call_soon_threadsafe(self._forget_command, node, command_id)
-            raise CriCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the tracer on node {node} did not answer "
-                               f"CRI {method} within {timeout_s:g} s") from None
-
-    def _forget_command(self, node: str, command_id: int) -> None:
-        session = self.sessions.get(node)
-        if session is not None:
-            session.commands.pop(command_id, None)
-
-    def relay_for(self, node: str) -> CriTransport | None:
-        """The relay transport for a node whose tracer is connected with cri-relay, else None."""
-        session = self.sessions.get(node)
-        if session is None or not session.cri_relay:
-            return None
-        return partial(self.relay_call, node)
 
     def shutdown(self) -> None:
         for session in list(self.sessions.values()):

@@ -31,14 +31,15 @@ from typing import Any, Protocol, TypeVar
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest
-from ghostgpu.collector.nodes import NodeState
+from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.server import ListenError, check_listen, start_server
 from ghostgpu.collector.store import Store, StoreError
 
 from ghostgpu import __version__
-from ghostgpu.common.cluster import K8sInfo
-from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable, parse_listen
+from ghostgpu.common.addresses import dial_address, is_unix, parse_listen, port_of
+from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable
+from ghostgpu.common.model import K8sInfo
 from ghostgpu.common.protocol import MAX_BATCH_EVENTS
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Collector:
         if cri_ttl_s <= 0:
             raise ValueError(f"--cri-ttl-s {cri_ttl_s}: must be more than 0")
         if metrics_listen is not None:
-            parse_listen(metrics_listen, "--metrics-listen")  # HttpListenError: one line naming the flag
+            parse_listen(metrics_listen, "--metrics-listen", HttpListenError)  # one line naming the flag
         if metrics_max_process_series < 0:
             raise ValueError(f"--metrics-max-process-series {metrics_max_process_series}: must be 0 or more")
         if alert_resend_s <= 0:
@@ -142,7 +143,7 @@ class Collector:
             except ValueError as e:  # a malformed endpoint: name the flag, as every other bad value does
                 raise ValueError(f"--collector-cri-endpoint: {e}") from None
         self.store = Store(self.db_path, self.event_log_max, self.retention_days)
-        self.nodes: dict[str, NodeState] = {}
+        self.nodes: dict[str, NodeView] = {}
         if self._resolver_factory is not None:
             self.resolver = self._resolver_factory(self.transport_for, self._on_cri_change)
         else:
@@ -153,6 +154,7 @@ class Collector:
                                     self.store.max_finding_id() + 1, self.store.load_open_findings(),
                                     forget=getattr(self.resolver, "forget", None))
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
+        self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures)
         if self.alertmanager:
@@ -185,7 +187,7 @@ class Collector:
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.ingest.loop = self.loop
+        self.ingest.loop = self.relay.loop = self.loop
         self._stop_event = asyncio.Event()
         try:
             server, self.addresses = await start_server(self.ingest.connect, self.query, self.listen)
@@ -248,11 +250,7 @@ class Collector:
     @property
     def address(self) -> str:
         """The first bound address, as a client dials it (0.0.0.0 and [::] become loopback)."""
-        addr = self.addresses[0]
-        for wildcard, loopback in (("0.0.0.0:", "127.0.0.1:"), ("[::]:", "[::1]:")):
-            if addr.startswith(wildcard):
-                return loopback + addr.removeprefix(wildcard)
-        return addr
+        return dial_address(self.addresses[0])
 
     @property
     def metrics_address(self) -> str | None:
@@ -262,10 +260,7 @@ class Collector:
     @property
     def port(self) -> int | None:
         """The TCP port of the first TCP address (the chosen one for HOST:0), None if only unix."""
-        for addr in self.addresses:
-            if not addr.startswith("unix:"):
-                return int(addr.rpartition(":")[2])
-        return None
+        return next((port_of(addr) for addr in self.addresses if not is_unix(addr)), None)
 
     @property
     def failed(self) -> BaseException | None:
@@ -299,7 +294,7 @@ class Collector:
         node's tracer relay, else the local socket (--collector-cri-endpoint), else None."""
         if self._direct is not None and self.node_name and node == self.node_name:
             return self._direct
-        return self.ingest.relay_for(node) or self._direct
+        return self.relay.transport(node) or self._direct
 
     def _on_cri_change(self, node: str, container_id: str) -> None:
         loop = self.loop

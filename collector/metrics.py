@@ -32,7 +32,7 @@ from ghostgpu.collector.metrics_render import (
     render_info,
     render_status,
 )
-from ghostgpu.collector.nodes import NodeState
+from ghostgpu.collector.nodes import NodeView
 from prometheus_client import (
     CollectorRegistry,
     GCCollector,
@@ -43,8 +43,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ghostgpu import __version__
-from ghostgpu.common.cluster import ClusterConsumer
 from ghostgpu.common.httpserve import PROMETHEUS_TEXT, Request, Response
+from ghostgpu.common.model import ClusterConsumer
 from ghostgpu.common.protocol import API_VERSION
 
 __all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "DEFAULT_MAX_PROCESS_SERIES", "CollectorMetrics"]
@@ -76,7 +76,7 @@ class _InfoCache:
 
 
 class CollectorMetrics:
-    def __init__(self, nodes: dict[str, NodeState], cluster: ClusterTable, *,
+    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, *,
                  call: Callable[[Callable[[], Any]], Any] = _run_here,
                  cri_stats: Callable[[], CriStats] | None = None, push_stats: Callable[[], Any] | None = None,
                  max_process_series: int = DEFAULT_MAX_PROCESS_SERIES) -> None:
@@ -124,7 +124,7 @@ class CollectorMetrics:
         for name in names:
             ns = self.nodes.get(name)
             if ns is None:
-                ns = NodeState(name)
+                ns = NodeView(name)
             ingested, spool, ringbuf, duplicates = ns.counters()
             connected += ns.connected
             status.append(NodeStatus(name, ns.connected, ns.last_heartbeat_unix_ns, ingested, spool, ringbuf,

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from ghostgpu.common.cluster import ClusterConsumer
-from ghostgpu.common.protocol import FINDING_CLASSES
+from ghostgpu.common.classes import FINDING_CLASSES
+from ghostgpu.common.model import ClusterConsumer
 
 # name -> (type, help), every ghostgpu_* family the collector serves (README "## Metrics" documents them).
 COLLECTOR_METRICS: dict[str, tuple[str, str]] = {

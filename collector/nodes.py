@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from ghostgpu.collector.k8s import NO_ALLOCATIONS, Allocations, allocations_from
+from ghostgpu.collector.enrich import NO_ALLOCATIONS, Allocations, allocations_from
 from ghostgpu.collector.store import Position
 
-from ghostgpu.common.convert import consumer_from_proto
-from ghostgpu.common.model import Consumer
+from ghostgpu.common.convert import consumer_from_proto, proto_consumer_key
+from ghostgpu.common.model import Consumer, ConsumerKey
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
-ConsumerKey = tuple[int, int | None, str]
 _PASSIVE_BODIES = ("holder", "notice")  # stored in the event log, never change the consumer table
 
 
@@ -55,12 +54,6 @@ def validate_batch(events: Sequence[stream_pb2.NodeEvent], max_events: int) -> t
     return seqs, bodies  # type: ignore[return-value]  # None was ruled out above
 
 
-def proto_key(c: node_pb2.Consumer) -> ConsumerKey:
-    """Consumer.key of consumer_from_proto(c), without converting the whole message."""
-    minor, gpu = c.gpu_minor, c.gpu
-    return (c.process.pid, minor if minor != -1 else (gpu if gpu != -1 else None), c.gpu_uuid)
-
-
 def _copy(msg: Any) -> Any:
     # A sub-message keeps its whole parent batch alive (they share one upb arena): keep a copy.
     return type(msg).FromString(msg.SerializeToString())
@@ -72,7 +65,7 @@ class Changes:
     full: bool = False  # every consumer of the node may have changed (snapshot, allocations)
 
 
-class NodeState:
+class NodeView:
     def __init__(self, node: str) -> None:
         self.node = node
         self.hello: stream_pb2.Hello | None = None
@@ -151,9 +144,9 @@ class NodeState:
                 continue
             ev = events[i]
             if body == "finding":
-                latest[proto_key(ev.finding)] = ev.finding
+                latest[proto_consumer_key(ev.finding)] = ev.finding
             elif body == "resolved":
-                latest[proto_key(ev.resolved)] = None
+                latest[proto_consumer_key(ev.resolved)] = None
             elif body == "allocations":
                 self.set_allocations(ev.allocations)
                 changes.full = True

@@ -17,12 +17,11 @@ from typing import Any, TypeVar
 
 import grpc
 from ghostgpu.collector.cluster import ClusterTable, Watcher
-from ghostgpu.collector.nodes import NodeState
+from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
 
 from ghostgpu import __version__
-from ghostgpu.common.cluster import cluster_consumer_to_proto
-from ghostgpu.common.convert import class_from_proto
+from ghostgpu.common.convert import class_from_proto, cluster_consumer_to_proto
 from ghostgpu.common.protocol import MAX_MESSAGE_BYTES
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 
@@ -118,7 +117,7 @@ def _stored_events(rows: list[EventRow], instance_id: str, after_seq: int,
 
 
 class QueryService(query_pb2_grpc.QueryServicer):
-    def __init__(self, nodes: dict[str, NodeState], cluster: ClusterTable, store: Store,
+    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store,
                  cri_failures: Callable[[str], int] | None = None) -> None:
         self.nodes = nodes
         self.cluster = cluster

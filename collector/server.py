@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from ghostgpu.common.addresses import grpc_listen, is_unix, unix_path, with_port
 from ghostgpu.common.protocol import (
     API_VERSION,
     API_VERSION_METADATA,
@@ -56,15 +57,7 @@ class ListenError(ValueError):
 
 def check_listen(addr: str) -> str:
     """HOST:PORT (port 0 picks a free one), [IPv6]:PORT, or unix:///absolute/path; else ListenError."""
-    if addr.startswith("unix:"):
-        if not addr.startswith("unix:///"):
-            raise ListenError(f"--listen {addr!r}: a unix socket is written unix:///absolute/path")
-        return addr
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ListenError(f"--listen {addr!r}: use HOST:PORT (e.g. 0.0.0.0:7450; port 0 picks a free one) "
-                          "or unix:///path")
-    return addr
+    return grpc_listen(addr, ListenError)
 
 
 def _clear_stale_socket(path: str) -> None:
@@ -162,17 +155,14 @@ async def start_server(connect: Callable[..., Any], query: Any,
     bound = []
     for addr in listen:
         check_listen(addr)
-        if addr.startswith("unix:"):
-            _clear_stale_socket(addr.removeprefix("unix://"))
+        if is_unix(addr):
+            _clear_stale_socket(unix_path(addr))
         try:
             port = server.add_insecure_port(addr)
         except RuntimeError as e:
             await server.stop(None)
             raise ListenError(f"--listen {addr}: cannot listen there ({e}); pick a free port or a "
                               "writable socket path") from None
-        if addr.startswith("unix:"):
-            bound.append(addr)
-        else:
-            bound.append(f"{addr.rpartition(':')[0]}:{port}")
+        bound.append(addr if is_unix(addr) else with_port(addr, port))
     await server.start()
     return server, bound

@@ -20,12 +20,12 @@ from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.containment import Containment, HealthReport
 from ghostgpu.tracer.devices import DeviceCatalog
-from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlView, ProcView, boot_ns
+from ghostgpu.tracer.events import EventKind, NvmlView, ProcView, SourceEvent, boot_ns
+from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
 from ghostgpu.tracer.nvml import NvmlSource
 from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
 from ghostgpu.tracer.sinks import Sink
-from ghostgpu.tracer.state import NodeState
 
 from ghostgpu.common.model import Consumer, ConsumerClass
 
@@ -47,7 +47,7 @@ class Tracer:
         self.identities = Identities(cfg.proc_root, self.cgroups)
         self.nvml_source = NvmlSource()
         self.nvml = NvmlView(available=False, error="NVML not read yet")
-        self.state = NodeState(self.identities.identify, exists=self.identities.alive)
+        self.state = HolderTable(self.identities.identify, exists=self.identities.alive)
         self.bpf: Any = None  # tracer.bpf_source.BpfSource when the kernel side runs
         self.consumers: dict[Any, Consumer] = {}
         self.nvml_first_listed: dict[tuple[str, int], int] = {}
@@ -74,11 +74,8 @@ class Tracer:
         # what both see is merged by the node state.
         self.errors.run("scan", self._scan, True)
         self.errors.run("classify", self._classify)
-        self.sink.emit({
-            "event": "ready", "ts": records.wall_ts(), "node": self.cfg.node_name,
-            "bpf": self.bpf is not None, "nvml": self.nvml.available,
-            "startup_s": round(time.monotonic() - self._started_s, 3), "holders": len(self.state.holders),
-        })
+        self.sink.emit(records.ready_record(self.cfg.node_name, self.bpf is not None, self.nvml.available,
+                                            time.monotonic() - self._started_s, len(self.state.holders)))
         self._emit_info()
         if self.health is not None:
             self.health.started()
@@ -287,7 +284,7 @@ class Tracer:
 
     # --- events ---------------------------------------------------------------------------
 
-    def _handle(self, ev: HolderEvent) -> None:
+    def _handle(self, ev: SourceEvent) -> None:
         before = self.state.holders.get(ev.pid)
         if ev.kind is EventKind.EXIT:
             self._exit(ev, before)
@@ -323,7 +320,7 @@ class Tracer:
                 # zombie by then. It holds nothing any more; classified, it would read as orphaned.
                 self._settle_if_gone(ev.pid)
 
-    def _exit(self, ev: HolderEvent, before: Any) -> None:
+    def _exit(self, ev: SourceEvent, before: Any) -> None:
         if before is None:  # not a holder (or already settled by a rescan): only kernel leftovers
             self._forget(ev.pid)
             return
@@ -344,28 +341,28 @@ class Tracer:
 
     def _settle_exit(self, pid: int) -> None:
         """The process is gone and the kernel may never say so: report its EXIT now."""
-        self._exit(HolderEvent(EventKind.EXIT, "procfs", boot_ns(), pid), self.state.holders.get(pid))
+        self._exit(SourceEvent(EventKind.EXIT, "procfs", boot_ns(), pid), self.state.holders.get(pid))
 
     def _forget(self, pid: int) -> None:
         if self.bpf is not None:
             self.bpf.forget(pid)
         self.ioctls.pop(pid, None)
 
-    def _emit_event(self, ev: HolderEvent, holder: Any, counts: dict[tuple[str, int], int] | None = None,
-                    ) -> dict[str, Any]:
+    def _emit_event(self, ev: SourceEvent, holder: Any, counts: dict[tuple[str, int], int] | None = None,
+                    ) -> None:
         info = holder.process if holder is not None else None
         devices = sorted(holder.holds) if holder is not None else []
         if ev.device is not None and ev.device.path not in devices:
             devices.append(ev.device.path)
-        rec = records.event_record(self.cfg.node_name, ev, info, devices, self.nvml)
+        ioctls = held_s = None
         if counts is not None:
             kinds = {path: str(h.device.kind) for path, h in (holder.holds.items() if holder else ())}
-            rec["ioctls"] = records.ioctl_list(counts, kinds)
+            ioctls = records.ioctl_list(counts, kinds)
         if ev.kind is EventKind.EXIT and holder is not None and holder.holds:
             first = min(h.first_seen_ns for h in holder.holds.values())
-            rec["held_s"] = round(max(0, ev.ts_ns - first) / 1e9, 6)
-        self.sink.emit(rec)
-        return rec
+            held_s = round(max(0, ev.ts_ns - first) / 1e9, 6)
+        self.sink.emit(records.event_record(self.cfg.node_name, ev, info, devices, self.nvml, ioctls=ioctls,
+                                            held_s=held_s))
 
     # --- classification -------------------------------------------------------------------
 

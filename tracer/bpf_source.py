@@ -1,4 +1,4 @@
-"""The BPF source: loads bpf/*.bpf.c with bcc, turns ring-buffer records into HolderEvents.
+"""The BPF source: loads bpf/*.bpf.c with bcc, turns ring-buffer records into SourceEvents.
 
 The only module that imports bcc (lazily, in start()). The pure parts (cflags, the event decoder,
 format and capability checks) are module functions so unit tests need neither root nor bcc.
@@ -17,25 +17,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ghostgpu.tracer.bpf_build import (  # noqa: F401  (re-exported for callers and tests)
+from ghostgpu.tracer.bpf_build import (
     BPF_DIR,
-    BPF_FILES,
-    MAX_PREFIXES,
     OPTIONAL_SYSCALLS,
-    PATH_LEN,
     PID_MAX_LIMIT,
-    TRACEFS_CANDIDATES,
     build_cflags,
-    common_prefix,
     find_tracefs,
     format_has_field,
     has_caps,
-    map_sizes,
-    prefix_word,
-    prefix_words,
     program_text,
 )
-from ghostgpu.tracer.events import EventKind, HolderEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, SourceEvent, boot_ns
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
 
@@ -46,7 +38,7 @@ EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
 KINDS = dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, EventKind.FORK, EventKind.EXEC,
                         EventKind.EXIT), start=1))
 EV_OPEN, EV_MMAP, EV_FD, EV_IOCTL_KEY = 1, 3, 7, 8
-BOOKKEEPING_KINDS = {EV_FD: "FD", EV_IOCTL_KEY: "IOCTL_KEY"}  # keys a tgid owns: never HolderEvents
+BOOKKEEPING_KINDS = {EV_FD: "FD", EV_IOCTL_KEY: "IOCTL_KEY"}  # keys a tgid owns: never SourceEvents
 FLAG_MAPPED, FLAG_LEADER_ONLY = 1, 2
 TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids")
 STAT_NAMES = ("ringbuf_drops", "fds_full", "holds_full", "procs_full", "ioctls_full", "dev_ids_full",
@@ -82,14 +74,14 @@ def unpack_event(data: bytes) -> RawEvent | None:
 
 def decode_event(
     data: bytes, dev_paths: Mapping[int, str], classify: Callable[[str], DeviceRef] = DeviceRef
-) -> HolderEvent | None:
-    """One ring-buffer record -> HolderEvent; None for a short record or an unknown kind.
+) -> SourceEvent | None:
+    """One ring-buffer record -> SourceEvent; None for a short record or an unknown kind.
     An id missing from dev_paths (or id 0: FORK/EXEC/EXIT) gives device=None."""
     raw = unpack_event(data)
     if raw is None or raw.kind not in KINDS:
         return None
     path = dev_paths.get(raw.dev_id) if raw.dev_id else None
-    return HolderEvent(
+    return SourceEvent(
         kind=KINDS[raw.kind], source="bpf", ts_ns=raw.ts_ns, pid=raw.tgid, tid=raw.tid, fd=raw.fd,
         device=classify(path) if path is not None else None, cgroup_id=raw.cgroup_id,
         child_pid=raw.child_pid, mapped=bool(raw.flags & FLAG_MAPPED),
@@ -129,7 +121,7 @@ class BpfSource:
         self.tables: HolderTables | None = None  # the kernel tables, once started
         self._bpf: Any = None
         self._records: list[bytes] = []
-        self._leader_exits: dict[int, HolderEvent] = {}  # tgid -> EXIT waiting for the group to die
+        self._leader_exits: dict[int, SourceEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
 
     def _preflight(self) -> tuple[Any, str]:
@@ -218,7 +210,7 @@ class BpfSource:
         libbpf.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
         return int(libbpf.ring_buffer__epoll_fd(manager)) if manager else -1
 
-    def poll(self, timeout_ms: int) -> list[HolderEvent]:
+    def poll(self, timeout_ms: int) -> list[SourceEvent]:
         """Wait up to timeout_ms for ring-buffer records and return them as events, in order.
         Bookkeeping records (which keys a tgid owns) go to the tables and are not returned."""
         if self._bpf is None or self.tables is None:
@@ -227,7 +219,7 @@ class BpfSource:
         self._bpf.ring_buffer_consume()  # records committed whose wakeup (irq_work) is still due
         records, self._records = self._records, []
         tables = self.tables
-        events: list[HolderEvent] = []
+        events: list[SourceEvent] = []
         for data in records:
             raw = unpack_event(data)
             if raw is None:
@@ -251,9 +243,9 @@ class BpfSource:
         events.extend(self._settle_leader_exits())
         return events
 
-    def _settle_leader_exits(self) -> list[HolderEvent]:
+    def _settle_leader_exits(self) -> list[SourceEvent]:
         """Kernels without group_dead: the leader's EXIT becomes EXIT once no live task is left."""
-        done: list[HolderEvent] = []
+        done: list[SourceEvent] = []
         for tgid, event in list(self._leader_exits.items()):
             if group_dead(_read(f"{self.proc_root}/{tgid}/stat")):
                 del self._leader_exits[tgid]

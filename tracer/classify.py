@@ -1,10 +1,10 @@
 """Classification: one pure function from holders + the NVML view to consumers (process x GPU).
 
-All the class rules live here, in this order of precedence:
-system > ghost > orphaned > visible > pending > unattributed | hidden, and `unknown` for what
-needs NVML when NVML is not available (or cannot list that GPU). The grace period is checked
-before unattributed/hidden for host and container processes alike: NVML lists a new CUDA context
-only once it exists, a moment after the device file is opened.
+Every node-side rule lives here: each gathers the evidence for its class alone (the allowlist,
+NVML's listing, the process tree, the grace period, the container), and ghostgpu.common.classes
+decides which of the classes that hold wins, with the same table the collector's enrich() uses.
+The grace period holds for host and container processes alike: NVML lists a new CUDA context only
+once it exists, a moment after the device file is opened.
 
 Reasons are one human line naming the evidence; numbers that move between refreshes (ages, MiB,
 fds) appear only in the text, and diff_consumers() compares the reason with its numbers masked,
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from ghostgpu.tracer.config import DEFAULT_SYSTEM_ALLOWLIST
 from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
+from ghostgpu.common import classes
+from ghostgpu.common.display import mib_phrase, short_id
 from ghostgpu.common.model import Consumer, ConsumerClass
 
 ConsumerKey = tuple[int, int | None, str]
@@ -44,10 +46,6 @@ class ClassifyConfig:
 
 def _s(ns: int) -> str:
     return f"{max(ns, 0) / 1e9:.1f} s"
-
-
-def _mib(nbytes: int | None) -> str:
-    return "an unknown amount of memory" if nbytes is None else f"{nbytes / (1 << 20):.0f} MiB"
 
 
 def _gpu_text(gpu: int | None, uuid: str, minor: int | None) -> str:
@@ -91,7 +89,7 @@ def _system_name(info: ProcessInfo, cfg: ClassifyConfig) -> str | None:
 def _ghost_reason(pid: int, uuid: str, gpu_text: str, listed: NvmlProcess, cfg: ClassifyConfig,
                   pid_exists: Callable[[int], int | None]) -> str | None:
     """Why NVML's listing of pid on this GPU belongs to a dead process, or None if it does not."""
-    where = f"NVML lists PID {pid} on {gpu_text} using {_mib(listed.used_gpu_memory_bytes)}"
+    where = f"NVML lists PID {pid} on {gpu_text} using {mib_phrase(listed.used_gpu_memory_bytes)}"
     start_ticks = pid_exists(pid)
     if start_ticks is None:
         return f"{where}, but no such process exists on the host"
@@ -111,12 +109,24 @@ def _orphan_reason(info: ProcessInfo, cfg: ClassifyConfig) -> str | None:
         return "it is a zombie (state Z)"
     if not info.container_id or info.parent_container_id == info.container_id:
         return None
-    short = info.container_id[:12]
+    short = short_id(info.container_id)
     if info.ppid == 1:
         return f"container {short}'s process was reparented to host PID 1 outside its container"
     if info.parent_comm and info.parent_comm in cfg.reaper_comms:
         return (f"container {short}'s process was reparented to subreaper {info.parent_comm} "
                 f"(PID {info.ppid}) outside its container")
+    return None
+
+
+def _unknown_reason(nvml: NvmlView, nv_gpu: NvmlGpu | None, minor: int, gpu_text: str) -> str | None:
+    """Why NVML cannot say whether it lists a holder of this GPU, or None when it can."""
+    if not nvml.available:
+        why = nvml.error or "no reason given"
+        return f"NVML is unavailable ({why}), so whether it lists the PID is unknown"
+    if nv_gpu is None:
+        return f"NVML reports no GPU with device minor {minor}, so visibility is unknown"
+    if not getattr(nv_gpu, "processes_known", True):
+        return f"NVML could not list the processes of {gpu_text}, so visibility is unknown"
     return None
 
 
@@ -133,7 +143,7 @@ def _holder_consumers(holder: Holder, nvml: NvmlView, now_ns: int, cfg: Classify
     system = _system_name(info, cfg)
     orphan = _orphan_reason(info, cfg)
     cid = info.container_id
-    where = f"in container {cid[:12]}" if cid else "on the host, outside any container"
+    where = f"in container {short_id(cid)}" if cid else "on the host, outside any container"
     out: list[Consumer] = []
     for minor, holds in sorted(per_gpu.items()):
         nv_gpu = nvml.gpu_by_minor(minor) if nvml.available else None
@@ -145,35 +155,29 @@ def _holder_consumers(holder: Holder, nvml: NvmlView, now_ns: int, cfg: Classify
         listed = listed_by_uuid.get(uuid, {}).get(info.pid) if nv_gpu is not None else None
         ghost = _ghost_reason(info.pid, uuid, gpu_text, listed, cfg, pid_exists) if listed else None
         memory = listed.used_gpu_memory_bytes if listed is not None else None
+        # Every class whose rule holds, with its reason; the shared precedence picks one.
+        found: dict[ConsumerClass, str] = {}
         if system:
-            cls, reason = ConsumerClass.SYSTEM, f"{system} ({info.comm or info.exe}) {what}"
-        elif ghost:
-            cls, reason = ConsumerClass.GHOST, f"{ghost}; the PID {what}"
-        elif orphan:
-            cls, reason = ConsumerClass.ORPHANED, f"{orphan} and still {what}"
-        elif not nvml.available:
-            cls = ConsumerClass.UNKNOWN
-            why = nvml.error or "no reason given"
-            reason = f"{what}; NVML is unavailable ({why}), so whether it lists the PID is unknown"
-        elif nv_gpu is None:
-            cls = ConsumerClass.UNKNOWN
-            reason = f"{what}; NVML reports no GPU with device minor {minor}, so visibility is unknown"
-        elif not getattr(nv_gpu, "processes_known", True):
-            cls = ConsumerClass.UNKNOWN
-            reason = f"{what}; NVML could not list the processes of {gpu_text}, so visibility is unknown"
-        elif listed is not None:
-            cls = ConsumerClass.VISIBLE
-            reason = f"NVML lists PID {info.pid} on {gpu_text} using {_mib(memory)}; {what}"
-        elif age_ns < cfg.grace_ns:
-            cls = ConsumerClass.PENDING
-            reason = (f"{what} {where}, within the {_s(cfg.grace_ns)} grace period; "
-                      f"NVML does not list it on {gpu_text} yet")
-        elif info.container_id:
-            cls = ConsumerClass.HIDDEN
-            reason = f"{what} {where}; NVML lists no such process on {gpu_text}"
+            found[ConsumerClass.SYSTEM] = f"{system} ({info.comm or info.exe}) {what}"
+        if ghost:
+            found[ConsumerClass.GHOST] = f"{ghost}; the PID {what}"
+        if orphan:
+            found[ConsumerClass.ORPHANED] = f"{orphan} and still {what}"
+        if (unknown := _unknown_reason(nvml, nv_gpu, minor, gpu_text)) is not None:
+            found[ConsumerClass.UNKNOWN] = f"{what}; {unknown}"
+        if listed is not None:
+            found[ConsumerClass.VISIBLE] = (f"NVML lists PID {info.pid} on {gpu_text} using "
+                                            f"{mib_phrase(memory)}; {what}")
+        if age_ns < cfg.grace_ns:
+            found[ConsumerClass.PENDING] = (f"{what} {where}, within the {_s(cfg.grace_ns)} grace period; "
+                                            f"NVML does not list it on {gpu_text} yet")
+        unlisted = f"{what} {where}; NVML lists no such process on {gpu_text}"
+        if info.container_id:
+            found[ConsumerClass.HIDDEN] = unlisted
         else:
-            cls = ConsumerClass.UNATTRIBUTED
-            reason = f"{what} {where}; NVML lists no such process on {gpu_text}"
+            found[ConsumerClass.UNATTRIBUTED] = unlisted
+        cls = classes.highest(found)
+        reason = found[cls]
         out.append(Consumer(
             node=node, pid=info.pid, ns_pid=info.ns_pid, comm=info.comm, gpu=gpu, gpu_uuid=uuid,
             gpu_minor=minor, devices=sorted([path for path, _ in holds] + control),
@@ -196,14 +200,15 @@ def _listed_consumer(gpu: NvmlGpu, listed: NvmlProcess, holder: Holder | None, c
     # A holder of another GPU under this PID is who NVML means, unless the PID was reused.
     known = holder is not None and ghost is None
     info = holder.process if holder is not None and known else ProcessInfo(listed.pid, alive=ghost is None)
+    found = {ConsumerClass.VISIBLE: (f"NVML lists PID {listed.pid} on {gpu_text} using "
+                                     f"{mib_phrase(listed.used_gpu_memory_bytes)}; "
+                                     f"no fd of it on the GPU's device file was seen")}
     if listed.pid in cfg.own_pids:
-        cls, reason = ConsumerClass.SYSTEM, f"the tracer itself is listed by NVML on {gpu_text}"
-    elif ghost:
-        cls, reason = ConsumerClass.GHOST, f"{ghost}; no process holds the GPU's device file"
-    else:
-        cls = ConsumerClass.VISIBLE
-        reason = (f"NVML lists PID {listed.pid} on {gpu_text} using {_mib(listed.used_gpu_memory_bytes)}; "
-                  f"no fd of it on the GPU's device file was seen")
+        found[ConsumerClass.SYSTEM] = f"the tracer itself is listed by NVML on {gpu_text}"
+    if ghost:
+        found[ConsumerClass.GHOST] = f"{ghost}; no process holds the GPU's device file"
+    cls = classes.highest(found)
+    reason = found[cls]
     start_ticks = info.start_ticks if known else None
     return Consumer(
         node=node, pid=listed.pid, ns_pid=info.ns_pid, comm=info.comm, gpu=gpu.index, gpu_uuid=gpu.uuid,

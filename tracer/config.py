@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from ghostgpu.common.addresses import parse_listen
+
 VENDOR_PREFIXES: dict[str, tuple[str, ...]] = {
     # /dev/nvidia covers nvidia0..N, nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/...
     "nvidia": ("/dev/nvidia",),
@@ -90,12 +92,9 @@ class TracerConfig:
         if not self.node_name:
             raise ConfigError("node_name: empty; set --node-name or GHOSTGPU_NODE_NAME")
         if self.health_listen:
-            # Lazily: httpserve pulls in http.server, which commands without a health server never need.
-            from ghostgpu.common.httpserve import HttpListenError, parse_listen
-
             try:
                 parse_listen(self.health_listen, "--health-listen")
-            except HttpListenError:
+            except ValueError:
                 raise ConfigError(f"health_listen (--health-listen, GHOSTGPU_HEALTH_LISTEN): "
                                   f"{self.health_listen!r} is not HOST:PORT; use e.g. 0.0.0.0:9401 (port 0 "
                                   "picks a free one), or leave it empty for no health server") from None

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from ghostgpu.common import protocol
+from ghostgpu.common.addresses import socket_path
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.cri_relay")
@@ -45,14 +46,6 @@ REDETECT_INTERVAL_S = 1.0  # with no socket found, look again at most this often
 # The answer travels back inside a CommandResult on the stream, whose messages are capped at
 # ghostgpu.common.protocol.MAX_MESSAGE_BYTES: keep room for the envelope.
 MAX_RESPONSE_BYTES = protocol.MAX_MESSAGE_BYTES - (64 << 10)
-
-
-def socket_path(endpoint: str, flag: str = "--cri-endpoint", example: str = "runtime.sock") -> str:
-    """unix:///path or /path -> /path; anything else is a one-line ValueError naming the flag."""
-    path = endpoint.removeprefix("unix://") if endpoint.startswith("unix://") else endpoint
-    if not path.startswith("/"):
-        raise ValueError(f"{flag} {endpoint!r}: use unix:///absolute/path/to/{example}")
-    return path
 
 
 def rpc_status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

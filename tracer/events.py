@@ -1,4 +1,6 @@
-"""The one event model every source speaks, and the views the classifier reads.
+"""The tracer's own vocabulary: what its sources (the BPF ring buffer, /proc scans, NVML) report, and
+the views the classifier reads. Internal to the tracer: what it emits is the typed records of
+ghostgpu.common.records, built from these by tracer/records.py.
 
 All timestamps are nanoseconds since boot (CLOCK_BOOTTIME): the clock of bpf_ktime_get_boot_ns()
 and of /proc/PID/stat start times, so kernel events, scans and process ages compare directly.
@@ -29,8 +31,10 @@ class EventKind(StrEnum):
 
 
 @dataclass(frozen=True)
-class HolderEvent:
-    """A state change of one process's hold on one device, from the kernel or from a scan."""
+class SourceEvent:
+    """A state change of one process's hold on one device, as a source saw it: the kernel (`bpf`) or a
+    /proc scan (`procfs`). Not the wire's node_pb2.HolderEvent: the agent turns it, with the holder's
+    identity and the node's GPUs, into a HolderRecord (ghostgpu.common.records)."""
 
     kind: EventKind
     source: str  # "bpf" | "procfs"

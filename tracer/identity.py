@@ -1,6 +1,6 @@
 """Who a host PID is, and whether it still lives: the agent's /proc questions about one process.
 
-Kept apart from the loop because both the holder table (tracer/state.py) and the classifier call
+Kept apart from the loop because both the holder table (tracer/holders.py) and the classifier call
 them, and because each answer must tolerate the process vanishing mid-read: on a busy node that
 happens at every moment.
 """

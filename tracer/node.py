@@ -32,7 +32,7 @@ from ghostgpu.tracer.podresources import PodResourcesPoller
 from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
 from ghostgpu.tracer.stream import StreamOptions, StreamSink
 
-from ghostgpu.common import protocol
+from ghostgpu.common.addresses import collector_address
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.health import AgentHealth
@@ -60,7 +60,7 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
         sinks.append(JsonlSink(jsonl or "-"))
     if not collector:
         return sinks, None, None
-    target = protocol.collector_address(collector)
+    target = collector_address(collector)
     spool_events = getattr(args, "spool_events", None)
     options = StreamOptions() if spool_events is None else StreamOptions(spool_events=spool_events)
     # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.

@@ -1,8 +1,9 @@
 """Sinks write what changed. A sink never reaches back into a source.
 
-Every record is one JSON object; `event` says what it is (open, close, exit, finding, resolved,
-notice, ...). Records are flushed as they happen so a reader (a test, `jq`, a log shipper) sees
-them at once.
+Sinks take typed records (ghostgpu.common.records); `event` says what each is (open, close, exit,
+finding, resolved, notice, ...). The JSON-lines sink and the callback sink are JSON edges: they make
+each record's JSON object (to_json()) there and only there. Records are flushed as they happen so a
+reader (a test, `jq`, a log shipper) sees them at once.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
+from ghostgpu.common.records import AnyRecord, JsonRecord, as_json
+
 
 class Sink(Protocol):
-    def emit(self, record: dict[str, Any]) -> None: ...
+    def emit(self, record: AnyRecord) -> None: ...
 
     def close(self) -> None: ...
 
@@ -27,7 +30,7 @@ def _default(obj: Any) -> Any:
     return str(obj)
 
 
-def dumps(record: dict[str, Any]) -> str:
+def dumps(record: JsonRecord) -> str:
     return json.dumps(record, separators=(",", ":"), default=_default)
 
 
@@ -45,8 +48,8 @@ class JsonlSink:
         else:
             self._out = sys.stdout
 
-    def emit(self, record: dict[str, Any]) -> None:
-        line = dumps(record)
+    def emit(self, record: AnyRecord) -> None:
+        line = dumps(as_json(record))
         with self._lock:
             try:
                 self._out.write(line + "\n")
@@ -62,13 +65,13 @@ class JsonlSink:
 
 
 class CallbackSink:
-    """Hands records to a function (the live view, tests)."""
+    """Hands each record's JSON object to a function (the live view, tests): a JSON edge too."""
 
-    def __init__(self, fn: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, fn: Callable[[JsonRecord], None]) -> None:
         self._fn = fn
 
-    def emit(self, record: dict[str, Any]) -> None:
-        self._fn(record)
+    def emit(self, record: AnyRecord) -> None:
+        self._fn(as_json(record))
 
     def close(self) -> None:
         pass
@@ -78,7 +81,7 @@ class FanOut:
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = sinks
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: AnyRecord) -> None:
         for sink in self.sinks:
             sink.emit(record)
 

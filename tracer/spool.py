@@ -2,15 +2,16 @@
 
 An event passes three stages, all counted against one capacity:
 
-    pending   (seq, record)   emitted by the tracer, not yet encoded: emit() only appends here
+    pending   (seq, record)   a typed record emitted by the tracer, not yet encoded: emit() appends here
     unsent    (seq, bytes)    encoded NodeEvent, not yet written on the current connection
     inflight  (seq, bytes)    written, waiting for the collector's cumulative Ack
 
-Encoding happens on the sender thread, off the tracer's hot path, and shrinks an event from a
-Python dict (~2 KiB) to its wire bytes (~300 B), which is what lets a million events fit. After a
-reconnect the inflight events go back to the head of unsent and are written again. When the spool
-is full the oldest event goes (inflight first, then unsent, then pending): the newest say most
-about the node now, and the snapshot sent on reconnect carries the state regardless.
+Encoding happens on the sender thread, off the tracer's hot path, straight from the typed record,
+and shrinks an event from Python objects (the record and its strings) to its wire bytes (~300 B),
+which is what lets a million events fit. After a reconnect the inflight events go back to the head
+of unsent and are written again. When the spool is full the oldest event goes (inflight first, then
+unsent, then pending): the newest say most about the node now, and the snapshot sent on reconnect
+carries the state regardless.
 
 Not thread-safe: StreamSink calls it under its lock. Seqs in the spool are contiguous except
 where events were dropped (always from the oldest end), so the stages stay sorted.
@@ -21,28 +22,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
 
-from ghostgpu.common.wire import record_to_event
+from ghostgpu.common.convert import record_to_event
+from ghostgpu.common.records import AnyRecord, record_from_json
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")
 
-Record = dict[str, Any]
 MAX_EVENT_BYTES = 1 << 20
 
 
-def consumer_key(rec: Record) -> tuple[Any, ...]:
-    """Consumer.key of a finding/resolved record, without building the Consumer (emit's hot path)."""
-    minor = rec.get("gpu_minor")
-    return (rec.get("pid"), minor if minor is not None else rec.get("gpu"), rec.get("gpu_uuid"))
-
-
-def encode_event(seq: int, rec: Record) -> bytes:
-    """A record's NodeEvent bytes. One that cannot be encoded becomes a notice with the same seq, so
-    the stream keeps no hole where the collector would count events as lost."""
+def encode_event(seq: int, rec: AnyRecord) -> bytes:
+    """A record's NodeEvent bytes, straight from the typed record (a JSON one, which StreamSink.emit
+    could not read, is read here to say why). One that cannot be encoded (a malformed JSON record, a
+    value the proto cannot hold) becomes a notice with the same seq, so the stream keeps no hole where
+    the collector would count events as lost."""
     try:
-        ev = record_to_event(rec, seq)
+        ev = record_to_event(record_from_json(rec) if type(rec) is dict else rec, seq)  # type: ignore[arg-type]
         if ev is None:
             raise ValueError("kind is not streamed")
         data = ev.SerializeToString()
@@ -51,7 +47,8 @@ def encode_event(seq: int, rec: Record) -> bytes:
         why = f"{len(data)} bytes, over the {MAX_EVENT_BYTES}-byte limit"
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         why = f"{type(exc).__name__}: {exc}"
-    message = f"{rec.get('event')!r} record seq {seq} could not be streamed ({why}); dropped"
+    kind = rec.get("event") if type(rec) is dict else rec.event  # type: ignore[union-attr]
+    message = f"{kind!r} record seq {seq} could not be streamed ({why}); dropped"
     log.warning("%s", message)
     ev = stream_pb2.NodeEvent(seq=seq, ts_unix_ns=time.time_ns())
     ev.notice.what, ev.notice.message = "stream", message
@@ -83,7 +80,7 @@ class Spool:
         if capacity <= 0:
             raise ValueError(f"--spool-events: must be a positive number of events, got {capacity}")
         self.capacity = capacity
-        self.pending: deque[tuple[int, Record]] = deque()
+        self.pending: deque[tuple[int, AnyRecord]] = deque()
         self.unsent: deque[tuple[int, bytes]] = deque()
         self.inflight: deque[tuple[int, bytes]] = deque()
         self.encoding = 0  # records taken out by take_pending() and not yet back from put_encoded()
@@ -95,7 +92,7 @@ class Spool:
     def __len__(self) -> int:
         return self.size
 
-    def add(self, seq: int, rec: Record, bounded: bool = True) -> int:
+    def add(self, seq: int, rec: AnyRecord, bounded: bool = True) -> int:
         """Append a new record; returns how many of the oldest events overflow dropped (0 or 1).
 
         bounded=False lets one record in over capacity: the notice that reports an overflow must
@@ -119,7 +116,7 @@ class Spool:
         else:
             self.pending.popleft()
 
-    def take_pending(self, max_n: int) -> list[tuple[int, Record]]:
+    def take_pending(self, max_n: int) -> list[tuple[int, AnyRecord]]:
         """Up to max_n of the oldest records, to encode outside the lock (put_encoded brings them back)."""
         n = min(max_n, len(self.pending))
         out = [self.pending.popleft() for _ in range(n)]

@@ -1,7 +1,7 @@
 """One NodeStream.Connect call: the gRPC plumbing under StreamSink, from Hello to the stream's end.
 
 gRPC's synchronous bidirectional stream takes an iterator of requests, which a gRPC thread drains
-into the connection one message at a time, and gives an iterator of answers. A Session feeds the
+into the connection one message at a time, and gives an iterator of answers. A StreamSession feeds the
 first from a bounded queue (so a collector that stops reading pushes back instead of growing a
 queue without end) and drains the second on its own receiver thread: Welcome, Acks and Commands,
 handed to StreamSink's callbacks. Messages are passed as already serialized bytes (no request
@@ -31,8 +31,8 @@ OUTQ_MAX = 16  # messages handed to gRPC and not yet written: at most 16 batches
 STALL_S = 30.0  # a collector that takes no message for this long is treated as gone
 GRACEFUL_END_S = 0.5  # on close: how long the collector gets to end the stream after our half-close
 
-AckFn = Callable[["Session", int], None]
-CommandFn = Callable[["Session", stream_pb2.Command], None]
+AckFn = Callable[["StreamSession", int], None]
+CommandFn = Callable[["StreamSession", stream_pb2.Command], None]
 
 
 def read_boot_id(proc_root: str = "/proc") -> str:
@@ -44,7 +44,7 @@ def read_boot_id(proc_root: str = "/proc") -> str:
         return ""
 
 
-class Session:
+class StreamSession:
     def __init__(self, target: str, on_ack: AckFn, on_command: CommandFn, wake: threading.Event) -> None:
         self.target = target
         self._on_ack = on_ack

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from ghostgpu import __version__
+from ghostgpu.common.addresses import DEFAULT_COLLECTOR
 
 
 def _add_tracer_flags(p: argparse.ArgumentParser) -> None:
@@ -72,7 +73,7 @@ def _add_health_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_query_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
-                   "(default $GHOSTGPU_COLLECTOR or 127.0.0.1:7450)")
+                   f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
     p.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
     p.add_argument("-n", "--namespace", help="only this Kubernetes namespace")
     p.add_argument("--class", dest="classes", action="append", metavar="CLASS",
@@ -128,7 +129,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_tracer_flags(up)
     _add_node_flags(up)
     _add_health_flag(up)
-    _add_collector_flags(up, listen_default="127.0.0.1:7450")
+    _add_collector_flags(up, listen_default=DEFAULT_COLLECTOR)
     return parser
 
 
@@ -150,14 +151,15 @@ def _install_signals(stop: Any) -> None:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from ghostgpu.tracer.snapshot import render_table, take_snapshot
+    from ghostgpu.cli.view import snapshot_table
+    from ghostgpu.tracer.snapshot import take_snapshot
 
     consumers = take_snapshot(_config(args))  # notices go to stderr through logging
     if args.output == "json":
         json.dump([c.to_json() for c in consumers], sys.stdout, indent=2, default=str)
         print()
     else:
-        print(render_table(consumers, wide=args.output == "wide"))
+        print(snapshot_table(consumers, wide=args.output == "wide"))
     return 0
 
 
@@ -173,16 +175,11 @@ def cmd_collector(args: argparse.Namespace) -> int:
     return run_collector(args, install_signals=_install_signals)
 
 
-def cmd_ps(args: argparse.Namespace) -> int:
-    from ghostgpu.cli.client import cmd_ps as run
+def cmd_query(args: argparse.Namespace) -> int:
+    """`ps` and `findings`, defined in ghostgpu/cli/client.py: imported only when one runs (grpc)."""
+    from ghostgpu.cli import client
 
-    return run(args)
-
-
-def cmd_findings(args: argparse.Namespace) -> int:
-    from ghostgpu.cli.client import cmd_findings as run
-
-    return run(args)
+    return {"ps": client.cmd_ps, "findings": client.cmd_findings}[args.command](args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -204,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             # one, once per hop of the open -> collector -> CRI relay path. 0.5 ms cut the
             # detection latency p50 from 44 to 30 ms on a 2-core VM (bench/bench_detect_latency.py).
             sys.setswitchinterval(0.0005)
-        commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector, "ps": cmd_ps,
-                    "findings": cmd_findings, "up": cmd_up}
+        commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector,
+                    "ps": cmd_query, "findings": cmd_query, "up": cmd_up}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"ghostgpu: config: {exc}", file=sys.stderr)

@@ -20,16 +20,10 @@ from typing import Any
 import grpc
 
 from ghostgpu.cli import view
-from ghostgpu.common.cluster import ClusterConsumer, cluster_consumer_from_proto
-from ghostgpu.common.convert import class_to_proto
-from ghostgpu.common.model import ConsumerClass
-from ghostgpu.common.protocol import (
-    API_VERSION,
-    API_VERSION_METADATA,
-    MAX_ANSWER_BYTES,
-    channel_options,
-    collector_address,
-)
+from ghostgpu.common.addresses import collector_address
+from ghostgpu.common.convert import class_to_proto, cluster_consumer_from_proto
+from ghostgpu.common.model import ClusterConsumer, ConsumerClass
+from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, MAX_ANSWER_BYTES, channel_options
 from ghostgpu.v1 import query_pb2, query_pb2_grpc
 
 CALL_TIMEOUT_S = 10.0

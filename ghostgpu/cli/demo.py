@@ -40,6 +40,8 @@ from types import TracebackType
 
 from ghostgpu.cli.demo_cri import DemoPod
 from ghostgpu.cli.demo_cri import serve as serve_cri
+from ghostgpu.common.addresses import unix_address
+from ghostgpu.common.display import short_id
 
 log = logging.getLogger("ghostgpu.demo")
 
@@ -253,7 +255,7 @@ class Demo:
 
     @property
     def cri_endpoint(self) -> str:
-        return f"unix://{self.workdir / 'cri.sock'}"
+        return unix_address(str(self.workdir / "cri.sock"))
 
     def tracer_env(self) -> dict[str, str]:
         if not self.fake_nvml:
@@ -268,11 +270,10 @@ class Demo:
                 "short-lived": self.pods["demo-batch"].container_id}
 
     def legend(self) -> str:
-        ids = self.container_ids()
-        return ("demo: planted in namespace ghostgpu-demo: hidden = hidden-trainer (" + ids["hidden"][:12]
-                + "), orphaned = orphaned-worker (" + ids["orphaned"][:12] + "), short-lived = "
-                f"short-lived-batch ({ids['short-lived'][:12]}, re-run every {self.short_lived_every_s:g} s);"
-                " all removed on exit")
+        ids = {role: short_id(cid) for role, cid in self.container_ids().items()}
+        return (f"demo: planted in namespace ghostgpu-demo: hidden = hidden-trainer ({ids['hidden']}), "
+                f"orphaned = orphaned-worker ({ids['orphaned']}), short-lived = short-lived-batch "
+                f"({ids['short-lived']}, re-run every {self.short_lived_every_s:g} s); all removed on exit")
 
     # ---- tear-down --------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import collections
 import contextlib
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from ghostgpu.cli import view
 from ghostgpu.cli.client import ClientError, FindingWaker, Query, show
 from ghostgpu.cli.demo import Demo, DemoError
 from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
+from ghostgpu.common.addresses import DEFAULT_COLLECTOR, dial_address, port_free, unix_address
 from ghostgpu.common.model import ConsumerClass
 from ghostgpu.v1 import query_pb2
 
@@ -46,32 +46,6 @@ class UpError(Exception):
 
 class FlagError(UpError):
     """A bad flag value, named in the line: exit 2."""
-
-
-def _port_free(address: str) -> str | None:
-    """None when HOST:PORT can be bound, else why not. gRPC binds with SO_REUSEPORT, so a second
-    collector would silently share the port with the first: a plain bind finds the listener."""
-    if address.startswith("unix:"):
-        return None
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
-
-
-def _client_address(address: str) -> str:
-    """Where a client on this host reaches a collector listening on `address`."""
-    host, sep, port = address.rpartition(":")
-    if address.startswith("unix:") or not sep:
-        return address
-    wildcard = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
-    return f"{wildcard.get(host, host)}:{port}"
 
 
 def _real_gpu_visible() -> bool:
@@ -94,7 +68,7 @@ def _local_cri_endpoint() -> str | None:
     from ghostgpu.tracer.cri_relay import detect_socket
 
     path = detect_socket()
-    return f"unix://{path}" if path else None
+    return unix_address(path) if path else None
 
 
 def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoint: str | None) -> list[str]:
@@ -134,7 +108,7 @@ def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpo
     from ghostgpu.collector.server import ListenError
     from ghostgpu.common.httpserve import HttpListenError
 
-    busy = _port_free(listen)
+    busy = port_free(listen)
     if busy is not None:
         raise UpError(f"cannot listen on {listen} ({busy}): another collector or `ghostgpu up` may be "
                       f"running; pass --listen HOST:PORT (e.g. --listen 127.0.0.1:7451)")
@@ -172,8 +146,8 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         if args.demo:
             demo = Demo(fake_nvml=not _real_gpu_visible(), real_cri_endpoint=local_cri).start()
         cri = demo.cri_endpoint if demo else local_cri
-        collector = _start_collector(args, args.listen or "127.0.0.1:7450", node, cri)
-        address = _client_address(collector.addresses[0])
+        collector = _start_collector(args, args.listen or DEFAULT_COLLECTOR, node, cri)
+        address = dial_address(collector.addresses[0])
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
         tracer = TracerSupervisor(tracer_command(args, address, node, tracer_cri), env, max_restarts).start()

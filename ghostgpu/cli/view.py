@@ -1,22 +1,23 @@
-"""Rendering shared by `ghostgpu ps`, `ghostgpu findings` and `ghostgpu up`: tables, JSON rows, lines.
+"""Rendering shared by `ghostgpu ps`, `findings`, `up` and `snapshot`: tables, JSON rows, lines.
 
 Everything here is a pure function of query-service answers (ClusterConsumer, ghostgpu.v1
-messages) and `now`, so the views are tested without a collector and `up` shows exactly what
-`ps` shows.
+messages), of a node's own consumers (`snapshot`) and `now`, so the views are tested without a
+collector, `up` shows exactly what `ps` shows, and every table is laid out by the one `table()`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
-from ghostgpu.common.cluster import ClusterConsumer, cluster_consumer_from_proto
-from ghostgpu.common.convert import class_from_proto
-from ghostgpu.common.wire import holder_kind
+from ghostgpu.common.convert import class_from_proto, cluster_consumer_from_proto, holder_kind
+from ghostgpu.common.display import LISTING_ID_LEN, mib, short_id
+from ghostgpu.common.model import ClusterConsumer, Consumer
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
-Column = tuple[str, Callable[[ClusterConsumer], str]]
+Row = TypeVar("Row")
+Column = tuple[str, Callable[[Row], str]]  # header, cell of one row
 
 
 def age(seconds: float) -> str:
@@ -28,16 +29,12 @@ def age(seconds: float) -> str:
     return f"{s}s"
 
 
-def mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / (1 << 20):.0f}MiB"
-
-
 def who(c: ClusterConsumer) -> str:
     """namespace/pod/container when CRI named it, else the container ID's prefix, else "host"."""
     if c.k8s.pod:
         return "/".join(x for x in (c.k8s.namespace, c.k8s.pod, c.k8s.container) if x)
     if c.consumer.container_id:
-        return c.consumer.container_id[:13]
+        return short_id(c.consumer.container_id, LISTING_ID_LEN)
     return "host"
 
 
@@ -53,8 +50,8 @@ def _allocated(c: ClusterConsumer) -> str:
     return "unknown" if c.allocated is None else str(c.allocated).lower()
 
 
-def _columns(now_s: float, wide: bool) -> list[Column]:
-    cols: list[Column] = [
+def _columns(now_s: float, wide: bool) -> list[Column[ClusterConsumer]]:
+    cols: list[Column[ClusterConsumer]] = [
         ("NODE", lambda c: c.consumer.node or "-"),
         ("GPU", _gpu),
         ("PID", lambda c: str(c.consumer.pid)),
@@ -82,6 +79,13 @@ def grid(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in table)
 
 
+def table(columns: Sequence[Column[Row]], items: Iterable[Row], empty: str) -> str:
+    """A header and one line per item, laid out by grid(); `empty` on a line of its own when no item."""
+    rows = [[cell(item) for _, cell in columns] for item in items]
+    text = grid([name for name, _ in columns], rows)
+    return text + "\n" + empty if not rows else text
+
+
 def sort_key(c: ClusterConsumer) -> tuple[str, int, int]:
     return (c.consumer.node, -1 if c.consumer.gpu is None else c.consumer.gpu, c.consumer.pid)
 
@@ -89,10 +93,28 @@ def sort_key(c: ClusterConsumer) -> tuple[str, int, int]:
 def consumer_table(consumers: Sequence[ClusterConsumer], wide: bool = False, now_s: float | None = None,
                    empty: str = "(no GPU consumers)") -> str:
     now = time.time() if now_s is None else now_s
-    cols = _columns(now, wide)
-    rows = [[fn(c) for _, fn in cols] for c in sorted(consumers, key=sort_key)]
-    text = grid([name for name, _ in cols], rows)
-    return text + "\n" + empty if not rows else text
+    return table(_columns(now, wide), sorted(consumers, key=sort_key), empty)
+
+
+# `ghostgpu snapshot`: one node's consumers as classify() gave them (already sorted), no collector,
+# so no Kubernetes names: the pod UID from the cgroup instead.
+SNAPSHOT_COLUMNS: tuple[Column[Consumer], ...] = (
+    ("GPU", lambda c: "-" if c.gpu is None else str(c.gpu)),
+    ("PID", lambda c: str(c.pid)),
+    ("CPID", lambda c: "-" if c.ns_pid is None else str(c.ns_pid)),
+    ("COMM", lambda c: c.comm or "?"),
+    ("CLASS", lambda c: str(c.cls)),
+    ("GPU-MEM", lambda c: mib(c.gpu_memory_bytes)),
+    ("CONTAINER", lambda c: short_id(c.container_id, LISTING_ID_LEN) or "-"),
+    ("POD-UID", lambda c: c.pod_uid or "-"),
+    ("DEVICES", lambda c: ",".join(d.removeprefix("/dev/") for d in c.devices)),
+)
+SNAPSHOT_WIDE_COLUMNS = (*SNAPSHOT_COLUMNS, ("REASON", lambda c: c.reason))
+
+
+def snapshot_table(consumers: Sequence[Consumer], wide: bool = True) -> str:
+    return table(SNAPSHOT_WIDE_COLUMNS if wide else SNAPSHOT_COLUMNS, consumers,
+                 "(no process holds a GPU device file)")
 
 
 def consumers_json(consumers: Sequence[ClusterConsumer]) -> list[dict[str, Any]]:
@@ -143,23 +165,33 @@ def finding_json(f: query_pb2.Finding) -> dict[str, Any]:
     return d
 
 
-def findings_table(findings: Sequence[query_pb2.Finding], wide: bool = False) -> str:
-    header = ["OPENED", "RESOLVED", "NODE", "CLASS", "NAMESPACE/POD", "PID", "GPU", "REASON"]
+FindingRow = tuple[query_pb2.Finding, ClusterConsumer]  # the finding and its consumer, decoded once
+
+
+def _finding_columns(wide: bool) -> list[Column[FindingRow]]:
+    cols: list[Column[FindingRow]] = [
+        ("OPENED", lambda r: _stamp(r[0].opened_unix_ns)),
+        ("RESOLVED", lambda r: _stamp(r[0].resolved_unix_ns) if r[0].resolved_unix_ns else "open"),
+        ("NODE", lambda r: r[0].node or r[1].consumer.node),
+        ("CLASS", lambda r: str(r[1].consumer.cls)),
+        ("NAMESPACE/POD", lambda r: f"{r[1].k8s.namespace}/{r[1].k8s.pod}" if r[1].k8s.pod else who(r[1])),
+        ("PID", lambda r: str(r[1].consumer.pid)),
+        ("GPU", lambda r: _gpu(r[1])),
+    ]
     if wide:
-        header[-1:-1] = ["COMM", "CONTAINER", "DEVICES"]
-    rows = []
-    for f in sorted(findings, key=lambda f: (f.opened_unix_ns, f.id)):
-        c = cluster_consumer_from_proto(f.consumer)
-        pod = f"{c.k8s.namespace}/{c.k8s.pod}" if c.k8s.pod else who(c)
-        row = [_stamp(f.opened_unix_ns), _stamp(f.resolved_unix_ns) if f.resolved_unix_ns else "open",
-               f.node or c.consumer.node, str(c.consumer.cls), pod, str(c.consumer.pid),
-               _gpu(c), c.consumer.reason]
-        if wide:
-            row[-1:-1] = [c.consumer.comm or "?", c.k8s.container or c.consumer.container_id[:13] or "-",
-                          _devices(c)]
-        rows.append(row)
-    text = grid(header, rows)
-    return text + "\n(no findings in this window)" if not rows else text
+        cols += [
+            ("COMM", lambda r: r[1].consumer.comm or "?"),
+            ("CONTAINER", lambda r: r[1].k8s.container
+             or short_id(r[1].consumer.container_id, LISTING_ID_LEN) or "-"),
+            ("DEVICES", lambda r: _devices(r[1])),
+        ]
+    return [*cols, ("REASON", lambda r: r[1].consumer.reason)]
+
+
+def findings_table(findings: Sequence[query_pb2.Finding], wide: bool = False) -> str:
+    rows = [(f, cluster_consumer_from_proto(f.consumer))
+            for f in sorted(findings, key=lambda f: (f.opened_unix_ns, f.id))]
+    return table(_finding_columns(wide), rows, "(no findings in this window)")
 
 
 def _clock(unix_ns: int) -> str:
@@ -167,7 +199,7 @@ def _clock(unix_ns: int) -> str:
 
 
 def _process_text(p: node_pb2.Process) -> str:
-    where = f"container {p.container_id[:13]}" if p.container_id else "the host"
+    where = f"container {short_id(p.container_id, LISTING_ID_LEN)}" if p.container_id else "the host"
     inside = f", pid {p.ns_pid} inside" if p.ns_pid and p.container_id else ""
     return f"pid {p.pid} ({p.comm or '?'}{inside}) in {where}"
 

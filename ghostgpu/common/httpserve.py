@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from ghostgpu.common.addresses import dial_address, host_port, parse_listen
+
 log = logging.getLogger("ghostgpu.http")
 
 TEXT = "text/plain; charset=utf-8"
@@ -63,15 +65,6 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
-def parse_listen(addr: str, flag: str) -> tuple[str, int]:
-    """(host, port) of HOST:PORT, [IPv6]:PORT or :PORT (all interfaces); port 0 picks a free one."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise HttpListenError(f"{flag} {addr!r}: use HOST:PORT (e.g. 0.0.0.0:9400; port 0 picks a free one)")
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)
-
-
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -80,7 +73,7 @@ class _Server(ThreadingHTTPServer):
 class HttpServer:
     def __init__(self, listen: str, routes: Mapping[str, Handler], flag: str = "--listen",
                  name: str = "http") -> None:
-        self.host, self.port = parse_listen(listen, flag)
+        self.host, self.port = parse_listen(listen, flag, HttpListenError)
         self.listen, self.flag, self.name = listen, flag, name
         self.routes = dict(routes)
         self._server: _Server | None = None
@@ -107,8 +100,7 @@ class HttpServer:
     @property
     def address(self) -> str:
         """HOST:PORT as a client dials it: the wildcard addresses become loopback."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return dial_address(host_port(self.host, self.port))
 
     @property
     def url(self) -> str:

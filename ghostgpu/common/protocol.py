@@ -7,22 +7,16 @@ FAILED_PRECONDITION with a message naming both versions: never a crash, never a 
 
 from __future__ import annotations
 
-import os
-
 from ghostgpu import __version__
 
 API_VERSION = 1
 SUPPORTED_API_VERSIONS = frozenset({1})
 API_VERSION_METADATA = "ghostgpu-api-version"
-DEFAULT_COLLECTOR = "127.0.0.1:7450"
 MAX_MESSAGE_BYTES = 8 << 20  # what a tracer or client may send; larger is refused with RESOURCE_EXHAUSTED
 # What a client may receive: a whole cluster's ListConsumers answer (1,000 nodes x 20 consumers is
 # about 11 MB) must fit.
 MAX_ANSWER_BYTES = 256 << 20
 MAX_BATCH_EVENTS = 2000
-
-# Findings are consumers in one of these classes: the ones a GPU team must look at.
-FINDING_CLASSES = ("hidden", "ghost", "orphaned", "unallocated", "unattributed")
 
 
 def version_mismatch(peer_version: int, who: str) -> str | None:
@@ -32,19 +26,6 @@ def version_mismatch(peer_version: int, who: str) -> str | None:
     ours = ", ".join(f"v{v}" for v in sorted(SUPPORTED_API_VERSIONS))
     return (f"{who} speaks ghostgpu API v{peer_version}, this collector (ghostgpu {__version__}) "
             f"speaks {ours}; run matching versions of ghostgpu")
-
-
-def collector_address(value: str | None) -> str:
-    """Collector gRPC target, HOST:PORT or unix:///path: flag, else $GHOSTGPU_COLLECTOR, else the default."""
-    addr = value or os.environ.get("GHOSTGPU_COLLECTOR") or DEFAULT_COLLECTOR
-    if addr.startswith("unix:"):
-        if not addr.startswith("unix:///"):
-            raise ValueError(f"collector address {addr!r}: a unix socket is written unix:///absolute/path")
-        return addr
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"collector address {addr!r}: use HOST:PORT (e.g. 127.0.0.1:7450) or unix:///path")
-    return addr
 
 
 def channel_options(receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

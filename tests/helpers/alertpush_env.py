@@ -1,6 +1,6 @@
 """Test peers for collector.alertpush: a cluster table fed directly, and a fake Alertmanager.
 
-FindingTable drives collector.cluster.ClusterTable the way the collector does (NodeState consumers,
+FindingTable drives collector.cluster.ClusterTable the way the collector does (NodeView consumers,
 `update`, `on_cri_change`), on the calling thread, which plays the collector's event loop; CRI
 answers come from a dict, so a test decides when a container's names "arrive".
 
@@ -19,10 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ghostgpu.collector.cluster import ClusterTable
-from ghostgpu.collector.nodes import Changes, NodeState
+from ghostgpu.collector.nodes import Changes, NodeView
 
-from ghostgpu.common.cluster import K8sInfo
-from ghostgpu.common.model import Consumer
+from ghostgpu.common.model import Consumer, K8sInfo
 from tests.helpers.polling import wait_until
 
 PENDING = K8sInfo("unresolved", error="CRI lookup pending")
@@ -40,7 +39,7 @@ class FindingTable:
     def __init__(self, node: str = "n1") -> None:
         self.node = node
         self.names: dict[str, K8sInfo] = {}
-        self.ns = NodeState(node)
+        self.ns = NodeView(node)
         self.table = ClusterTable({node: self.ns}, self._resolve, store=None)
 
     def _resolve(self, node: str, container_id: str) -> K8sInfo:

@@ -152,7 +152,7 @@ def ps_json(collector: str, *args: str) -> list[dict[str, Any]]:
 
 def cluster_rows(q: Any, **filters: Any) -> list[dict[str, Any]]:
     """ListConsumers over a QueryClient (tests/helpers/collector_env.py), as `ps -o json` rows."""
-    from ghostgpu.common.cluster import cluster_consumer_from_proto
+    from ghostgpu.common.convert import cluster_consumer_from_proto
 
     return [cluster_consumer_from_proto(m).to_json() for m in q.consumers(**filters)]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from ghostgpu.tracer import bpf_source
 from ghostgpu.tracer.bpf_source import SLOW_PATHS, BpfSource, BpfUnavailable
-from ghostgpu.tracer.events import EventKind, HolderEvent
+from ghostgpu.tracer.events import EventKind, SourceEvent
 
 from tests.conftest import require_root
 
@@ -48,7 +48,7 @@ def step():  # wait for the test to say go (one line on stdin)
 class Rig:
     source: BpfSource
     root: Path
-    seen: list[HolderEvent] = field(default_factory=list)
+    seen: list[SourceEvent] = field(default_factory=list)
 
     @property
     def gpu(self) -> str:
@@ -68,20 +68,20 @@ class Rig:
         assert proc.returncode == 0, out
         return proc.pid, out.split()
 
-    def wait_for(self, done: Callable[[list[HolderEvent]], bool], timeout_s: float = 15.0) -> None:
+    def wait_for(self, done: Callable[[list[SourceEvent]], bool], timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not done(self.seen):
             if time.monotonic() > deadline:
                 pytest.fail(f"timed out waiting for events; seen: {self.seen}")
             self.seen.extend(self.source.poll(100))
 
-    def of(self, pid: int) -> list[HolderEvent]:
+    def of(self, pid: int) -> list[SourceEvent]:
         return [e for e in self.seen if e.pid == pid]
 
     def kinds(self, pid: int) -> list[EventKind]:
         return [e.kind for e in self.of(pid)]
 
-    def wait_exit(self, pid: int) -> list[HolderEvent]:
+    def wait_exit(self, pid: int) -> list[SourceEvent]:
         self.wait_for(lambda _: EventKind.EXIT in self.kinds(pid))
         return self.of(pid)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ghostgpu.common.wire import event_to_record
+from ghostgpu.common.convert import event_to_record
 from tests.helpers.collector_env import QueryClient
 from tests.helpers.collector_proc import CollectorProcess, cluster_rows, ghostgpu_cli, ps_json, wait_rows
 from tests.helpers.container import FakeContainer
@@ -122,7 +122,7 @@ def test_collector_killed_mid_stream_and_restarted_gets_every_event_exactly_once
         assert n_seen <= len(seqs) <= len(records)
         assert all(e.instance_id == instance and e.node == node for e in stored)
         # The same records, by content: what the tracer wrote is what the collector stored.
-        stored_keys = Counter(event_key(event_to_record(e.event, node)) for e in stored)
+        stored_keys = Counter(event_key(event_to_record(e.event, node).to_json()) for e in stored)
         assert stored_keys == Counter(event_key(r) for r in records[:len(seqs)])
         assert (st.events_lost_total, st.stats.spool_dropped_total) == (0, 0)
         assert st.events_ingested_total >= n_seen and st.stats.reconnects_total >= 1

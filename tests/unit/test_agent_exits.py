@@ -20,7 +20,7 @@ import pytest
 from ghostgpu.tracer.agent import Tracer
 from ghostgpu.tracer.bpf_source import BpfSource
 from ghostgpu.tracer.config import TracerConfig
-from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlView, boot_ns
+from ghostgpu.tracer.events import EventKind, NvmlView, SourceEvent, boot_ns
 from ghostgpu.tracer.identity import PF_EXITING
 from ghostgpu.tracer.sinks import CallbackSink
 
@@ -36,9 +36,9 @@ class ScriptedBpf(BpfSource):
     def __init__(self, prefix: str) -> None:
         super().__init__((prefix,))
         self.tables, self.kernel = fake_tables()
-        self.queued: list[HolderEvent] = []
+        self.queued: list[SourceEvent] = []
 
-    def poll(self, timeout_ms: int) -> list[HolderEvent]:
+    def poll(self, timeout_ms: int) -> list[SourceEvent]:
         out, self.queued = self.queued, []
         return out
 
@@ -79,7 +79,7 @@ class Node:
         shutil.rmtree(self.proc / str(pid), ignore_errors=True)
 
     def kernel_says(self, kind: EventKind, pid: int) -> None:
-        self.bpf.queued.append(HolderEvent(kind, "bpf", boot_ns(), pid, tid=pid))
+        self.bpf.queued.append(SourceEvent(kind, "bpf", boot_ns(), pid, tid=pid))
 
     def events(self, pid: int) -> list[str]:
         return [r["event"] for r in self.records if r.get("pid") == pid and r["event"] not in
@@ -166,7 +166,7 @@ def test_open_handled_after_the_holder_died_is_settled_not_orphaned(node: Node) 
     queued EXEC and EXIT add nothing (an exec after the exit would read as a resurrection)."""
     node.spawn(NEWCOMER, state="Z", fd=False)
     device = node.tracer.catalog.ref_for(node.gpu)
-    node.bpf.queued.append(HolderEvent(EventKind.OPEN, "bpf", boot_ns(), NEWCOMER, tid=NEWCOMER, fd=3,
+    node.bpf.queued.append(SourceEvent(EventKind.OPEN, "bpf", boot_ns(), NEWCOMER, tid=NEWCOMER, fd=3,
                                        device=device))
     node.kernel_says(EventKind.EXEC, NEWCOMER)
     node.kernel_says(EventKind.EXIT, NEWCOMER)
@@ -215,7 +215,7 @@ def test_exit_between_the_scan_and_the_seed_is_settled_at_once(node: Node) -> No
 def test_fork_child_gone_before_its_rescan(node: Node) -> None:
     """A holder forks; the child exits before the agent rescans it. The kernel had marked the
     child a holder at fork, and reported its EXIT; the rescan settles it first, once."""
-    node.bpf.queued.append(HolderEvent(EventKind.FORK, "bpf", boot_ns(), HOLDER, tid=HOLDER,
+    node.bpf.queued.append(SourceEvent(EventKind.FORK, "bpf", boot_ns(), HOLDER, tid=HOLDER,
                                        child_pid=NEWCOMER))
     node.bpf.kernel.put("procs", ctypes.c_uint32(NEWCOMER), ctypes.c_uint32(1))
     node.kernel_says(EventKind.EXIT, NEWCOMER)

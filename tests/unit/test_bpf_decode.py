@@ -13,23 +13,25 @@ import sys
 from pathlib import Path
 
 import pytest
-from ghostgpu.tracer import bpf_source
-from ghostgpu.tracer.bpf_source import (
-    BOOKKEEPING_KINDS,
+from ghostgpu.tracer import bpf_build
+from ghostgpu.tracer.bpf_build import (
     BPF_DIR,
     BPF_FILES,
-    EVENT,
-    KINDS,
-    STAT_NAMES,
     build_cflags,
     common_prefix,
-    decode_event,
     format_has_field,
-    group_dead,
     has_caps,
     map_sizes,
     prefix_word,
     program_text,
+)
+from ghostgpu.tracer.bpf_source import (
+    BOOKKEEPING_KINDS,
+    EVENT,
+    KINDS,
+    STAT_NAMES,
+    decode_event,
+    group_dead,
     unpack_event,
 )
 from ghostgpu.tracer.events import EventKind
@@ -341,7 +343,7 @@ def test_python_mirrors_the_header() -> None:
     ],
 )
 def test_prefix_words_cover_the_prefix_and_nothing_more(prefix: str, words: int) -> None:
-    pairs = bpf_source.prefix_words(prefix, 48)
+    pairs = bpf_build.prefix_words(prefix, 48)
     assert len(pairs) == 6
     assert [mask != 0 for _, mask in pairs] == [i < words for i in range(6)]
     path = (prefix + "0").encode().ljust(48, b"\0")
@@ -355,8 +357,8 @@ def test_prefix_words_cover_the_prefix_and_nothing_more(prefix: str, words: int)
 
 
 def test_build_cflags_passes_prefix_words() -> None:
-    flags = bpf_source.build_cflags(("/dev/nvidia", "/dev/kfd"))
+    flags = bpf_build.build_cflags(("/dev/nvidia", "/dev/kfd"))
     for i, prefix in enumerate(("/dev/nvidia", "/dev/kfd")):
-        for j, (word, mask) in enumerate(bpf_source.prefix_words(prefix, 48)):
+        for j, (word, mask) in enumerate(bpf_build.prefix_words(prefix, 48)):
             assert f"-DGG_P{i}_W{j}={word:#x}ULL" in flags
             assert f"-DGG_P{i}_M{j}={mask:#x}ULL" in flags

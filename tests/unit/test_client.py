@@ -26,8 +26,8 @@ import pytest
 
 from ghostgpu.cli import main, view
 from ghostgpu.cli.client import parse_classes, parse_since
-from ghostgpu.common.cluster import ClusterConsumer, K8sInfo, cluster_consumer_to_proto
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.convert import cluster_consumer_to_proto
+from ghostgpu.common.model import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 from tests.helpers.polling import wait_until
 

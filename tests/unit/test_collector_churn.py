@@ -23,8 +23,8 @@ from ghostgpu.collector.cri_fetch import CriCallError
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.metrics_render import NodeConsumers
 
-from ghostgpu.common.cluster import ClusterConsumer, K8sInfo
 from ghostgpu.common.httpserve import MAX_LOGGED_FAILURES, HttpServer, Request
+from ghostgpu.common.model import ClusterConsumer, K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import node_pb2
 from tests.helpers.alertpush_env import FindingTable, k8s
@@ -188,7 +188,7 @@ def test_a_failed_relayed_cri_call_leaves_no_reference_cycle(collector: Collecto
         gc.disable()  # a cycle, if one is made, stays until the check below
         try:
             try:
-                collector.ingest.relay_call("n1", "PodSandboxStatus", request, 2.0)
+                collector.relay.call("n1", "PodSandboxStatus", request, 2.0)
             except CriCallError as e:
                 assert e.code == grpc.StatusCode.NOT_FOUND
                 error = weakref.ref(e)

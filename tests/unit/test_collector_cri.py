@@ -116,14 +116,14 @@ def test_events_flow_unresolved_while_cri_is_down_and_resolve_when_it_returns(tm
 def test_relay_returns_the_tracers_status_codes(tmp_path: Path) -> None:
     runtime = FakeRuntime()
     with running_collector(tmp_path) as c, _connected(c, runtime):
-        raw = c.ingest.relay_call("n1", "Version", cri.VersionRequest().SerializeToString(), 2.0)
+        raw = c.relay.call("n1", "Version", cri.VersionRequest().SerializeToString(), 2.0)
         assert cri.VersionResponse.FromString(raw).runtime_version == "1.6.20"
         with pytest.raises(CriCallError) as err:
-            c.ingest.relay_call("n1", "RemoveContainer", b"", 2.0)
+            c.relay.call("n1", "RemoveContainer", b"", 2.0)
         assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert "via the tracer on node n1" in err.value.message
         with pytest.raises(CriCallError) as err:
-            c.ingest.relay_call("elsewhere", "Version", b"", 2.0)
+            c.relay.call("elsewhere", "Version", b"", 2.0)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE and "node elsewhere" in err.value.message
 
 
@@ -133,7 +133,7 @@ def test_no_relay_without_the_capability_and_no_socket_on_the_node(tmp_path: Pat
             t.connect()
             assert c.transport_for("quiet") is None
             with pytest.raises(CriCallError) as err:
-                c.ingest.relay_call("quiet", "Version", b"", 1.0)
+                c.relay.call("quiet", "Version", b"", 1.0)
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
         with SimTracer(c.address, "nosock", cri=None) as t:  # offers the relay, has no CRI socket
             t.connect()
@@ -154,19 +154,19 @@ def test_a_relay_call_ends_at_its_deadline_or_when_the_stream_goes(tmp_path: Pat
         t = SimTracer(c.address, "slow", cri=stuck)
         t.connect()
         with pytest.raises(CriCallError) as err:
-            c.ingest.relay_call("slow", "Version", b"", 0.2)
+            c.relay.call("slow", "Version", b"", 0.2)
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "within 0.2 s" in err.value.message
         outcome: list[BaseException] = []
 
         def call() -> None:
             try:
-                c.ingest.relay_call("slow", "Version", b"", 20.0)
+                c.relay.call("slow", "Version", b"", 20.0)
             except CriCallError as e:
                 outcome.append(e)
 
         caller = threading.Thread(target=call)
         caller.start()
-        wait_until(lambda: c.call(lambda: len(c.ingest.sessions["slow"].commands)) == 1,
+        wait_until(lambda: c.call(lambda: c.relay.in_flight("slow")) == 1,
                    "the call to be in flight")
         t._call.cancel()  # the tracer vanishes; its reader thread is still stuck in the CRI call
         caller.join(10)

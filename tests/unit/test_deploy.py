@@ -10,7 +10,7 @@ import pytest
 import yaml  # Debian's python3-yaml (scripts/bootstrap.sh installs it)
 
 from ghostgpu import cli
-from ghostgpu.common.httpserve import parse_listen
+from ghostgpu.common.addresses import parse_listen
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "ghostgpu.yaml"
 

@@ -1,4 +1,4 @@
-"""collector.k8s.enrich as a table: the node's class, CRI's verdict and PodResources' allocation in,
+"""collector.enrich.enrich as a table: the node's class, CRI's verdict and PodResources' allocation in,
 the final class and `allocated` out; plus K8sInfo.orphan_reason and Allocations on their own."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
-from ghostgpu.collector.k8s import NO_ALLOCATIONS, NO_CONTAINER, Allocations, allocations_from, enrich
+from ghostgpu.collector.enrich import NO_ALLOCATIONS, NO_CONTAINER, Allocations, allocations_from, enrich
 
-from ghostgpu.common.cluster import K8sInfo
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.model import Consumer, ConsumerClass, K8sInfo
 
 C = ConsumerClass
 CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904ec6e38d4fd0f1d4e4c1c8a10"

@@ -18,12 +18,11 @@ from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriCallError, CriResolver, CriStats
 from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
 from ghostgpu.collector.metrics_render import escape
-from ghostgpu.collector.nodes import Changes, NodeState
+from ghostgpu.collector.nodes import Changes, NodeView
 from ghostgpu.collector.store import Position
 from prometheus_client.parser import text_string_to_metric_families
 
-from ghostgpu.common.cluster import ClusterConsumer, K8sInfo
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.model import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import make_consumer
@@ -51,14 +50,14 @@ class World:
     """Nodes, a ClusterTable and a resolver, changed the way ingest changes them."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, NodeState] = {}
+        self.nodes: dict[str, NodeView] = {}
         self.cri = Cri()
         self.table = ClusterTable(self.nodes, self.cri.get, None)
 
-    def node(self, name: str, version: str = "0.4.0") -> NodeState:
+    def node(self, name: str, version: str = "0.4.0") -> NodeView:
         ns = self.nodes.get(name)
         if ns is None:
-            ns = self.nodes[name] = NodeState(name)
+            ns = self.nodes[name] = NodeView(name)
             ns.begin(stream_pb2.Hello(node=name, tracer_version=version, instance_id="i-" + name),
                      Position(name, "boot", "i-" + name))
             ns.info = node_info()
@@ -342,7 +341,7 @@ def test_cri_call_latency_histogram_counts_each_call() -> None:
 
 
 def test_node_counters_never_go_back_when_an_old_tracer_instance_is_forgotten() -> None:
-    """Ingest forgets a tracer instance silent past the retention (NodeState.forget_instances); its
+    """Ingest forgets a tracer instance silent past the retention (NodeView.forget_instances); its
     events stay counted, else the counters drop and Prometheus reads a reset (GhostGPUEventsLost's
     increase() would count the survivors' past losses as new)."""
     w = World()

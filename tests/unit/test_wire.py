@@ -1,7 +1,8 @@
 """Records <-> NodeEvent: every record kind the tracer emits survives the trip over the wire unchanged.
 
 The records are built by the tracer's own record functions (tracer/records.py) from real events,
-process identities and NVML views, so the table follows the agent's keys, not a copy of them.
+process identities and NVML views, so the table follows the agent's keys, not a copy of them; the
+PodResources poller's JSON records are read as the stream reads them (record_from_json).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Any
 
 import pytest
 from ghostgpu.tracer import records
-from ghostgpu.tracer.events import EventKind, HolderEvent, NvmlGpu, NvmlView, ProcessInfo
+from ghostgpu.tracer.events import EventKind, NvmlGpu, NvmlView, ProcessInfo, SourceEvent
 
+from ghostgpu.common.convert import event_to_record, record_to_event
 from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
-from ghostgpu.common.wire import HOLDER_KINDS, STREAMED_KINDS, event_to_record, record_to_event
+from ghostgpu.common.records import HOLDER_KINDS, STREAMED_KINDS, HolderRecord, Record, record_from_json
 from ghostgpu.v1 import stream_pb2
 
 NODE = "gpu-node-7"
@@ -44,14 +46,12 @@ CONSUMER = Consumer(
 
 
 def holder(kind: EventKind, info: ProcessInfo | None = INFO, dev: DeviceRef | None = NV0, fd: int = 5,
-           nvml: NvmlView = NVML, **extra: Any) -> dict[str, Any]:
+           nvml: NvmlView = NVML, **extra: Any) -> HolderRecord:
     fields = {k: extra.pop(k) for k in ("child_pid", "mapped", "cgroup_id") if k in extra}
-    ev = HolderEvent(kind, extra.pop("source", "bpf"), 987_654_321, 4242, tid=4250, fd=fd, device=dev,
+    ev = SourceEvent(kind, extra.pop("source", "bpf"), 987_654_321, 4242, tid=4250, fd=fd, device=dev,
                      **fields)
     devices = ["/dev/nvidia0", "/dev/nvidiactl"] if dev is not None else []
-    rec = records.event_record(NODE, ev, info, devices, nvml)
-    rec.update(extra)
-    return rec
+    return records.event_record(NODE, ev, info, devices, nvml, **extra)
 
 
 IOCTLS = records.ioctl_list({("/dev/nvidiactl", 0xC020462A): 12, ("/dev/nvidia0", 0xC0104629): 3},
@@ -80,34 +80,35 @@ RECORDS = [
     ("notice", records.notice_record(NODE, "bpf.ringbuf_drops", "3 new (3 in all): the kernel lost state")),
     ("info", records.info_record(NODE, True, NVML)),
     ("info-no-nvml", records.info_record(NODE, False, NO_NVML)),
-    ("allocations", {"event": "allocations", "ts": 1_767_000_000.123456, "node": NODE, "available": True,
-                     "error": "", "containers": [
-                         {"namespace": "ml", "pod": "train-0", "container": "main",
-                          "resource_names": ["nvidia.com/gpu"], "device_ids": [UUID0, "GPU-1"]},
-                         {"namespace": "ml", "pod": "infer", "container": "srv",
-                          "resource_names": ["nvidia.com/mig-1g.10gb"], "device_ids": ["MIG-5c"]}]}),
-    ("allocations-unavailable", {"event": "allocations", "ts": 1_767_000_001.5, "node": NODE,
-                                 "available": False, "error": "PodResources socket /x not found",
-                                 "containers": []}),
+    ("allocations", record_from_json({
+        "event": "allocations", "ts": 1_767_000_000.123456, "node": NODE, "available": True,
+        "error": "", "containers": [
+            {"namespace": "ml", "pod": "train-0", "container": "main",
+             "resource_names": ["nvidia.com/gpu"], "device_ids": [UUID0, "GPU-1"]},
+            {"namespace": "ml", "pod": "infer", "container": "srv",
+             "resource_names": ["nvidia.com/mig-1g.10gb"], "device_ids": ["MIG-5c"]}]})),
+    ("allocations-unavailable", record_from_json({
+        "event": "allocations", "ts": 1_767_000_001.5, "node": NODE, "available": False,
+        "error": "PodResources socket /x not found", "containers": []})),
 ]
 
 
-def trip(rec: dict[str, Any], seq: int = 41) -> dict[str, Any]:
+def trip(rec: Record, seq: int = 41) -> Record:
     ev = record_to_event(rec, seq)
     assert ev is not None
     wire = stream_pb2.NodeEvent.FromString(ev.SerializeToString())
     assert wire.seq == seq
-    assert wire.ts_unix_ns == round(rec["ts"] * 1e9)
+    assert wire.ts_unix_ns == round(rec.ts * 1e9)
     return event_to_record(wire, node=NODE)
 
 
-def canonical(rec: dict[str, Any]) -> str:
+def canonical(rec: Record) -> str:
     """JSON as a reader sees it: 1 and 1.0, or a list and a tuple, would differ here."""
-    return json.dumps(rec, sort_keys=True)
+    return json.dumps(rec.to_json(), sort_keys=True)
 
 
 @pytest.mark.parametrize("rec", [r for _, r in RECORDS], ids=[name for name, _ in RECORDS])
-def test_round_trip(rec: dict[str, Any]) -> None:
+def test_round_trip(rec: Record) -> None:
     assert canonical(trip(rec)) == canonical(rec)
 
 
@@ -131,21 +132,22 @@ def test_holder_event_fields_on_the_wire() -> None:
 
 def test_a_process_proc_never_showed_reads_back_as_not_alive() -> None:
     """identity_fields(None) writes only five keys; the trip adds the rest with their unknown values."""
-    rec = holder(EventKind.EXIT, info=None, dev=None, fd=-1)
-    back = trip(rec)
+    typed = holder(EventKind.EXIT, info=None, dev=None, fd=-1)
+    rec, back = typed.to_json(), trip(typed).to_json()
     assert {k: back[k] for k in rec} == rec
     assert back["alive"] is False and back["uid"] is None and back["exe"] == ""
 
 
 def test_ready_is_not_streamed() -> None:
-    assert record_to_event({"event": "ready", "ts": 1.0, "node": NODE, "bpf": True}, 1) is None
+    ready = record_from_json({"event": "ready", "ts": 1.0, "node": NODE, "bpf": True})
+    assert record_to_event(ready, 1) is None
     assert "ready" not in STREAMED_KINDS
 
 
 def test_every_holder_kind_has_a_wire_kind() -> None:
     assert set(HOLDER_KINDS) == {str(k) for k in EventKind}
     for kind in HOLDER_KINDS:
-        assert trip(holder(EventKind(kind)))["event"] == kind
+        assert trip(holder(EventKind(kind))).to_json()["event"] == kind
 
 
 def test_an_event_without_a_body_is_refused() -> None:
@@ -154,7 +156,7 @@ def test_an_event_without_a_body_is_refused() -> None:
 
 
 def test_consumer_from_json_ignores_record_keys_and_names_what_is_missing() -> None:
-    rec = records.consumer_record("finding", CONSUMER)
+    rec = records.consumer_record("finding", CONSUMER).to_json()
     assert Consumer.from_json({**rec, "namespace": "ml", "allocated": "unknown"}) == CONSUMER
     partial = {k: v for k, v in rec.items() if k not in ("exe", "fds", "alive")}
     assert Consumer.from_json(partial) == replace(CONSUMER, exe="", fds=[], alive=True)
@@ -166,4 +168,4 @@ def test_consumer_from_json_ignores_record_keys_and_names_what_is_missing() -> N
 
 def test_a_malformed_record_raises_naming_the_problem() -> None:
     with pytest.raises((KeyError, ValueError)):
-        record_to_event({"event": "open", "ts": 1.0}, 1)  # no pid
+        record_to_event(record_from_json({"event": "open", "ts": 1.0}), 1)  # no pid

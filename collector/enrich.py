@@ -2,10 +2,14 @@
 
 `enrich()` is the collector's part of classification, a pure function. The node tracer already
 decided system, ghost, orphaned (zombie, reparented), visible, hidden, pending, ...; the collector
-knows two more facts a node cannot judge alone, and they rank above `visible` (see ghostgpu.common.model):
+knows two more facts a node cannot judge alone:
 
 - CRI says the holder's container exited, is unknown, or its pod sandbox is gone: `orphaned`.
 - PodResources says the container was never given this GPU: `unallocated`.
+
+Which of these and the node's class wins is ghostgpu.common.classes' precedence, the one classify()
+applies on the node: the node's system and ghost (and its own orphaned verdict) stand, CRI's and
+PodResources' verdicts replace anything below them.
 """
 
 from __future__ import annotations
@@ -13,12 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ghostgpu.common.cluster import K8sInfo
-from ghostgpu.common.model import Consumer, ConsumerClass
-
-# Classes the node decided that outrank anything CRI or PodResources can add.
-NODE_FINAL = (ConsumerClass.SYSTEM, ConsumerClass.GHOST, ConsumerClass.ORPHANED)
-
+from ghostgpu.common import classes
+from ghostgpu.common.model import Consumer, ConsumerClass, K8sInfo
 
 NO_CONTAINER = K8sInfo(resolution="none")
 
@@ -64,18 +64,22 @@ def enrich(consumer: Consumer, k8s: K8sInfo, allocations: Allocations) -> tuple[
     if not consumer.container_id:
         return consumer, None
     allocated = allocations.allocated(k8s, consumer.gpu_uuid) if consumer.gpu is not None else None
-    if consumer.cls in NODE_FINAL:
-        return consumer, allocated
     orphan = k8s.orphan_reason
+    applicable = [consumer.cls]  # the node's class stands unless a rule that outranks it holds
+    if orphan is not None:
+        applicable.append(ConsumerClass.ORPHANED)
+    if allocated is False:
+        applicable.append(ConsumerClass.UNALLOCATED)
+    cls = classes.highest(applicable)
+    if cls == consumer.cls:
+        return consumer, allocated  # the node's reason too: an orphan it saw keeps its own evidence
     in_container = f" (pid {consumer.ns_pid} in its container)" if consumer.ns_pid else ""
     pid_text = f"pid {consumer.pid}{in_container}"
     devices = ", ".join(consumer.devices) or "a GPU device"
-    if orphan is not None:
+    if cls is ConsumerClass.ORPHANED:
         reason = f"{orphan}, yet {pid_text} still holds {devices}"
-        return replace(consumer, cls=ConsumerClass.ORPHANED, reason=reason), allocated
-    if allocated is False:
+    else:
         gpu = f"GPU {consumer.gpu} ({consumer.gpu_uuid})" if consumer.gpu_uuid else f"GPU {consumer.gpu}"
         reason = (f"PodResources did not allocate {gpu} to container {k8s.container} of pod "
                   f"{k8s.namespace}/{k8s.pod}, yet {pid_text} holds {devices}")
-        return replace(consumer, cls=ConsumerClass.UNALLOCATED, reason=reason), allocated
-    return consumer, allocated
+    return replace(consumer, cls=cls, reason=reason), allocated

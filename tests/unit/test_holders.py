@@ -1,10 +1,10 @@
-"""Table tests for NodeState: events in, holder table and changes out; scans reconciled."""
+"""Table tests for HolderTable: events in, holder table and changes out; scans reconciled."""
 
 from __future__ import annotations
 
 import pytest
-from ghostgpu.tracer.events import DeviceHold, EventKind, HolderEvent, ProcessInfo, ProcView
-from ghostgpu.tracer.state import Change, NodeState
+from ghostgpu.tracer.events import DeviceHold, EventKind, ProcessInfo, ProcView, SourceEvent
+from ghostgpu.tracer.holders import Change, HolderTable
 
 from ghostgpu.common.model import DeviceKind, DeviceRef
 
@@ -30,17 +30,17 @@ class Host:
     def exists(self, pid: int) -> bool:
         return pid in self.procs
 
-    def state(self) -> NodeState:
-        return NodeState(self.identify, exists=self.exists)
+    def state(self) -> HolderTable:
+        return HolderTable(self.identify, exists=self.exists)
 
 
 def ev(kind: EventKind, pid: int, dev: str | None = None, fd: int = -1, ts: int = 10, src: str = "bpf",
-       mapped: bool = False, child: int = 0) -> HolderEvent:
-    return HolderEvent(kind, src, ts, pid, fd=fd, device=DEVS[dev] if dev else None, mapped=mapped,
+       mapped: bool = False, child: int = 0) -> SourceEvent:
+    return SourceEvent(kind, src, ts, pid, fd=fd, device=DEVS[dev] if dev else None, mapped=mapped,
                        child_pid=child)
 
 
-def table(state: NodeState) -> dict[int, dict[str, tuple[list[int], bool]]]:
+def table(state: HolderTable) -> dict[int, dict[str, tuple[list[int], bool]]]:
     """The holder table as plain data: pid -> device path -> (sorted fds, mapped)."""
     return {pid: {path: (sorted(hold.fds), hold.mapped) for path, hold in holder.holds.items()}
             for pid, holder in state.holders.items()}
@@ -96,7 +96,7 @@ APPLY = [
 
 
 @pytest.mark.parametrize(("events", "expected", "last"), [a[1:] for a in APPLY], ids=[a[0] for a in APPLY])
-def test_apply_table(events: list[HolderEvent], expected: dict[int, object], last: list[object]) -> None:
+def test_apply_table(events: list[SourceEvent], expected: dict[int, object], last: list[object]) -> None:
     state = Host(100, 101).state()
     changes: list[Change] = []
     for event in events:
@@ -157,7 +157,7 @@ def test_identity_failure_still_tracks_the_hold(failure: Exception | None) -> No
             raise failure
         return None
 
-    state = NodeState(identify, exists=lambda pid: False)
+    state = HolderTable(identify, exists=lambda pid: False)
     state.apply(OPEN5)
     assert state.holders[100].process == ProcessInfo(100, alive=False)
     state.apply(ev(E.EXEC, 100))  # keeps the identity it has rather than raising
@@ -241,7 +241,7 @@ RECONCILE = [
 
 @pytest.mark.parametrize(("before", "found", "pids", "want", "after"),
                          [r[1:] for r in RECONCILE], ids=[r[0] for r in RECONCILE])
-def test_reconcile_table(before: list[HolderEvent], found: ProcView, pids: set[int] | None,
+def test_reconcile_table(before: list[SourceEvent], found: ProcView, pids: set[int] | None,
                          want: list[tuple[EventKind, int, str | None]], after: dict[int, object]) -> None:
     state = Host(100, 101).state()  # PID 200 does not exist
     for event in before:

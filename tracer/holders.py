@@ -1,6 +1,6 @@
 """The node's holder table: host PID -> who it is and how it holds each GPU device file.
 
-Fed by events (BPF and procfs speak the same HolderEvent) and corrected by full /proc scans.
+Fed by events (BPF and procfs speak the same SourceEvent) and corrected by full /proc scans.
 It never reads /proc or the kernel itself: identity arrives through the `identify` callable and
 process existence through `exists`, so the whole table is testable with plain data.
 """
@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ghostgpu.tracer.events import DeviceHold, EventKind, Holder, HolderEvent, ProcessInfo, ProcView
+from ghostgpu.tracer.events import DeviceHold, EventKind, Holder, ProcessInfo, ProcView, SourceEvent
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _proc_exists(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-class NodeState:
+class HolderTable:
     def __init__(self, identify: Identify, exists: Callable[[int], bool] | None = None) -> None:
         self.holders: dict[int, Holder] = {}
         self._identify = identify
@@ -100,11 +100,11 @@ class NodeState:
 
     # --- events ---------------------------------------------------------------------------
 
-    def apply(self, event: HolderEvent) -> list[Change]:
+    def apply(self, event: SourceEvent) -> list[Change]:
         """Apply one event; return what changed. Repeats and events for non-holders are no-ops."""
         return self._apply(event, check_reuse=True)
 
-    def _apply(self, ev: HolderEvent, check_reuse: bool, fds: set[int] | None = None) -> list[Change]:
+    def _apply(self, ev: SourceEvent, check_reuse: bool, fds: set[int] | None = None) -> list[Change]:
         changes: list[Change] = []
         try:
             # Only events that may start or re-read a holder pay for an identity read: a CLOSE or
@@ -126,7 +126,7 @@ class NodeState:
             self._trim()
         return changes
 
-    def _hold(self, ev: HolderEvent, fds: set[int] | None) -> list[Change]:
+    def _hold(self, ev: SourceEvent, fds: set[int] | None) -> list[Change]:
         if ev.device is None:
             return []
         path = ev.device.path
@@ -149,7 +149,7 @@ class NodeState:
             changes.append(Change("device_updated", ev.pid, holder, path))
         return self._snap(changes)
 
-    def _release(self, ev: HolderEvent) -> list[Change]:
+    def _release(self, ev: SourceEvent) -> list[Change]:
         holder = self.holders.get(ev.pid)
         if holder is None or ev.device is None or ev.device.path not in holder.holds:
             return []
@@ -176,7 +176,7 @@ class NodeState:
             changes.append(Change("holder_removed", ev.pid, last, path))
         return changes
 
-    def _fork(self, ev: HolderEvent) -> list[Change]:
+    def _fork(self, ev: SourceEvent) -> list[Change]:
         parent = self.holders.get(ev.pid)
         child_pid = ev.child_pid
         if parent is None or child_pid <= 0 or child_pid == ev.pid:
@@ -219,17 +219,17 @@ class NodeState:
         ts_ns: int,
         scanned_pids: set[int] | None = None,
         changes: list[Change] | None = None,
-    ) -> list[HolderEvent]:
+    ) -> list[SourceEvent]:
         """Bring the table in line with a /proc scan that started at ts_ns; return the events applied.
 
         With scanned_pids, only those PIDs (and the ones in view) were scanned. Holds an event
         touched at or after ts_ns are left alone: the event is newer than what the scan read.
         Table changes are appended to `changes` when given.
         """
-        events: list[HolderEvent] = []
+        events: list[SourceEvent] = []
         out: list[Change] = changes if changes is not None else []
 
-        def emit(ev: HolderEvent, fds: set[int] | None = None) -> None:
+        def emit(ev: SourceEvent, fds: set[int] | None = None) -> None:
             events.append(ev)
             out.extend(self._apply(ev, check_reuse=False, fds=fds))
 
@@ -245,7 +245,7 @@ class NodeState:
                 reused = self._check_reuse(pid, 0)
                 if reused:
                     out.extend(reused)
-                    events.append(HolderEvent(EventKind.EXIT, "procfs", ts_ns, pid))
+                    events.append(SourceEvent(EventKind.EXIT, "procfs", ts_ns, pid))
             for path, found in sorted(seen.items()):
                 if self._touched_ns.get((pid, path), -1) >= ts_ns:
                     continue
@@ -253,10 +253,10 @@ class NodeState:
                 hold = held.holds.get(path) if held is not None else None
                 if hold is None:
                     if found.fds:
-                        emit(HolderEvent(EventKind.OPEN, "procfs", ts_ns, pid, fd=min(found.fds),
+                        emit(SourceEvent(EventKind.OPEN, "procfs", ts_ns, pid, fd=min(found.fds),
                                          device=found.device), fds=found.fds)
                     if found.mapped:
-                        emit(HolderEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
+                        emit(SourceEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
                     if pid in self.holders and path in self.holders[pid].holds:
                         self.holders[pid].holds[path].via_tasks = found.via_tasks
                     continue
@@ -268,13 +268,13 @@ class NodeState:
                     hold.fds, hold.via_tasks = set(found.fds), found.via_tasks
                     out.append(Change("device_updated", pid, copy_holder(self.holders[pid]), path))
                 if found.mapped and not hold.mapped:
-                    emit(HolderEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
+                    emit(SourceEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
                 elif hold.mapped and not found.mapped:
-                    emit(HolderEvent(EventKind.UNMAP, "procfs", ts_ns, pid, device=found.device))
+                    emit(SourceEvent(EventKind.UNMAP, "procfs", ts_ns, pid, device=found.device))
             held = self.holders.get(pid)
             for path in sorted(held.holds if held is not None else ()):
                 if path not in seen and stale(pid, path):
-                    emit(HolderEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=held.holds[path].device))
+                    emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=held.holds[path].device))
 
         scope = set(self.holders) if scanned_pids is None else set(scanned_pids)
         for pid in sorted(scope - set(view)):
@@ -285,10 +285,10 @@ class NodeState:
             if not old:
                 continue
             if not self._still_there(pid) or self._reused(pid):
-                emit(HolderEvent(EventKind.EXIT, "procfs", ts_ns, pid))
+                emit(SourceEvent(EventKind.EXIT, "procfs", ts_ns, pid))
                 continue
             for path in old:
-                emit(HolderEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=holder.holds[path].device))
+                emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=holder.holds[path].device))
         self._prune(ts_ns)
         return events
 

@@ -1,0 +1,155 @@
+"""ghostgpu.common.classes is the one precedence both classifiers apply: for every set of rules that
+hold at once, the node's classify() and the collector's enrich() pick the class the table ranks
+highest, and reordering the table reorders both."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+
+import pytest
+from ghostgpu.collector.alertbook import FINDING_ALERTS
+from ghostgpu.collector.enrich import allocations_from, enrich
+from ghostgpu.tracer.classify import ClassifyConfig, classify
+from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+
+from ghostgpu.common import classes
+from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef, K8sInfo
+
+C = ConsumerClass
+S = 1_000_000_000
+NOW = 100 * S
+PID = 100
+UUID0 = "GPU-00000000-aaaa"
+CID = "c" * 64
+NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)
+CFG = ClassifyConfig(grace_ns=2 * S, boot_ns_of_ticks=lambda ticks: ticks * 10_000_000)
+# The node's evidence, one switch per rule; a scenario turns on any subset of them.
+NODE_SWITCHES = ("system", "ghost", "orphaned", "unknown", "listed", "pending", "container")
+
+
+def test_the_table_names_every_class_once_in_its_order() -> None:
+    assert classes.PRECEDENCE == (C.SYSTEM, C.GHOST, C.ORPHANED, C.UNALLOCATED, C.UNKNOWN, C.VISIBLE,
+                                  C.PENDING, C.UNATTRIBUTED, C.HIDDEN)
+    assert set(classes.PRECEDENCE) == set(ConsumerClass)
+    assert all(rule.meaning and rule.decided_by for rule in classes.RULES)
+    assert {C.ORPHANED, C.UNALLOCATED} == classes.COLLECTOR_CLASSES
+    assert set(ConsumerClass) - {C.UNALLOCATED} == classes.NODE_CLASSES
+
+
+def test_findings_are_the_classes_a_team_must_look_at() -> None:
+    assert set(classes.FINDING_CLASSES) == {"hidden", "ghost", "orphaned", "unallocated", "unattributed"}
+    assert set(FINDING_ALERTS) == set(classes.FINDING_CLASSES)  # every finding class has its alert
+    # Plain strings (a store row's class, a metrics label) test as members too.
+    assert "hidden" in classes.FINDING_CLASSES and "visible" not in classes.FINDING_CLASSES
+    assert "hidden" in frozenset(classes.FINDING_CLASSES)
+
+
+def test_highest() -> None:
+    assert classes.highest([C.HIDDEN, C.PENDING, C.ORPHANED]) is C.ORPHANED
+    assert classes.highest({C.VISIBLE: "reason"}) is C.VISIBLE
+    assert classes.outranks(C.UNALLOCATED, C.UNKNOWN) and not classes.outranks(C.HIDDEN, C.PENDING)
+    with pytest.raises(ValueError):
+        classes.highest([])
+
+
+# ---- the node: classify() ----------------------------------------------------------------------
+
+def node_scenario(on: frozenset[str]) -> tuple[list[Holder], NvmlView, dict[int, int], set[ConsumerClass]]:
+    """(holders, NVML view, the PIDs that exist, the classes whose rules hold) for the switches `on`."""
+    info = ProcessInfo(pid=PID, comm="nv-hostengine" if "system" in on else "python3", start_ticks=1000,
+                       ppid=50, parent_comm="containerd-shim", state="Z" if "orphaned" in on else "S",
+                       threads=1, container_id=CID if "container" in on else "", parent_container_id="")
+    seen_ns = NOW - (S // 2 if "pending" in on else 10 * S)
+    holder = Holder(info, {NV0.path: DeviceHold(NV0, {5}, False, seen_ns, "bpf")})
+    listed = "listed" in on or "ghost" in on  # a ghost is a listing whose PID is gone
+    gpu = NvmlGpu(0, UUID0, 0, processes=(NvmlProcess(PID, 1 << 30, "compute"),) if listed else (),
+                  processes_known="unknown" not in on)
+    exists = {} if "ghost" in on else {PID: 1000}
+    holding = {C.SYSTEM: "system" in on, C.GHOST: "ghost" in on, C.ORPHANED: "orphaned" in on,
+               C.UNKNOWN: "unknown" in on, C.VISIBLE: listed, C.PENDING: "pending" in on,
+               C.HIDDEN: "container" in on, C.UNATTRIBUTED: "container" not in on}
+    view = NvmlView(True, NOW, "595.45.04", (gpu,))
+    return [holder], view, exists, {c for c, held in holding.items() if held}
+
+
+def node_scenarios() -> Iterator[tuple[frozenset[str], set[ConsumerClass]]]:
+    for n in range(len(NODE_SWITCHES) + 1):
+        for on in itertools.combinations(NODE_SWITCHES, n):
+            yield frozenset(on), node_scenario(frozenset(on))[3]
+
+
+def classify_one(on: frozenset[str]) -> Consumer:
+    holders, view, exists, _ = node_scenario(on)
+    [consumer] = classify(holders, view, NOW, CFG, "n1", exists.get)
+    return consumer
+
+
+def winner(applicable: set[ConsumerClass], rank: Mapping[ConsumerClass, int]) -> ConsumerClass:
+    return min(applicable, key=rank.__getitem__)
+
+
+def test_classify_picks_the_highest_rule_that_holds() -> None:
+    for on, applicable in node_scenarios():
+        got = classify_one(on).cls
+        assert got == winner(applicable, classes.RANK), (sorted(on), applicable)
+        # Said pairwise: whenever two rules hold, the higher one wins.
+        for a, b in itertools.permutations(applicable, 2):
+            if classes.outranks(a, b):
+                assert got != b, (sorted(on), a, b)
+
+
+# ---- the collector: enrich() -------------------------------------------------------------------
+
+RUNNING = K8sInfo(resolution="resolved", namespace="ml", pod="p-0", container="cuda",
+                  container_state="CONTAINER_RUNNING", sandbox_state="SANDBOX_READY", runtime="containerd")
+EXITED = K8sInfo(resolution="resolved", namespace="ml", pod="p-0", container="cuda",
+                 container_state="CONTAINER_EXITED", sandbox_state="SANDBOX_READY", runtime="containerd")
+MINE = allocations_from([("ml", "p-0", "cuda", [UUID0])])
+OTHER = allocations_from([("ml", "p-0", "cuda", ["GPU-ffffffff-0000"])])
+
+
+def collector_scenarios() -> Iterator[tuple[ConsumerClass, bool, bool, set[ConsumerClass]]]:
+    """(the node's class, CRI says orphaned, PodResources says unallocated, the classes that hold)."""
+    for node_cls, orphan, unallocated in itertools.product(ConsumerClass, (False, True), (False, True)):
+        applicable = {node_cls, *([C.ORPHANED] if orphan else []), *([C.UNALLOCATED] if unallocated else [])}
+        yield node_cls, orphan, unallocated, applicable
+
+
+def enrich_one(node_cls: ConsumerClass, orphan: bool, unallocated: bool) -> Consumer:
+    node = Consumer(node="n1", pid=PID, ns_pid=7, comm="python3", gpu=0, gpu_uuid=UUID0, gpu_minor=0,
+                    devices=["/dev/nvidia0"], container_id=CID, pod_uid="", runtime="containerd",
+                    cls=node_cls, reason="the node's reason", gpu_memory_bytes=None)
+    out, _ = enrich(node, EXITED if orphan else RUNNING, OTHER if unallocated else MINE)
+    return out
+
+
+def test_enrich_picks_the_highest_rule_that_holds() -> None:
+    for node_cls, orphan, unallocated, applicable in collector_scenarios():
+        out = enrich_one(node_cls, orphan, unallocated)
+        want = winner(applicable, classes.RANK)
+        assert out.cls == want, (node_cls, orphan, unallocated)
+        if want == node_cls:
+            assert out.reason == "the node's reason"  # the node's verdict stands with its evidence
+        else:
+            assert out.reason.startswith("CRI (containerd) reports container cuda exited"
+                                         if want is C.ORPHANED else "PodResources did not allocate GPU 0")
+
+
+def test_every_pair_of_rules_that_can_hold_at_once_is_exercised() -> None:
+    pairs = {frozenset(p) for _, applicable in node_scenarios()
+             for p in itertools.combinations(applicable, 2)}
+    pairs |= {frozenset(p) for *_, applicable in collector_scenarios()
+              for p in itertools.combinations(applicable, 2)}
+    every = {frozenset(p) for p in itertools.combinations(ConsumerClass, 2)}
+    assert every - pairs == {frozenset({C.HIDDEN, C.UNATTRIBUTED})}  # in a container, or not
+
+
+def test_both_follow_the_table_when_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No second copy of the order hides in either classifier: reversed, both follow it."""
+    reversed_rank = {cls: -rank for cls, rank in classes.RANK.items()}
+    monkeypatch.setattr(classes, "RANK", reversed_rank)
+    for on, applicable in node_scenarios():
+        assert classify_one(on).cls == winner(applicable, reversed_rank), sorted(on)
+    for node_cls, orphan, unallocated, applicable in collector_scenarios():
+        assert enrich_one(node_cls, orphan, unallocated).cls == winner(applicable, reversed_rank)

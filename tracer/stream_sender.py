@@ -1,0 +1,314 @@
+"""The sender thread's half of StreamSink (tracer/stream.py): connections, reconnects and flow control.
+
+StreamSink inherits it; the split follows the threads. stream.py is what the tracer's loop calls
+(emit, close, stats) and the state it keeps; this module is everything the one sender thread does
+with that state, as stream.proto and the issue 3 spec ("Stream protocol") say:
+
+    connect -> Hello -> Welcome (drop spool <= acked_seq) -> Snapshot(seq = last assigned)
+    -> the spool's unacknowledged events -> live EventBatches: at once on an idle link, else at
+    max_batch_events or FLUSH_S after their first event, at most WINDOW_BATCHES unacknowledged
+    -> Heartbeat after heartbeat_s of silence
+
+reading Acks (trim the spool) and Commands (CRI relay, answered on the same stream) through the
+StreamSession's receiver thread. A lost stream is retried with jittered exponential backoff.
+Every attribute declared on StreamSender below is shared with emit() and guarded by `_lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from ghostgpu.tracer.cri_relay import CommandRunner
+from ghostgpu.tracer.records import notice_record
+from ghostgpu.tracer.spool import Spool, encode_event, encode_events_message
+from ghostgpu.tracer.stream_session import StreamSession
+
+from ghostgpu import __version__
+from ghostgpu.common import protocol
+from ghostgpu.common.records import AnyRecord, InfoRecord
+from ghostgpu.v1 import stream_pb2
+
+log = logging.getLogger("ghostgpu.stream")
+
+FLUSH_S = 0.010  # a batch leaves at most this long after its first event (while the window is open)
+WINDOW_BATCHES = 4  # unacknowledged at once: a collector behind gets fewer, larger, cheaper batches
+MAX_BATCH_BYTES = protocol.MAX_MESSAGE_BYTES // 2  # a batch of long command lines still fits a message
+COMMAND_REPLY_S = 5.0  # a command's answer that cannot be queued this soon is dropped (the collector retries)
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    spool_events: int = 100_000  # unacknowledged events kept (--spool-events): ~40 MB at ~370 B each
+    heartbeat_s: float = 5.0  # a Heartbeat after this much silence
+    backoff_min_s: float = 0.1  # reconnect delay, doubling (with jitter) up to backoff_max_s
+    backoff_max_s: float = 5.0
+    welcome_timeout_s: float = 10.0
+    ack_timeout_s: float = 30.0  # a batch unacknowledged this long means a dead connection: reconnect
+    info_wait_s: float = 30.0  # wait this long for the agent's first `info` (its bpf/nvml go into Hello)
+    close_deadline_s: float = 2.0  # close() flushes for at most this long
+
+
+class StreamSender:
+    """The sender thread (`_run`) and the receiver callbacks; StreamSink sets every attribute up."""
+
+    target: str
+    node: str
+    options: StreamOptions
+    instance_id: str
+    boot_id: str
+    _capabilities: list[str]
+    _backoff_s: float
+    # Shared with emit() and stats(), under _lock.
+    _lock: threading.Lock
+    _seq: int
+    _spool: Spool
+    _first_pending_s: float  # monotonic time of the oldest record not yet encoded
+    _info: InfoRecord | None
+    _max_batch: int
+    _dropped_unreported: int
+    _overflowing: bool
+    _connected: bool
+    _welcomes: int
+    _connect_failures: int
+    _events_sent: int
+    _batches_sent: int
+    # The sender thread's own.
+    _wake: threading.Event
+    _stopping: threading.Event
+    _deadline_s: float
+    _down_logged: bool
+    _refusal_logged: str
+    _commands: CommandRunner
+
+    def emit(self, record: AnyRecord, _bounded: bool = True) -> None:
+        raise NotImplementedError  # StreamSink's
+
+    def _snapshot(self) -> stream_pb2.Snapshot:
+        raise NotImplementedError  # StreamSink's: built under the lock that assigns seqs
+
+    def _tracer_stats(self) -> stream_pb2.TracerStats:
+        raise NotImplementedError  # StreamSink's
+
+    def _run(self) -> None:
+        try:
+            self._idle_until(time.monotonic() + self.options.info_wait_s, lambda: self._info is not None)
+            outcome = ""
+            while not self._stopping.is_set():
+                outcome = self._attempt()
+                if outcome != "stopped" and not self._stopping.is_set():
+                    self._backoff()
+            if outcome != "stopped" and len(self._spool) and time.monotonic() < self._deadline_s:
+                self._attempt()  # one last try to hand over what is spooled
+        except Exception:
+            log.exception("stream to the collector at %s stopped unexpectedly", self.target)
+
+    def _idle_until(self, until_s: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Wait (encoding what arrives, so the spool stays compact) until a time, `done`, or close()."""
+        while not self._stopping.is_set() and not done():
+            self._wake.clear()
+            now = time.monotonic()
+            if now >= until_s:
+                return
+            timeout = until_s - now
+            with self._lock:
+                if self._spool.pending:
+                    full = len(self._spool.pending) >= self._max_batch
+                    timeout = 0 if full else min(timeout, max(self._first_pending_s + FLUSH_S - now, 0))
+            if timeout <= 0:
+                self._encode_pending()
+                continue
+            self._wake.wait(timeout)
+
+    def _backoff(self) -> None:
+        delay = self._backoff_s * random.uniform(0.5, 1.0)  # jitter: tracers of one cluster spread out
+        self._backoff_s = min(self._backoff_s * 2, self.options.backoff_max_s)
+        self._idle_until(time.monotonic() + delay)
+
+    def _encode_pending(self) -> None:
+        """Records -> NodeEvent bytes, a batch at a time, outside the lock so emit() never waits long."""
+        while True:
+            with self._lock:
+                taken = self._spool.take_pending(self._max_batch)
+                if self._spool.pending:
+                    self._first_pending_s = time.monotonic()
+            if not taken:
+                return
+            encoded = [(seq, encode_event(seq, rec)) for seq, rec in taken]
+            with self._lock:
+                self._spool.put_encoded(len(taken), encoded)
+
+    def _hello(self) -> bytes:
+        caps = list(self._capabilities)
+        info = self._info
+        if info is not None:
+            caps[:0] = [name for name, on in (("bpf", info.bpf), ("nvml", info.nvml)) if on]
+        hello = stream_pb2.Hello(api_version=protocol.API_VERSION, node=self.node, boot_id=self.boot_id,
+                                 instance_id=self.instance_id, tracer_version=__version__, capabilities=caps)
+        return stream_pb2.TracerMessage(hello=hello).SerializeToString()
+
+    def _attempt(self) -> str:
+        """One connection, from Hello to its end: "failed", "lost" or "stopped" (flushed on close)."""
+        session = StreamSession(self.target, self._on_ack, self._on_command, self._wake)
+        try:
+            try:
+                session.open(self._hello())
+            except Exception as exc:  # e.g. a target gRPC cannot parse: say so, retry like any failure
+                log.warning("cannot open a stream to the collector at %s: %s", self.target, exc)
+                return "failed"
+            timeout_s = self.options.welcome_timeout_s
+            if self._stopping.is_set():
+                timeout_s = max(0.0, self._deadline_s - time.monotonic())
+            welcome = session.wait_welcome(
+                timeout_s, lambda: self._stopping.is_set() and time.monotonic() >= self._deadline_s)
+            if welcome is None:
+                self._connect_failed(session)
+                return "failed"
+            if not self._on_welcome(welcome):  # a Welcome in an API version we do not speak (logged)
+                with self._lock:
+                    self._connect_failures += 1
+                return "failed"
+            snap = self._snapshot()
+            session.put(stream_pb2.TracerMessage(snapshot=snap).SerializeToString(), self._put_deadline())
+            return self._pump(session)
+        finally:
+            session.close(graceful=self._stopping.is_set())
+            with self._lock:
+                self._connected = False
+                self._spool.requeue()
+
+    def _connect_failed(self, session: StreamSession) -> None:
+        with self._lock:
+            self._connect_failures += 1
+        code, details = session.error_code(), session.error_details()
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            # Version skew: nothing changes until someone upgrades one side, so say it once and
+            # come back rarely; never crash the tracer over it.
+            line = (f"collector at {self.target} refused this tracer (ghostgpu {__version__}, API "
+                    f"v{protocol.API_VERSION}): {details}")
+            if line != self._refusal_logged:
+                log.error("%s", line)
+                self._refusal_logged = line
+            self._backoff_s = self.options.backoff_max_s
+        elif not self._down_logged:
+            what = code.name if code is not None else "no Welcome"
+            log.warning("collector at %s not reachable (%s: %s); spooling events and retrying", self.target,
+                        what, details or f"no answer within {self.options.welcome_timeout_s:g} s")
+            self._down_logged = True
+
+    def _on_welcome(self, welcome: stream_pb2.Welcome) -> bool:
+        if welcome.api_version not in protocol.SUPPORTED_API_VERSIONS:
+            log.error("collector at %s speaks ghostgpu API v%d, this tracer (ghostgpu %s) speaks v%d; run "
+                      "matching versions of ghostgpu", self.target, welcome.api_version, __version__,
+                      protocol.API_VERSION)
+            self._backoff_s = self.options.backoff_max_s
+            return False
+        with self._lock:
+            self._max_batch = welcome.max_batch_events or protocol.MAX_BATCH_EVENTS
+            self._spool.ack(min(welcome.acked_seq, self._seq))
+            self._connected = True
+            self._welcomes += 1
+        self._backoff_s = self.options.backoff_min_s
+        self._down_logged = False
+        self._refusal_logged = ""
+        log.info("streaming to the collector at %s (acked seq %d)", self.target, welcome.acked_seq)
+        self._report_overflow()
+        return True
+
+    def _report_overflow(self) -> None:
+        """Events the spool dropped, said once the collector is back (as a notice it stores, too)."""
+        with self._lock:
+            lost, self._dropped_unreported = self._dropped_unreported, 0
+            self._overflowing = False
+        if lost:
+            events = "event" if lost == 1 else "events"
+            message = f"spool overflow: {lost} {events} lost while the collector at {self.target} was away"
+            log.warning("%s", message)
+            self.emit(notice_record(self.node, "stream.spool_overflow", message), _bounded=False)
+
+    def _put_deadline(self) -> float:
+        return self._deadline_s if self._stopping.is_set() else float("inf")
+
+    def _pump(self, session: StreamSession) -> str:
+        """Live batches, resends, heartbeats and the ack watchdog until the stream ends or close()."""
+        while True:
+            if session.ended.is_set():
+                self._lost(session)
+                return "lost"
+            self._wake.clear()
+            now = time.monotonic()
+            stopping = self._stopping.is_set()
+            with self._lock:
+                n_pending, first = len(self._spool.pending), self._first_pending_s
+                n_unsent, n_inflight = len(self._spool.unsent), len(self._spool.inflight)
+                overflowed = self._dropped_unreported and len(self._spool) < self._spool.capacity
+            if stopping and (now >= self._deadline_s or not (n_pending or n_unsent or n_inflight)):
+                return "stopped"
+            if overflowed:  # the collector fell behind while connected and has caught up again
+                self._report_overflow()
+                continue
+            # An idle link (nothing in flight) sends a lone finding at once, for detection latency;
+            # while batches await their acks, new events gather for up to FLUSH_S, and for as long
+            # as the window is full (an ack wakes us).
+            window = session.inflight_batches() < WINDOW_BATCHES
+            due = window and (n_pending >= self._max_batch or now - first >= FLUSH_S)
+            if n_unsent or (n_pending and (stopping or n_inflight == 0 or due)):
+                self._encode_pending()
+                self._send_unsent(session)
+                continue
+            oldest = session.oldest_unacked_s()
+            if oldest is not None and now - oldest > self.options.ack_timeout_s:
+                log.warning("collector at %s acknowledged nothing for %g s; reconnecting", self.target,
+                            self.options.ack_timeout_s)
+                return "lost"
+            if now - session.last_send_s >= self.options.heartbeat_s:
+                hb = stream_pb2.Heartbeat(ts_unix_ns=time.time_ns(), last_seq=self._seq,
+                                          stats=self._tracer_stats())
+                session.put(stream_pb2.TracerMessage(heartbeat=hb).SerializeToString(), self._put_deadline())
+                continue
+            timeouts = [session.last_send_s + self.options.heartbeat_s - now]
+            if n_pending and window:
+                timeouts.append(first + FLUSH_S - now)
+            if oldest is not None:
+                timeouts.append(oldest + self.options.ack_timeout_s - now)
+            if stopping:
+                timeouts.append(self._deadline_s - now)
+            self._wake.wait(max(0.0, min(timeouts)))
+
+    def _send_unsent(self, session: StreamSession) -> None:
+        while not session.ended.is_set():
+            with self._lock:
+                batch = self._spool.take_unsent(self._max_batch, MAX_BATCH_BYTES)
+            if not batch:
+                return
+            session.sent(batch[-1][0])
+            if not session.put(encode_events_message([data for _, data in batch]), self._put_deadline()):
+                return  # the stream ended (or close() ran out of time): requeued on teardown
+            with self._lock:
+                self._events_sent += len(batch)
+                self._batches_sent += 1
+
+    def _lost(self, session: StreamSession) -> None:
+        code, details = session.error_code(), session.error_details()
+        log.warning("lost the collector at %s (%s: %s); spooling events and reconnecting", self.target,
+                    code.name if code is not None else "stream ended", details)
+        self._down_logged = True
+
+    # --- the receiver thread (StreamSession) ------------------------------------------------
+
+    def _on_ack(self, session: StreamSession, seq: int) -> None:
+        with self._lock:
+            self._spool.ack(min(seq, self._seq))
+            waiting = bool(self._spool.pending)  # events held back while the window was full
+        session.acked(seq)
+        if waiting or self._stopping.is_set():
+            self._wake.set()  # close() waits for the last acks
+
+    def _on_command(self, session: StreamSession, command: stream_pb2.Command) -> None:
+        self._commands.submit(command, lambda result: session.put(
+            stream_pb2.TracerMessage(result=result).SerializeToString(), time.monotonic() + COMMAND_REPLY_S))
