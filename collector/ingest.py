@@ -110,16 +110,20 @@ class Ingest:
             session = await self._open(hello)
         except StreamAbort as e:
             await context.abort(e.code, e.details)
-        pos = session.state.position
-        assert pos is not None
-        await context.write(stream_pb2.CollectorMessage(welcome=stream_pb2.Welcome(
-            api_version=API_VERSION, collector_version=__version__, acked_seq=pos.delivered_seq,
-            max_batch_events=self.max_batch_events)))
-        reader = asyncio.create_task(self._read(session, it))
-        try:
+        reader: asyncio.Task[None] | None = None
+        try:  # from here on the session is registered: whatever happens, it is closed
+            pos = session.state.position
+            assert pos is not None
+            # A tracer gone before its Welcome makes this write fail; the session must not stay in
+            # self.sessions (and its node read as connected) until that node's next Hello.
+            await context.write(stream_pb2.CollectorMessage(welcome=stream_pb2.Welcome(
+                api_version=API_VERSION, collector_version=__version__, acked_seq=pos.delivered_seq,
+                max_batch_events=self.max_batch_events)))
+            reader = asyncio.create_task(self._read(session, it))
             await self._write(session, context)
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             self._close(session)
 
     def _hello(self, raw: bytes) -> stream_pb2.Hello:

@@ -201,3 +201,29 @@ def test_several_tracers_at_once_keep_their_own_nodes(collector: Collector) -> N
         rows = q.consumers()
         assert sorted({r.consumer.node for r in rows}) == nodes and len(rows) == 18
         assert [r.consumer.process.pid for r in q.consumers(node="gpu-node-3")] == [100, 101, 102]
+
+
+def test_a_tracer_gone_before_its_welcome_leaves_no_session(collector: Collector) -> None:
+    """The Welcome write fails (the tracer hung up right after its Hello): the session is closed at
+    once, not left registered, its node connected, until that node's next Hello."""
+    import asyncio
+
+    hello = stream_pb2.TracerMessage(hello=stream_pb2.Hello(
+        api_version=1, node="gone-early", boot_id="b1", instance_id="i1")).SerializeToString()
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield hello
+
+    class HungUp:
+        async def write(self, _message: object) -> None:
+            raise ConnectionResetError("the tracer hung up")
+
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise AssertionError(f"abort({code}, {details})")
+
+    assert collector.loop is not None
+    done = asyncio.run_coroutine_threadsafe(collector.ingest.connect(requests(), HungUp()), collector.loop)
+    with pytest.raises(ConnectionResetError):
+        done.result(timeout=10)
+    assert collector.call(lambda: "gone-early" in collector.ingest.sessions) is False
+    assert collector.call(lambda: collector.nodes["gone-early"].connected) is False
