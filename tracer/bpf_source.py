@@ -28,6 +28,7 @@ from ghostgpu.tracer.bpf_build import (
     program_text,
 )
 from ghostgpu.tracer.events import EventKind, SourceEvent, boot_ns
+from ghostgpu.tracer.identity import group_dead
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
 
@@ -86,15 +87,6 @@ def decode_event(
         device=classify(path) if path is not None else None, cgroup_id=raw.cgroup_id,
         child_pid=raw.child_pid, mapped=bool(raw.flags & FLAG_MAPPED),
     )
-
-
-def group_dead(stat_text: str) -> bool:
-    """From /proc/<tgid>/stat ("" once reaped): no live task is left in the thread group. A zombie
-    leader counts itself in num_threads (field 20) until the last other thread is gone."""
-    fields = stat_text.rpartition(")")[2].split()
-    if len(fields) < 18 or not fields[17].isdigit():
-        return True
-    return fields[0] in ("Z", "X") and int(fields[17]) <= 1
 
 
 def _read(path: str) -> str:

@@ -14,18 +14,35 @@ from ghostgpu.tracer.procfs import parse_stat, read_process
 PF_EXITING = 0x00000004  # include/linux/sched.h; /proc/PID/stat field 9 is task->flags (proc(5))
 
 
-def group_gone(stat_text: str) -> bool:
-    """From /proc/<tgid>/stat ("" once reaped): the thread group holds nothing any more. Either no
-    live task is left (a zombie leader counts itself in num_threads, field 20, until the last other
-    thread is gone), or its last task is inside do_exit (PF_EXITING): exit_files() has closed its
-    fds by then, or is about to, so a rescan that finds none must read it as an exit, not a close.
-    A multi-threaded group whose leader alone exits keeps num_threads above 1: not gone."""
+def _group_fields(stat_text: str) -> tuple[str, int, str] | None:
+    """(state, num_threads, flags as written) of /proc/<tgid>/stat; None when gone or unreadable.
+    Fields after comm, which sits between the first '(' and the LAST ')': state is field 3, flags 9,
+    num_threads 20 (proc(5))."""
     fields = stat_text.rpartition(")")[2].split()
-    if len(fields) < 18 or not fields[17].isdigit() or not fields[6].isdigit():
+    if len(fields) < 18 or not fields[17].isdigit():
+        return None
+    return fields[0], int(fields[17]), fields[6]
+
+
+def group_dead(stat_text: str) -> bool:
+    """From /proc/<tgid>/stat ("" once reaped): no live task is left in the thread group. A zombie
+    leader counts itself in num_threads (field 20) until the last other thread is gone."""
+    group = _group_fields(stat_text)
+    return group is None or (group[0] in ("Z", "X") and group[1] <= 1)
+
+
+def group_gone(stat_text: str) -> bool:
+    """group_dead, or its last task is inside do_exit (PF_EXITING): the thread group holds nothing
+    any more. exit_files() has closed its fds by then, or is about to, so a rescan that finds none
+    must read it as an exit, not a close. A multi-threaded group whose leader alone exits keeps
+    num_threads above 1: not gone."""
+    group = _group_fields(stat_text)
+    if group is None or not group[2].isdigit():
         return True
-    if int(fields[17]) > 1:
+    state, threads, flags = group
+    if threads > 1:
         return False
-    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+    return state in ("Z", "X") or bool(int(flags) & PF_EXITING)
 
 
 class Identities:

@@ -217,20 +217,18 @@ class HolderTables:
         """Remove the entries of tgids dead at this sweep and the one before (their EXIT record
         was lost, or came before a seed re-created them). O(the maps): periodic only. Two sweeps,
         because an EXIT still in the ring buffer must find its counters to report them."""
-        tgids: set[int] = set(self.owned)
-        for table in (self.procs, self.fds, self.holds, self.ioctls):
-            for key, _ in table.items():
-                tgids.add(int(key.value) if table is self.procs else int(key.tgid))
+        # Each map walked once: the keys seen here are the ones deleted below.
+        keyed = [(table, [key for key, _ in table.items()]) for table in (self.fds, self.holds, self.ioctls)]
+        tgids = set(self.owned) | {int(key.value) for key, _ in self.procs.items()}
+        tgids |= {int(key.tgid) for _, keys in keyed for key in keys}
         dead = {tgid for tgid in tgids if not alive(tgid)}
         doomed = dead & self._dead_last_sweep
         self._dead_last_sweep = dead - doomed
         if not doomed:
             return 0
-        removed = 0
         for tgid in doomed:
             self.forget(tgid)
-        for table in (self.fds, self.holds, self.ioctls):
-            for key, _ in table.items():
-                if int(key.tgid) in doomed and table.delete(key):
-                    removed += 1
+        # What the index did not know (a lost record): forget() left it. Gone already is fine.
+        removed = sum(1 for table, keys in keyed for key in keys
+                      if int(key.tgid) in doomed and table.delete(key))
         return removed + len(doomed)

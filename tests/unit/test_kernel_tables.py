@@ -153,7 +153,9 @@ def test_sweep_removes_leftovers_of_tgids_dead_for_two_sweeps() -> None:
     alive = set(range(100, 105)) | {PID}
     assert tables.sweep(alive.__contains__) == 0  # dead once: its EXIT may still be queued
     kernel.put("procs", ctypes.c_uint32(200), ctypes.c_uint32(1))  # dies before the next sweep
+    kernel.walks = dict.fromkeys(kernel.walks, 0)
     assert tables.sweep(alive.__contains__) > 0
+    assert kernel.walks == {"fds": 1, "holds": 1, "procs": 1, "ioctls": 1, "dev_ids": 0}  # each map once
     assert sorted(int.from_bytes(k, "little") for k in kernel.map("procs")) == [*range(100, 105), 200, PID]
     assert {FdKey.from_buffer_copy(k).tgid for k in kernel.map("fds")} == {*range(100, 105), PID}
     assert {IoctlKey.from_buffer_copy(k).tgid for k in kernel.map("ioctls")} == {*range(100, 105), PID}
