@@ -86,12 +86,17 @@ def proto_consumer_key(c: node_pb2.Consumer) -> ConsumerKey:
 # The *_into functions write into a message in place (a NodeEvent's body, say): building a
 # sub-message and handing it to its parent would copy it, which costs as much again.
 
+def _process_into(p: node_pb2.Process, pid: int, who: Consumer | ProcessIdentity) -> None:
+    """The identity fields a Consumer and a holder record's ProcessIdentity share, by the same names."""
+    p.pid, p.ns_pid, p.comm, p.exe, p.cmdline = pid, opt_to_pb(who.ns_pid, 0), who.comm, who.exe, who.cmdline
+    p.uid, p.ppid, p.state = opt_to_pb(who.uid, -1), opt_to_pb(who.ppid, 0), who.state
+    p.container_id, p.pod_uid, p.runtime = who.container_id, who.pod_uid, who.runtime
+    p.cgroup_path, p.alive = who.cgroup_path, who.alive
+
+
 def consumer_into(msg: node_pb2.Consumer, c: Consumer) -> None:
-    p = msg.process
-    p.pid, p.ns_pid, p.comm, p.exe, p.cmdline = c.pid, opt_to_pb(c.ns_pid, 0), c.comm, c.exe, c.cmdline
-    p.uid, p.ppid, p.start_time_ns = opt_to_pb(c.uid, -1), opt_to_pb(c.ppid, 0), opt_to_pb(c.start_time_ns, 0)
-    p.state, p.container_id, p.pod_uid, p.runtime = c.state, c.container_id, c.pod_uid, c.runtime
-    p.cgroup_path, p.alive = c.cgroup_path, c.alive
+    _process_into(msg.process, c.pid, c)
+    msg.process.start_time_ns = opt_to_pb(c.start_time_ns, 0)
     msg.node, msg.gpu, msg.gpu_uuid = c.node, opt_to_pb(c.gpu, -1), c.gpu_uuid
     msg.gpu_minor, msg.reason = opt_to_pb(c.gpu_minor, -1), c.reason
     msg.first_seen_ns, msg.mapped = opt_to_pb(c.first_seen_ns, 0), c.mapped
@@ -128,12 +133,7 @@ _NO_IDENTITY = ProcessIdentity(alive=False)  # a process /proc could not be read
 
 
 def holder_into(msg: node_pb2.HolderEvent, rec: HolderRecord) -> None:
-    who = rec.process or _NO_IDENTITY
-    p = msg.process
-    p.pid, p.ns_pid, p.comm, p.exe = rec.pid, opt_to_pb(who.ns_pid, 0), who.comm, who.exe
-    p.cmdline, p.uid, p.ppid, p.state = who.cmdline, opt_to_pb(who.uid, -1), opt_to_pb(who.ppid, 0), who.state
-    p.container_id, p.pod_uid, p.runtime = who.container_id, who.pod_uid, who.runtime
-    p.cgroup_path, p.alive = who.cgroup_path, who.alive
+    _process_into(msg.process, rec.pid, rec.process or _NO_IDENTITY)
     msg.kind, msg.source, msg.ts_ns, msg.tid = _KIND_TO_PB[rec.event], rec.source, rec.ts_ns, rec.tid
     msg.device, msg.device_kind, msg.fd = rec.device or "", rec.device_kind or "", opt_to_pb(rec.fd, -1)
     msg.cgroup_id, msg.child_pid, msg.mapped = rec.cgroup_id or 0, rec.child_pid, rec.mapped
