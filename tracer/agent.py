@@ -32,6 +32,7 @@ from ghostgpu.common.model import Consumer, ConsumerClass
 log = logging.getLogger("ghostgpu.tracer")
 
 CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grace period ends
+EXIT_WAIT_S = 1.0  # how long a dead holder the kernel knows waits for its EXIT before /proc settles it
 
 
 class Tracer:
@@ -56,6 +57,7 @@ class Tracer:
         self.errors = Containment()  # one bad event or scan is counted, never fatal
         self.own_pids = {os.getpid()}
         self._due: dict[str, float] = {}
+        self._exit_due: dict[int, float] = {}  # pid -> when /proc settles it if its EXIT never came
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
@@ -134,6 +136,8 @@ class Tracer:
             self._drain(timeout_ms)
         else:
             self.stop_event.wait(timeout_ms / 1000)
+        if self._exit_due:
+            run("scan", self._settle_overdue)
         if self._is_due("nvml", self.cfg.nvml_interval_s):
             run("nvml", self._read_nvml)
         if self._is_due("scan", self.cfg.scan_interval_s):
@@ -200,7 +204,8 @@ class Tracer:
             # skips what newer events touched). Not in a FORK/EXEC rescan: it runs inside a batch.
             if self.bpf is not None:
                 self._drain(0)
-        events = self.state.reconcile(view, ts_ns, scanned_pids=pids)
+        events = self.state.reconcile(view, ts_ns, scanned_pids=pids,
+                                      exit_reported=pids if self.bpf is not None else None)
         if events and self.bpf is not None:
             if pids is None:
                 self._read_ioctls()
@@ -225,15 +230,21 @@ class Tracer:
         created = self._seed(view, pids)
         # A process that died between the /proc read and the seed exited while the kernel had no
         # entry for it (it reports EXIT only for a tgid in procs): nobody else will report it, so
-        # it is settled here at once. After a FORK or EXEC every rescanned pid is checked, since
-        # its exit may also have come before this rescan (the kernel's EXIT is then still queued,
-        # and finds nothing left to report). So is a holder whose identity, re-read after its fds,
-        # says zombie: it died during the scan, and would otherwise read as orphaned until its EXIT.
-        for pid in sorted(created | (pids or set())):
+        # it is settled here at once. So is a holder whose identity, re-read after its fds, says
+        # zombie: it died during the scan, and would otherwise read as orphaned until its EXIT.
+        rescanned = pids or set()
+        for pid in sorted(created - rescanned):
             if not self.identities.alive(pid):
                 self._settle_exit(pid)
-        for pid in sorted(view.keys() - created - (pids or set())):
+        for pid in sorted(view.keys() - created - rescanned):
             self._settle_if_gone(pid)
+        # A pid rescanned after its FORK or EXEC had a procs entry all along (the child inherits
+        # it at fork, an exec keeps it), so the kernel reports its exit, with exact time: wait for
+        # that EXIT (often already queued) and settle from /proc only if it never comes.
+        now_s = time.monotonic()
+        for pid in sorted(rescanned):
+            if pid in self.state.holders and not self.identities.alive(pid):
+                self._exit_due.setdefault(pid, now_s + EXIT_WAIT_S)
         if pids is None and self.bpf is not None:
             self.errors.run("sweep", self.bpf.sweep, self.identities.alive)
         # A scan also refreshes identities (a parent that died, a leader turned zombie) without
@@ -339,11 +350,18 @@ class Tracer:
         if holder is not None and holder.process.state in ("Z", "X") and not self.identities.alive(pid):
             self._settle_exit(pid)
 
+    def _settle_overdue(self) -> None:
+        now_s = time.monotonic()
+        for pid, due_s in list(self._exit_due.items()):
+            if due_s <= now_s:
+                self._settle_exit(pid)
+
     def _settle_exit(self, pid: int) -> None:
         """The process is gone and the kernel may never say so: report its EXIT now."""
         self._exit(SourceEvent(EventKind.EXIT, "procfs", boot_ns(), pid), self.state.holders.get(pid))
 
     def _forget(self, pid: int) -> None:
+        self._exit_due.pop(pid, None)
         if self.bpf is not None:
             self.bpf.forget(pid)
         self.ioctls.pop(pid, None)
@@ -377,7 +395,9 @@ class Tracer:
         )
 
     def current_consumers(self) -> list[Consumer]:
-        return classify(self.state.holders_snapshot(), self.nvml, boot_ns(), self.classify_config(),
+        # A holder dead and waiting for its kernel EXIT is not classified: it holds nothing now.
+        holders = [h for h in self.state.holders_snapshot() if h.process.pid not in self._exit_due]
+        return classify(holders, self.nvml, boot_ns(), self.classify_config(),
                         self.cfg.node_name, self.identities.start_ticks)
 
     def _classify(self) -> None:

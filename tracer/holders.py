@@ -219,12 +219,14 @@ class HolderTable:
         ts_ns: int,
         scanned_pids: set[int] | None = None,
         changes: list[Change] | None = None,
+        exit_reported: set[int] | None = None,
     ) -> list[SourceEvent]:
         """Bring the table in line with a /proc scan that started at ts_ns; return the events applied.
 
         With scanned_pids, only those PIDs (and the ones in view) were scanned. Holds an event
         touched at or after ts_ns are left alone: the event is newer than what the scan read.
-        Table changes are appended to `changes` when given.
+        Table changes are appended to `changes` when given. A pid in exit_reported that is gone
+        is left as it is: the kernel reports its EXIT, with the exact time (the caller waits for it).
         """
         events: list[SourceEvent] = []
         out: list[Change] = changes if changes is not None else []
@@ -284,7 +286,10 @@ class HolderTable:
             old = [path for path in sorted(holder.holds) if stale(pid, path)]
             if not old:
                 continue
-            if not self._still_there(pid) or self._reused(pid):
+            gone = not self._still_there(pid)
+            if gone and exit_reported and pid in exit_reported:
+                continue
+            if gone or self._reused(pid):
                 emit(SourceEvent(EventKind.EXIT, "procfs", ts_ns, pid))
                 continue
             for path in old:

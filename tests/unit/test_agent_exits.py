@@ -85,6 +85,9 @@ class Node:
         return [r["event"] for r in self.records if r.get("pid") == pid and r["event"] not in
                 ("finding", "resolved")]
 
+    def sources(self, pid: int, event: str) -> list[str]:
+        return [r["source"] for r in self.records if r.get("pid") == pid and r["event"] == event]
+
     def kernel_entries(self, pid: int) -> int:
         k = self.bpf.kernel
         return (sum(FdKey.from_buffer_copy(raw).tgid == pid for raw in k.map("fds"))
@@ -113,8 +116,8 @@ def test_the_start_scan_makes_the_holder_known_to_the_kernel(node: Node) -> None
 @pytest.mark.parametrize("how", ["reaped", "zombie"])
 def test_exit_before_the_exec_is_handled(node: Node, how: str) -> None:
     """Exec, then exit, both queued before the agent looks: the rescan after the EXEC finds the
-    process gone (or a zombie, which holds nothing) and settles it; the kernel's EXIT, handled
-    next, finds nothing left. One exit record, after the exec record."""
+    process gone (or a zombie, which holds nothing) and leaves it to the kernel, which knew it all
+    along; its EXIT, handled next, is the one exit record, after the exec record."""
     node.kernel_says(EventKind.EXEC, HOLDER)
     if how == "reaped":
         node.die(HOLDER)
@@ -123,19 +126,40 @@ def test_exit_before_the_exec_is_handled(node: Node, how: str) -> None:
     node.kernel_says(EventKind.EXIT, HOLDER)
     node.tracer.step(0)
     assert node.events(HOLDER) == ["open", "exec", "exit"]
+    assert node.sources(HOLDER, "exit") == ["bpf"]
     assert HOLDER not in node.tracer.state.holders and node.kernel_entries(HOLDER) == 0
 
 
-def test_exit_during_the_rescan_is_an_exit_not_a_close(node: Node) -> None:
+def test_exit_during_the_rescan_waits_for_the_kernel_exit(node: Node) -> None:
     """The rescan after the EXEC lands inside do_exit: exit_files() already closed fd 3, the task
-    is not a zombie yet (PF_EXITING set). That is the process exiting, not closing the GPU."""
+    is not a zombie yet (PF_EXITING set). That is the process exiting, not closing the GPU, and
+    the kernel, which kept its procs entry through the exec, reports that exit with exact time:
+    no close, no /proc guess first, and no finding for the dying holder meanwhile."""
     node.kernel_says(EventKind.EXEC, HOLDER)
     node.spawn(HOLDER, state="R", flags=PF_EXITING, fd=False)
     node.tracer.step(0)
-    assert node.events(HOLDER) == ["open", "exec", "exit"]
+    assert node.events(HOLDER) == ["open", "exec"]
+    assert HOLDER not in {c.pid for c in node.tracer.current_consumers()}
     node.kernel_says(EventKind.EXIT, HOLDER)
     node.tracer.step(0)
-    assert node.events(HOLDER) == ["open", "exec", "exit"] and node.kernel_entries(HOLDER) == 0
+    assert node.events(HOLDER) == ["open", "exec", "exit"] and node.sources(HOLDER, "exit") == ["bpf"]
+    assert node.kernel_entries(HOLDER) == 0 and not node.tracer._exit_due
+
+
+def test_a_lost_kernel_exit_is_settled_from_proc_after_the_wait(node: Node) -> None:
+    """The kernel's EXIT never comes (its ring buffer was full): once the wait is over, the
+    next step settles the exit from /proc, once."""
+    node.kernel_says(EventKind.EXEC, HOLDER)
+    node.die(HOLDER)
+    node.tracer.step(0)
+    assert node.events(HOLDER) == ["open", "exec"] and HOLDER in node.tracer._exit_due
+    node.tracer.step(0)  # still within the wait
+    assert node.events(HOLDER) == ["open", "exec"]
+    node.tracer._exit_due[HOLDER] = 0.0  # the wait is over
+    node.tracer.step(0)
+    node.tracer.step(0)
+    assert node.events(HOLDER) == ["open", "exec", "exit"] and node.sources(HOLDER, "exit") == ["procfs"]
+    assert HOLDER not in node.tracer.state.holders and node.kernel_entries(HOLDER) == 0
 
 
 def test_holder_turning_zombie_during_a_full_scan_is_settled_not_orphaned(node: Node) -> None:
@@ -214,11 +238,11 @@ def test_exit_between_the_scan_and_the_seed_is_settled_at_once(node: Node) -> No
 
 def test_fork_child_gone_before_its_rescan(node: Node) -> None:
     """A holder forks; the child exits before the agent rescans it. The kernel had marked the
-    child a holder at fork, and reported its EXIT; the rescan settles it first, once."""
+    child a holder at fork, and reported its EXIT: that EXIT settles it, once."""
     node.bpf.queued.append(SourceEvent(EventKind.FORK, "bpf", boot_ns(), HOLDER, tid=HOLDER,
                                        child_pid=NEWCOMER))
     node.bpf.kernel.put("procs", ctypes.c_uint32(NEWCOMER), ctypes.c_uint32(1))
     node.kernel_says(EventKind.EXIT, NEWCOMER)
     node.tracer.step(0)
-    assert node.events(NEWCOMER) == ["exit"]
+    assert node.events(NEWCOMER) == ["exit"] and node.sources(NEWCOMER, "exit") == ["bpf"]
     assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
