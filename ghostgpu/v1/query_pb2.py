@@ -24,49 +24,50 @@ _sym_db = _symbol_database.Default()
 
 from ghostgpu.v1 import node_pb2 as ghostgpu_dot_v1_dot_node__pb2
 from ghostgpu.v1 import stream_pb2 as ghostgpu_dot_v1_dot_stream__pb2
+from ghostgpu.v1 import trace_pb2 as ghostgpu_dot_v1_dot_trace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ghostgpu/v1/query.proto\x12\x0bghostgpu.v1\x1a\x16ghostgpu/v1/node.proto\x1a\x18ghostgpu/v1/stream.proto\"\xc4\x01\n\x0bK8sIdentity\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x0f\n\x07pod_uid\x18\x03 \x01(\t\x12\x11\n\tcontainer\x18\x04 \x01(\t\x12\r\n\x05image\x18\x05 \x01(\t\x12\x17\n\x0f\x63ontainer_state\x18\x06 \x01(\t\x12\x15\n\rsandbox_state\x18\x07 \x01(\t\x12\x12\n\nresolution\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0f\n\x07runtime\x18\n \x01(\t\"\xec\x01\n\x0f\x43lusterConsumer\x12\'\n\x08\x63onsumer\x18\x01 \x01(\x0b\x32\x15.ghostgpu.v1.Consumer\x12%\n\x03k8s\x18\x02 \x01(\x0b\x32\x18.ghostgpu.v1.K8sIdentity\x12)\n\tallocated\x18\x03 \x01(\x0e\x32\x16.ghostgpu.v1.Allocated\x12.\n\nnode_class\x18\x04 \x01(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\x12\x15\n\rsince_unix_ns\x18\x05 \x01(\x03\x12\x17\n\x0fupdated_unix_ns\x18\x06 \x01(\x03\"q\n\x14ListConsumersRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12+\n\x07\x63lasses\x18\x04 \x03(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\"\\\n\x15ListConsumersResponse\x12/\n\tconsumers\x18\x01 \x03(\x0b\x32\x1c.ghostgpu.v1.ClusterConsumer\x12\x12\n\nts_unix_ns\x18\x02 \x01(\x03\"\x85\x01\n\x07\x46inding\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12.\n\x08\x63onsumer\x18\x03 \x01(\x0b\x32\x1c.ghostgpu.v1.ClusterConsumer\x12\x16\n\x0eopened_unix_ns\x18\x04 \x01(\x03\x12\x18\n\x10resolved_unix_ns\x18\x05 \x01(\x03\"\xb7\x01\n\x0c\x46indingEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.ghostgpu.v1.FindingEvent.Kind\x12%\n\x07\x66inding\x18\x02 \x01(\x0b\x32\x14.ghostgpu.v1.Finding\"R\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_OPENED\x10\x01\x12\x10\n\x0cKIND_CHANGED\x10\x02\x12\x11\n\rKIND_RESOLVED\x10\x03\"z\n\x14WatchFindingsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12+\n\x07\x63lasses\x18\x03 \x03(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\x12\x14\n\x0cinclude_open\x18\x04 \x01(\x08\"\x89\x01\n\x13ListFindingsRequest\x12\x15\n\rsince_unix_ns\x18\x01 \x01(\x03\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12+\n\x07\x63lasses\x18\x04 \x03(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\x12\r\n\x05limit\x18\x05 \x01(\r\">\n\x14ListFindingsResponse\x12&\n\x08\x66indings\x18\x01 \x03(\x0b\x32\x14.ghostgpu.v1.Finding\"!\n\x11NodeStatusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xd0\x03\n\x0cTracerStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x16\n\x0etracer_version\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x19\n\x11\x63onnected_unix_ns\x18\x07 \x01(\x03\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x10\n\x08last_seq\x18\t \x01(\x04\x12\x1d\n\x15\x65vents_ingested_total\x18\n \x01(\x04\x12\x19\n\x11\x65vents_lost_total\x18\x0b \x01(\x04\x12\x18\n\x10\x64uplicates_total\x18\x0c \x01(\x04\x12#\n\x04info\x18\r \x01(\x0b\x32\x15.ghostgpu.v1.NodeInfo\x12-\n\x0b\x61llocations\x18\x0e \x01(\x0b\x32\x18.ghostgpu.v1.Allocations\x12\x11\n\tconsumers\x18\x0f \x01(\r\x12\x1a\n\x12\x63ri_failures_total\x18\x10 \x01(\x04\x12\'\n\x05stats\x18\x11 \x01(\x0b\x32\x18.ghostgpu.v1.TracerStats\"Y\n\x12NodeStatusResponse\x12(\n\x05nodes\x18\x01 \x03(\x0b\x32\x19.ghostgpu.v1.TracerStatus\x12\x19\n\x11\x63ollector_version\x18\x02 \x01(\t\"X\n\x11ListEventsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05limit\x18\x04 \x01(\r\"h\n\x0bStoredEvent\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12%\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.ghostgpu.v1.NodeEvent\">\n\x12ListEventsResponse\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.ghostgpu.v1.StoredEvent*K\n\tAllocated\x12\x15\n\x11\x41LLOCATED_UNKNOWN\x10\x00\x12\x12\n\x0e\x41LLOCATED_TRUE\x10\x01\x12\x13\n\x0f\x41LLOCATED_FALSE\x10\x02\x32\xa3\x03\n\x05Query\x12V\n\rListConsumers\x12!.ghostgpu.v1.ListConsumersRequest\x1a\".ghostgpu.v1.ListConsumersResponse\x12O\n\rWatchFindings\x12!.ghostgpu.v1.WatchFindingsRequest\x1a\x19.ghostgpu.v1.FindingEvent0\x01\x12S\n\x0cListFindings\x12 .ghostgpu.v1.ListFindingsRequest\x1a!.ghostgpu.v1.ListFindingsResponse\x12M\n\nNodeStatus\x12\x1e.ghostgpu.v1.NodeStatusRequest\x1a\x1f.ghostgpu.v1.NodeStatusResponse\x12M\n\nListEvents\x12\x1e.ghostgpu.v1.ListEventsRequest\x1a\x1f.ghostgpu.v1.ListEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ghostgpu/v1/query.proto\x12\x0bghostgpu.v1\x1a\x16ghostgpu/v1/node.proto\x1a\x18ghostgpu/v1/stream.proto\x1a\x17ghostgpu/v1/trace.proto\"\xc4\x01\n\x0bK8sIdentity\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x0f\n\x07pod_uid\x18\x03 \x01(\t\x12\x11\n\tcontainer\x18\x04 \x01(\t\x12\r\n\x05image\x18\x05 \x01(\t\x12\x17\n\x0f\x63ontainer_state\x18\x06 \x01(\t\x12\x15\n\rsandbox_state\x18\x07 \x01(\t\x12\x12\n\nresolution\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0f\n\x07runtime\x18\n \x01(\t\"\xec\x01\n\x0f\x43lusterConsumer\x12\'\n\x08\x63onsumer\x18\x01 \x01(\x0b\x32\x15.ghostgpu.v1.Consumer\x12%\n\x03k8s\x18\x02 \x01(\x0b\x32\x18.ghostgpu.v1.K8sIdentity\x12)\n\tallocated\x18\x03 \x01(\x0e\x32\x16.ghostgpu.v1.Allocated\x12.\n\nnode_class\x18\x04 \x01(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\x12\x15\n\rsince_unix_ns\x18\x05 \x01(\x03\x12\x17\n\x0fupdated_unix_ns\x18\x06 \x01(\x03\"q\n\x14ListConsumersRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12+\n\x07\x63lasses\x18\x04 \x03(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\"\\\n\x15ListConsumersResponse\x12/\n\tconsumers\x18\x01 \x03(\x0b\x32\x1c.ghostgpu.v1.ClusterConsumer\x12\x12\n\nts_unix_ns\x18\x02 \x01(\x03\"\x85\x01\n\x07\x46inding\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12.\n\x08\x63onsumer\x18\x03 \x01(\x0b\x32\x1c.ghostgpu.v1.ClusterConsumer\x12\x16\n\x0eopened_unix_ns\x18\x04 \x01(\x03\x12\x18\n\x10resolved_unix_ns\x18\x05 \x01(\x03\"\xb7\x01\n\x0c\x46indingEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.ghostgpu.v1.FindingEvent.Kind\x12%\n\x07\x66inding\x18\x02 \x01(\x0b\x32\x14.ghostgpu.v1.Finding\"R\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_OPENED\x10\x01\x12\x10\n\x0cKIND_CHANGED\x10\x02\x12\x11\n\rKIND_RESOLVED\x10\x03\"z\n\x14WatchFindingsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12+\n\x07\x63lasses\x18\x03 \x03(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\x12\x14\n\x0cinclude_open\x18\x04 \x01(\x08\"\x89\x01\n\x13ListFindingsRequest\x12\x15\n\rsince_unix_ns\x18\x01 \x01(\x03\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12+\n\x07\x63lasses\x18\x04 \x03(\x0e\x32\x1a.ghostgpu.v1.ConsumerClass\x12\r\n\x05limit\x18\x05 \x01(\r\">\n\x14ListFindingsResponse\x12&\n\x08\x66indings\x18\x01 \x03(\x0b\x32\x14.ghostgpu.v1.Finding\"!\n\x11NodeStatusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xd0\x03\n\x0cTracerStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x16\n\x0etracer_version\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x19\n\x11\x63onnected_unix_ns\x18\x07 \x01(\x03\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x10\n\x08last_seq\x18\t \x01(\x04\x12\x1d\n\x15\x65vents_ingested_total\x18\n \x01(\x04\x12\x19\n\x11\x65vents_lost_total\x18\x0b \x01(\x04\x12\x18\n\x10\x64uplicates_total\x18\x0c \x01(\x04\x12#\n\x04info\x18\r \x01(\x0b\x32\x15.ghostgpu.v1.NodeInfo\x12-\n\x0b\x61llocations\x18\x0e \x01(\x0b\x32\x18.ghostgpu.v1.Allocations\x12\x11\n\tconsumers\x18\x0f \x01(\r\x12\x1a\n\x12\x63ri_failures_total\x18\x10 \x01(\x04\x12\'\n\x05stats\x18\x11 \x01(\x0b\x32\x18.ghostgpu.v1.TracerStats\"Y\n\x12NodeStatusResponse\x12(\n\x05nodes\x18\x01 \x03(\x0b\x32\x19.ghostgpu.v1.TracerStatus\x12\x19\n\x11\x63ollector_version\x18\x02 \x01(\t\"X\n\x11ListEventsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05limit\x18\x04 \x01(\r\"h\n\x0bStoredEvent\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12%\n\x05\x65vent\x18\x04 \x01(\x0b\x32\x16.ghostgpu.v1.NodeEvent\">\n\x12ListEventsResponse\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.ghostgpu.v1.StoredEvent*K\n\tAllocated\x12\x15\n\x11\x41LLOCATED_UNKNOWN\x10\x00\x12\x12\n\x0e\x41LLOCATED_TRUE\x10\x01\x12\x13\n\x0f\x41LLOCATED_FALSE\x10\x02\x32\xdd\x05\n\x05Query\x12V\n\rListConsumers\x12!.ghostgpu.v1.ListConsumersRequest\x1a\".ghostgpu.v1.ListConsumersResponse\x12O\n\rWatchFindings\x12!.ghostgpu.v1.WatchFindingsRequest\x1a\x19.ghostgpu.v1.FindingEvent0\x01\x12S\n\x0cListFindings\x12 .ghostgpu.v1.ListFindingsRequest\x1a!.ghostgpu.v1.ListFindingsResponse\x12M\n\nNodeStatus\x12\x1e.ghostgpu.v1.NodeStatusRequest\x1a\x1f.ghostgpu.v1.NodeStatusResponse\x12M\n\nListEvents\x12\x1e.ghostgpu.v1.ListEventsRequest\x1a\x1f.ghostgpu.v1.ListEventsResponse\x12M\n\nStartTrace\x12\x1e.ghostgpu.v1.StartTraceRequest\x1a\x1f.ghostgpu.v1.StartTraceResponse\x12J\n\tStopTrace\x12\x1d.ghostgpu.v1.StopTraceRequest\x1a\x1e.ghostgpu.v1.StopTraceResponse\x12M\n\nListTraces\x12\x1e.ghostgpu.v1.ListTracesRequest\x1a\x1f.ghostgpu.v1.ListTracesResponse\x12N\n\nWatchTrace\x12\x1e.ghostgpu.v1.WatchTraceRequest\x1a\x1e.ghostgpu.v1.TraceWatchMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ghostgpu.v1.query_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ALLOCATED']._serialized_start=2240
-  _globals['_ALLOCATED']._serialized_end=2315
-  _globals['_K8SIDENTITY']._serialized_start=91
-  _globals['_K8SIDENTITY']._serialized_end=287
-  _globals['_CLUSTERCONSUMER']._serialized_start=290
-  _globals['_CLUSTERCONSUMER']._serialized_end=526
-  _globals['_LISTCONSUMERSREQUEST']._serialized_start=528
-  _globals['_LISTCONSUMERSREQUEST']._serialized_end=641
-  _globals['_LISTCONSUMERSRESPONSE']._serialized_start=643
-  _globals['_LISTCONSUMERSRESPONSE']._serialized_end=735
-  _globals['_FINDING']._serialized_start=738
-  _globals['_FINDING']._serialized_end=871
-  _globals['_FINDINGEVENT']._serialized_start=874
-  _globals['_FINDINGEVENT']._serialized_end=1057
-  _globals['_FINDINGEVENT_KIND']._serialized_start=975
-  _globals['_FINDINGEVENT_KIND']._serialized_end=1057
-  _globals['_WATCHFINDINGSREQUEST']._serialized_start=1059
-  _globals['_WATCHFINDINGSREQUEST']._serialized_end=1181
-  _globals['_LISTFINDINGSREQUEST']._serialized_start=1184
-  _globals['_LISTFINDINGSREQUEST']._serialized_end=1321
-  _globals['_LISTFINDINGSRESPONSE']._serialized_start=1323
-  _globals['_LISTFINDINGSRESPONSE']._serialized_end=1385
-  _globals['_NODESTATUSREQUEST']._serialized_start=1387
-  _globals['_NODESTATUSREQUEST']._serialized_end=1420
-  _globals['_TRACERSTATUS']._serialized_start=1423
-  _globals['_TRACERSTATUS']._serialized_end=1887
-  _globals['_NODESTATUSRESPONSE']._serialized_start=1889
-  _globals['_NODESTATUSRESPONSE']._serialized_end=1978
-  _globals['_LISTEVENTSREQUEST']._serialized_start=1980
-  _globals['_LISTEVENTSREQUEST']._serialized_end=2068
-  _globals['_STOREDEVENT']._serialized_start=2070
-  _globals['_STOREDEVENT']._serialized_end=2174
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=2176
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=2238
-  _globals['_QUERY']._serialized_start=2318
-  _globals['_QUERY']._serialized_end=2737
+  _globals['_ALLOCATED']._serialized_start=2265
+  _globals['_ALLOCATED']._serialized_end=2340
+  _globals['_K8SIDENTITY']._serialized_start=116
+  _globals['_K8SIDENTITY']._serialized_end=312
+  _globals['_CLUSTERCONSUMER']._serialized_start=315
+  _globals['_CLUSTERCONSUMER']._serialized_end=551
+  _globals['_LISTCONSUMERSREQUEST']._serialized_start=553
+  _globals['_LISTCONSUMERSREQUEST']._serialized_end=666
+  _globals['_LISTCONSUMERSRESPONSE']._serialized_start=668
+  _globals['_LISTCONSUMERSRESPONSE']._serialized_end=760
+  _globals['_FINDING']._serialized_start=763
+  _globals['_FINDING']._serialized_end=896
+  _globals['_FINDINGEVENT']._serialized_start=899
+  _globals['_FINDINGEVENT']._serialized_end=1082
+  _globals['_FINDINGEVENT_KIND']._serialized_start=1000
+  _globals['_FINDINGEVENT_KIND']._serialized_end=1082
+  _globals['_WATCHFINDINGSREQUEST']._serialized_start=1084
+  _globals['_WATCHFINDINGSREQUEST']._serialized_end=1206
+  _globals['_LISTFINDINGSREQUEST']._serialized_start=1209
+  _globals['_LISTFINDINGSREQUEST']._serialized_end=1346
+  _globals['_LISTFINDINGSRESPONSE']._serialized_start=1348
+  _globals['_LISTFINDINGSRESPONSE']._serialized_end=1410
+  _globals['_NODESTATUSREQUEST']._serialized_start=1412
+  _globals['_NODESTATUSREQUEST']._serialized_end=1445
+  _globals['_TRACERSTATUS']._serialized_start=1448
+  _globals['_TRACERSTATUS']._serialized_end=1912
+  _globals['_NODESTATUSRESPONSE']._serialized_start=1914
+  _globals['_NODESTATUSRESPONSE']._serialized_end=2003
+  _globals['_LISTEVENTSREQUEST']._serialized_start=2005
+  _globals['_LISTEVENTSREQUEST']._serialized_end=2093
+  _globals['_STOREDEVENT']._serialized_start=2095
+  _globals['_STOREDEVENT']._serialized_end=2199
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=2201
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=2263
+  _globals['_QUERY']._serialized_start=2343
+  _globals['_QUERY']._serialized_end=3076
 # @@protoc_insertion_point(module_scope)

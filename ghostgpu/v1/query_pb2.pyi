@@ -1,5 +1,6 @@
 from ghostgpu.v1 import node_pb2 as _node_pb2
 from ghostgpu.v1 import stream_pb2 as _stream_pb2
+from ghostgpu.v1 import trace_pb2 as _trace_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from ghostgpu.v1 import query_pb2 as ghostgpu_dot_v1_dot_query__pb2
+from ghostgpu.v1 import trace_pb2 as ghostgpu_dot_v1_dot_trace__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -59,6 +60,26 @@ class QueryStub:
                 request_serializer=ghostgpu_dot_v1_dot_query__pb2.ListEventsRequest.SerializeToString,
                 response_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListEventsResponse.FromString,
                 _registered_method=True)
+        self.StartTrace = channel.unary_unary(
+                '/ghostgpu.v1.Query/StartTrace',
+                request_serializer=ghostgpu_dot_v1_dot_trace__pb2.StartTraceRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_trace__pb2.StartTraceResponse.FromString,
+                _registered_method=True)
+        self.StopTrace = channel.unary_unary(
+                '/ghostgpu.v1.Query/StopTrace',
+                request_serializer=ghostgpu_dot_v1_dot_trace__pb2.StopTraceRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_trace__pb2.StopTraceResponse.FromString,
+                _registered_method=True)
+        self.ListTraces = channel.unary_unary(
+                '/ghostgpu.v1.Query/ListTraces',
+                request_serializer=ghostgpu_dot_v1_dot_trace__pb2.ListTracesRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_trace__pb2.ListTracesResponse.FromString,
+                _registered_method=True)
+        self.WatchTrace = channel.unary_stream(
+                '/ghostgpu.v1.Query/WatchTrace',
+                request_serializer=ghostgpu_dot_v1_dot_trace__pb2.WatchTraceRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_trace__pb2.TraceWatchMessage.FromString,
+                _registered_method=True)
 
 
 class QueryServicer:
@@ -94,6 +115,31 @@ class QueryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartTrace(self, request, context):
+        """Trace sessions (proto/ghostgpu/v1/trace.proto).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopTrace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTraces(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchTrace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +167,26 @@ def add_QueryServicer_to_server(servicer, server):
                     servicer.ListEvents,
                     request_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListEventsRequest.FromString,
                     response_serializer=ghostgpu_dot_v1_dot_query__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'StartTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTrace,
+                    request_deserializer=ghostgpu_dot_v1_dot_trace__pb2.StartTraceRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_trace__pb2.StartTraceResponse.SerializeToString,
+            ),
+            'StopTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopTrace,
+                    request_deserializer=ghostgpu_dot_v1_dot_trace__pb2.StopTraceRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_trace__pb2.StopTraceResponse.SerializeToString,
+            ),
+            'ListTraces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTraces,
+                    request_deserializer=ghostgpu_dot_v1_dot_trace__pb2.ListTracesRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_trace__pb2.ListTracesResponse.SerializeToString,
+            ),
+            'WatchTrace': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTrace,
+                    request_deserializer=ghostgpu_dot_v1_dot_trace__pb2.WatchTraceRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_trace__pb2.TraceWatchMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +324,114 @@ class Query:
             '/ghostgpu.v1.Query/ListEvents',
             ghostgpu_dot_v1_dot_query__pb2.ListEventsRequest.SerializeToString,
             ghostgpu_dot_v1_dot_query__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/StartTrace',
+            ghostgpu_dot_v1_dot_trace__pb2.StartTraceRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_trace__pb2.StartTraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/StopTrace',
+            ghostgpu_dot_v1_dot_trace__pb2.StopTraceRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_trace__pb2.StopTraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTraces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/ListTraces',
+            ghostgpu_dot_v1_dot_trace__pb2.ListTracesRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_trace__pb2.ListTracesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ghostgpu.v1.Query/WatchTrace',
+            ghostgpu_dot_v1_dot_trace__pb2.WatchTraceRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_trace__pb2.TraceWatchMessage.FromString,
             options,
             channel_credentials,
             insecure,

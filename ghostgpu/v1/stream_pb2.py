@@ -23,53 +23,54 @@ _sym_db = _symbol_database.Default()
 
 
 from ghostgpu.v1 import node_pb2 as ghostgpu_dot_v1_dot_node__pb2
+from ghostgpu.v1 import trace_pb2 as ghostgpu_dot_v1_dot_trace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ghostgpu/v1/stream.proto\x12\x0bghostgpu.v1\x1a\x16ghostgpu/v1/node.proto\"\xec\x01\n\rTracerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.ghostgpu.v1.HelloH\x00\x12)\n\x06\x65vents\x18\x02 \x01(\x0b\x32\x17.ghostgpu.v1.EventBatchH\x00\x12)\n\x08snapshot\x18\x03 \x01(\x0b\x32\x15.ghostgpu.v1.SnapshotH\x00\x12+\n\theartbeat\x18\x04 \x01(\x0b\x32\x16.ghostgpu.v1.HeartbeatH\x00\x12,\n\x06result\x18\x05 \x01(\x0b\x32\x1a.ghostgpu.v1.CommandResultH\x00\x42\x05\n\x03msg\"\x8c\x01\n\x10\x43ollectorMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.ghostgpu.v1.WelcomeH\x00\x12\x1f\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x10.ghostgpu.v1.AckH\x00\x12\'\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x14.ghostgpu.v1.CommandH\x00\x42\x05\n\x03msg\"~\n\x05Hello\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x16\n\x0etracer_version\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\"f\n\x07Welcome\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\r\x12\x19\n\x11\x63ollector_version\x18\x02 \x01(\t\x12\x11\n\tacked_seq\x18\x03 \x01(\x04\x12\x18\n\x10max_batch_events\x18\x04 \x01(\r\"\'\n\x06Notice\x12\x0c\n\x04what\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"t\n\x13\x43ontainerAllocation\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x11\n\tcontainer\x18\x03 \x01(\t\x12\x16\n\x0eresource_names\x18\x04 \x03(\t\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\"{\n\x0b\x41llocations\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x34\n\ncontainers\x18\x03 \x03(\x0b\x32 .ghostgpu.v1.ContainerAllocation\x12\x14\n\x0cread_unix_ns\x18\x04 \x01(\x03\"q\n\x08NodeInfo\x12\x0b\n\x03\x62pf\x18\x01 \x01(\x08\x12\x0c\n\x04nvml\x18\x02 \x01(\x08\x12\x12\n\nnvml_error\x18\x03 \x01(\t\x12\x16\n\x0e\x64river_version\x18\x04 \x01(\t\x12\x1e\n\x04gpus\x18\x05 \x03(\x0b\x32\x10.ghostgpu.v1.Gpu\"[\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05minor\x18\x04 \x01(\x05\x12\x1a\n\x12memory_total_bytes\x18\x05 \x01(\x04\"\xb4\x02\n\tNodeEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nts_unix_ns\x18\x02 \x01(\x03\x12(\n\x07\x66inding\x18\x03 \x01(\x0b\x32\x15.ghostgpu.v1.ConsumerH\x00\x12)\n\x08resolved\x18\x04 \x01(\x0b\x32\x15.ghostgpu.v1.ConsumerH\x00\x12*\n\x06holder\x18\x05 \x01(\x0b\x32\x18.ghostgpu.v1.HolderEventH\x00\x12%\n\x06notice\x18\x06 \x01(\x0b\x32\x13.ghostgpu.v1.NoticeH\x00\x12/\n\x0b\x61llocations\x18\x07 \x01(\x0b\x32\x18.ghostgpu.v1.AllocationsH\x00\x12%\n\x04info\x18\x08 \x01(\x0b\x32\x15.ghostgpu.v1.NodeInfoH\x00\x42\x06\n\x04\x62ody\"4\n\nEventBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.ghostgpu.v1.NodeEvent\"\xd2\x01\n\x08Snapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\tconsumers\x18\x02 \x03(\x0b\x32\x15.ghostgpu.v1.Consumer\x12-\n\x0b\x61llocations\x18\x03 \x01(\x0b\x32\x18.ghostgpu.v1.Allocations\x12#\n\x04info\x18\x04 \x01(\x0b\x32\x15.ghostgpu.v1.NodeInfo\x12\x12\n\nts_unix_ns\x18\x05 \x01(\x03\x12\'\n\x05stats\x18\x06 \x01(\x0b\x32\x18.ghostgpu.v1.TracerStats\"y\n\x0bTracerStats\x12\x14\n\x0cspool_events\x18\x01 \x01(\x04\x12\x1b\n\x13spool_dropped_total\x18\x02 \x01(\x04\x12\x1d\n\x15ringbuf_dropped_total\x18\x03 \x01(\x04\x12\x18\n\x10reconnects_total\x18\x04 \x01(\x04\"Z\n\tHeartbeat\x12\x12\n\nts_unix_ns\x18\x01 \x01(\x03\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ghostgpu.v1.TracerStats\"\x12\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"E\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12&\n\x03\x63ri\x18\x02 \x01(\x0b\x32\x17.ghostgpu.v1.CriRequestH\x00\x42\x06\n\x04\x62ody\"L\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x03\x63ri\x18\x02 \x01(\x0b\x32\x18.ghostgpu.v1.CriResponseH\x00\x42\x06\n\x04\x62ody\"A\n\nCriRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"P\n\x0b\x43riResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t2V\n\nNodeStream\x12H\n\x07\x43onnect\x12\x1a.ghostgpu.v1.TracerMessage\x1a\x1d.ghostgpu.v1.CollectorMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ghostgpu/v1/stream.proto\x12\x0bghostgpu.v1\x1a\x16ghostgpu/v1/node.proto\x1a\x17ghostgpu/v1/trace.proto\"\x96\x02\n\rTracerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.ghostgpu.v1.HelloH\x00\x12)\n\x06\x65vents\x18\x02 \x01(\x0b\x32\x17.ghostgpu.v1.EventBatchH\x00\x12)\n\x08snapshot\x18\x03 \x01(\x0b\x32\x15.ghostgpu.v1.SnapshotH\x00\x12+\n\theartbeat\x18\x04 \x01(\x0b\x32\x16.ghostgpu.v1.HeartbeatH\x00\x12,\n\x06result\x18\x05 \x01(\x0b\x32\x1a.ghostgpu.v1.CommandResultH\x00\x12(\n\x05trace\x18\x06 \x01(\x0b\x32\x17.ghostgpu.v1.TraceBatchH\x00\x42\x05\n\x03msg\"\x8c\x01\n\x10\x43ollectorMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.ghostgpu.v1.WelcomeH\x00\x12\x1f\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x10.ghostgpu.v1.AckH\x00\x12\'\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x14.ghostgpu.v1.CommandH\x00\x42\x05\n\x03msg\"~\n\x05Hello\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x16\n\x0etracer_version\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\"f\n\x07Welcome\x12\x13\n\x0b\x61pi_version\x18\x01 \x01(\r\x12\x19\n\x11\x63ollector_version\x18\x02 \x01(\t\x12\x11\n\tacked_seq\x18\x03 \x01(\x04\x12\x18\n\x10max_batch_events\x18\x04 \x01(\r\"\'\n\x06Notice\x12\x0c\n\x04what\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"t\n\x13\x43ontainerAllocation\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x11\n\tcontainer\x18\x03 \x01(\t\x12\x16\n\x0eresource_names\x18\x04 \x03(\t\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\"{\n\x0b\x41llocations\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x34\n\ncontainers\x18\x03 \x03(\x0b\x32 .ghostgpu.v1.ContainerAllocation\x12\x14\n\x0cread_unix_ns\x18\x04 \x01(\x03\"q\n\x08NodeInfo\x12\x0b\n\x03\x62pf\x18\x01 \x01(\x08\x12\x0c\n\x04nvml\x18\x02 \x01(\x08\x12\x12\n\nnvml_error\x18\x03 \x01(\t\x12\x16\n\x0e\x64river_version\x18\x04 \x01(\t\x12\x1e\n\x04gpus\x18\x05 \x03(\x0b\x32\x10.ghostgpu.v1.Gpu\"[\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05minor\x18\x04 \x01(\x05\x12\x1a\n\x12memory_total_bytes\x18\x05 \x01(\x04\"\xb4\x02\n\tNodeEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nts_unix_ns\x18\x02 \x01(\x03\x12(\n\x07\x66inding\x18\x03 \x01(\x0b\x32\x15.ghostgpu.v1.ConsumerH\x00\x12)\n\x08resolved\x18\x04 \x01(\x0b\x32\x15.ghostgpu.v1.ConsumerH\x00\x12*\n\x06holder\x18\x05 \x01(\x0b\x32\x18.ghostgpu.v1.HolderEventH\x00\x12%\n\x06notice\x18\x06 \x01(\x0b\x32\x13.ghostgpu.v1.NoticeH\x00\x12/\n\x0b\x61llocations\x18\x07 \x01(\x0b\x32\x18.ghostgpu.v1.AllocationsH\x00\x12%\n\x04info\x18\x08 \x01(\x0b\x32\x15.ghostgpu.v1.NodeInfoH\x00\x42\x06\n\x04\x62ody\"4\n\nEventBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.ghostgpu.v1.NodeEvent\"\xd2\x01\n\x08Snapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\tconsumers\x18\x02 \x03(\x0b\x32\x15.ghostgpu.v1.Consumer\x12-\n\x0b\x61llocations\x18\x03 \x01(\x0b\x32\x18.ghostgpu.v1.Allocations\x12#\n\x04info\x18\x04 \x01(\x0b\x32\x15.ghostgpu.v1.NodeInfo\x12\x12\n\nts_unix_ns\x18\x05 \x01(\x03\x12\'\n\x05stats\x18\x06 \x01(\x0b\x32\x18.ghostgpu.v1.TracerStats\"y\n\x0bTracerStats\x12\x14\n\x0cspool_events\x18\x01 \x01(\x04\x12\x1b\n\x13spool_dropped_total\x18\x02 \x01(\x04\x12\x1d\n\x15ringbuf_dropped_total\x18\x03 \x01(\x04\x12\x18\n\x10reconnects_total\x18\x04 \x01(\x04\"Z\n\tHeartbeat\x12\x12\n\nts_unix_ns\x18\x01 \x01(\x03\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ghostgpu.v1.TracerStats\"\x12\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\xd5\x01\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12&\n\x03\x63ri\x18\x02 \x01(\x0b\x32\x17.ghostgpu.v1.CriRequestH\x00\x12.\n\x0btrace_start\x18\x03 \x01(\x0b\x32\x17.ghostgpu.v1.TraceStartH\x00\x12\x30\n\x0ctrace_update\x18\x04 \x01(\x0b\x32\x18.ghostgpu.v1.TraceUpdateH\x00\x12,\n\ntrace_stop\x18\x05 \x01(\x0b\x32\x16.ghostgpu.v1.TraceStopH\x00\x42\x06\n\x04\x62ody\"~\n\rCommandResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x03\x63ri\x18\x02 \x01(\x0b\x32\x18.ghostgpu.v1.CriResponseH\x00\x12\x30\n\x05trace\x18\x03 \x01(\x0b\x32\x1f.ghostgpu.v1.TraceCommandResultH\x00\x42\x06\n\x04\x62ody\"A\n\nCriRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"P\n\x0b\x43riResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t2V\n\nNodeStream\x12H\n\x07\x43onnect\x12\x1a.ghostgpu.v1.TracerMessage\x1a\x1d.ghostgpu.v1.CollectorMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ghostgpu.v1.stream_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRACERMESSAGE']._serialized_start=66
-  _globals['_TRACERMESSAGE']._serialized_end=302
-  _globals['_COLLECTORMESSAGE']._serialized_start=305
-  _globals['_COLLECTORMESSAGE']._serialized_end=445
-  _globals['_HELLO']._serialized_start=447
-  _globals['_HELLO']._serialized_end=573
-  _globals['_WELCOME']._serialized_start=575
-  _globals['_WELCOME']._serialized_end=677
-  _globals['_NOTICE']._serialized_start=679
-  _globals['_NOTICE']._serialized_end=718
-  _globals['_CONTAINERALLOCATION']._serialized_start=720
-  _globals['_CONTAINERALLOCATION']._serialized_end=836
-  _globals['_ALLOCATIONS']._serialized_start=838
-  _globals['_ALLOCATIONS']._serialized_end=961
-  _globals['_NODEINFO']._serialized_start=963
-  _globals['_NODEINFO']._serialized_end=1076
-  _globals['_GPU']._serialized_start=1078
-  _globals['_GPU']._serialized_end=1169
-  _globals['_NODEEVENT']._serialized_start=1172
-  _globals['_NODEEVENT']._serialized_end=1480
-  _globals['_EVENTBATCH']._serialized_start=1482
-  _globals['_EVENTBATCH']._serialized_end=1534
-  _globals['_SNAPSHOT']._serialized_start=1537
-  _globals['_SNAPSHOT']._serialized_end=1747
-  _globals['_TRACERSTATS']._serialized_start=1749
-  _globals['_TRACERSTATS']._serialized_end=1870
-  _globals['_HEARTBEAT']._serialized_start=1872
-  _globals['_HEARTBEAT']._serialized_end=1962
-  _globals['_ACK']._serialized_start=1964
-  _globals['_ACK']._serialized_end=1982
-  _globals['_COMMAND']._serialized_start=1984
-  _globals['_COMMAND']._serialized_end=2053
-  _globals['_COMMANDRESULT']._serialized_start=2055
-  _globals['_COMMANDRESULT']._serialized_end=2131
-  _globals['_CRIREQUEST']._serialized_start=2133
-  _globals['_CRIREQUEST']._serialized_end=2198
-  _globals['_CRIRESPONSE']._serialized_start=2200
-  _globals['_CRIRESPONSE']._serialized_end=2280
-  _globals['_NODESTREAM']._serialized_start=2282
-  _globals['_NODESTREAM']._serialized_end=2368
+  _globals['_TRACERMESSAGE']._serialized_start=91
+  _globals['_TRACERMESSAGE']._serialized_end=369
+  _globals['_COLLECTORMESSAGE']._serialized_start=372
+  _globals['_COLLECTORMESSAGE']._serialized_end=512
+  _globals['_HELLO']._serialized_start=514
+  _globals['_HELLO']._serialized_end=640
+  _globals['_WELCOME']._serialized_start=642
+  _globals['_WELCOME']._serialized_end=744
+  _globals['_NOTICE']._serialized_start=746
+  _globals['_NOTICE']._serialized_end=785
+  _globals['_CONTAINERALLOCATION']._serialized_start=787
+  _globals['_CONTAINERALLOCATION']._serialized_end=903
+  _globals['_ALLOCATIONS']._serialized_start=905
+  _globals['_ALLOCATIONS']._serialized_end=1028
+  _globals['_NODEINFO']._serialized_start=1030
+  _globals['_NODEINFO']._serialized_end=1143
+  _globals['_GPU']._serialized_start=1145
+  _globals['_GPU']._serialized_end=1236
+  _globals['_NODEEVENT']._serialized_start=1239
+  _globals['_NODEEVENT']._serialized_end=1547
+  _globals['_EVENTBATCH']._serialized_start=1549
+  _globals['_EVENTBATCH']._serialized_end=1601
+  _globals['_SNAPSHOT']._serialized_start=1604
+  _globals['_SNAPSHOT']._serialized_end=1814
+  _globals['_TRACERSTATS']._serialized_start=1816
+  _globals['_TRACERSTATS']._serialized_end=1937
+  _globals['_HEARTBEAT']._serialized_start=1939
+  _globals['_HEARTBEAT']._serialized_end=2029
+  _globals['_ACK']._serialized_start=2031
+  _globals['_ACK']._serialized_end=2049
+  _globals['_COMMAND']._serialized_start=2052
+  _globals['_COMMAND']._serialized_end=2265
+  _globals['_COMMANDRESULT']._serialized_start=2267
+  _globals['_COMMANDRESULT']._serialized_end=2393
+  _globals['_CRIREQUEST']._serialized_start=2395
+  _globals['_CRIREQUEST']._serialized_end=2460
+  _globals['_CRIRESPONSE']._serialized_start=2462
+  _globals['_CRIRESPONSE']._serialized_end=2542
+  _globals['_NODESTREAM']._serialized_start=2544
+  _globals['_NODESTREAM']._serialized_end=2630
 # @@protoc_insertion_point(module_scope)

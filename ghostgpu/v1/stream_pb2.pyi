@@ -1,4 +1,5 @@
 from ghostgpu.v1 import node_pb2 as _node_pb2
+from ghostgpu.v1 import trace_pb2 as _trace_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TracerMessage(_message.Message):
-    __slots__ = ("hello", "events", "snapshot", "heartbeat", "result")
+    __slots__ = ("hello", "events", "snapshot", "heartbeat", "result", "trace")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     events: EventBatch
     snapshot: Snapshot
     heartbeat: Heartbeat
     result: CommandResult
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ...) -> None: ...
+    trace: _trace_pb2.TraceBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceBatch, _Mapping]] = ...) -> None: ...
 
 class CollectorMessage(_message.Message):
     __slots__ = ("welcome", "ack", "command")
@@ -192,20 +195,28 @@ class Ack(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "cri")
+    __slots__ = ("id", "cri", "trace_start", "trace_update", "trace_stop")
     ID_FIELD_NUMBER: _ClassVar[int]
     CRI_FIELD_NUMBER: _ClassVar[int]
+    TRACE_START_FIELD_NUMBER: _ClassVar[int]
+    TRACE_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_STOP_FIELD_NUMBER: _ClassVar[int]
     id: int
     cri: CriRequest
-    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriRequest, _Mapping]] = ...) -> None: ...
+    trace_start: _trace_pb2.TraceStart
+    trace_update: _trace_pb2.TraceUpdate
+    trace_stop: _trace_pb2.TraceStop
+    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriRequest, _Mapping]] = ..., trace_start: _Optional[_Union[_trace_pb2.TraceStart, _Mapping]] = ..., trace_update: _Optional[_Union[_trace_pb2.TraceUpdate, _Mapping]] = ..., trace_stop: _Optional[_Union[_trace_pb2.TraceStop, _Mapping]] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("id", "cri")
+    __slots__ = ("id", "cri", "trace")
     ID_FIELD_NUMBER: _ClassVar[int]
     CRI_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     id: int
     cri: CriResponse
-    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriResponse, _Mapping]] = ...) -> None: ...
+    trace: _trace_pb2.TraceCommandResult
+    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriResponse, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceCommandResult, _Mapping]] = ...) -> None: ...
 
 class CriRequest(_message.Message):
     __slots__ = ("method", "request", "timeout_ms")
