@@ -41,6 +41,7 @@ def session_to_proto(s: TraceSession) -> trace_pb2.TraceSession:
         container_ids=list(s.container_ids), records_total=s.records_total,
         dropped_limit_total=s.dropped_limit_total, dropped_ringbuf_total=s.dropped_ringbuf_total,
         dropped_store_total=s.dropped_store_total, max_records=s.max_records,
+        dropped_transport_total=s.dropped_transport_total,
     )
 
 
@@ -52,6 +53,7 @@ def session_from_proto(m: trace_pb2.TraceSession) -> TraceSession:
         nodes=tuple(m.nodes), container_ids=tuple(m.container_ids), records_total=m.records_total,
         dropped_limit_total=m.dropped_limit_total, dropped_ringbuf_total=m.dropped_ringbuf_total,
         dropped_store_total=m.dropped_store_total, max_records=m.max_records,
+        dropped_transport_total=m.dropped_transport_total,
     )
 
 

@@ -72,6 +72,7 @@ class TraceSession:
     dropped_ringbuf_total: int = 0
     dropped_store_total: int = 0
     max_records: int = 0
+    dropped_transport_total: int = 0
 
     def ended(self, status: TraceStatus, detail: str, at_unix_ns: int) -> TraceSession:
         return replace(self, status=status, status_detail=detail, ended_unix_ns=at_unix_ns)
@@ -86,6 +87,7 @@ class TraceSession:
             "dropped_limit_total": self.dropped_limit_total,
             "dropped_ringbuf_total": self.dropped_ringbuf_total,
             "dropped_store_total": self.dropped_store_total, "max_records": self.max_records,
+            "dropped_transport_total": self.dropped_transport_total,
         }
 
 

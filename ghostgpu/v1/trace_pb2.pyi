@@ -39,7 +39,7 @@ class TraceScope(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., container: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., gpu: _Optional[str] = ...) -> None: ...
 
 class TraceSession(_message.Message):
-    __slots__ = ("id", "scope", "requested_by", "started_unix_ns", "deadline_unix_ns", "ended_unix_ns", "status", "status_detail", "nodes", "container_ids", "records_total", "dropped_limit_total", "dropped_ringbuf_total", "dropped_store_total", "max_records")
+    __slots__ = ("id", "scope", "requested_by", "started_unix_ns", "deadline_unix_ns", "ended_unix_ns", "status", "status_detail", "nodes", "container_ids", "records_total", "dropped_limit_total", "dropped_ringbuf_total", "dropped_store_total", "max_records", "dropped_transport_total")
     ID_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class TraceSession(_message.Message):
     DROPPED_RINGBUF_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STORE_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MAX_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TRANSPORT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     id: str
     scope: TraceScope
     requested_by: str
@@ -70,7 +71,8 @@ class TraceSession(_message.Message):
     dropped_ringbuf_total: int
     dropped_store_total: int
     max_records: int
-    def __init__(self, id: _Optional[str] = ..., scope: _Optional[_Union[TraceScope, _Mapping]] = ..., requested_by: _Optional[str] = ..., started_unix_ns: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., ended_unix_ns: _Optional[int] = ..., status: _Optional[_Union[TraceStatus, str]] = ..., status_detail: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., container_ids: _Optional[_Iterable[str]] = ..., records_total: _Optional[int] = ..., dropped_limit_total: _Optional[int] = ..., dropped_ringbuf_total: _Optional[int] = ..., dropped_store_total: _Optional[int] = ..., max_records: _Optional[int] = ...) -> None: ...
+    dropped_transport_total: int
+    def __init__(self, id: _Optional[str] = ..., scope: _Optional[_Union[TraceScope, _Mapping]] = ..., requested_by: _Optional[str] = ..., started_unix_ns: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., ended_unix_ns: _Optional[int] = ..., status: _Optional[_Union[TraceStatus, str]] = ..., status_detail: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., container_ids: _Optional[_Iterable[str]] = ..., records_total: _Optional[int] = ..., dropped_limit_total: _Optional[int] = ..., dropped_ringbuf_total: _Optional[int] = ..., dropped_store_total: _Optional[int] = ..., max_records: _Optional[int] = ..., dropped_transport_total: _Optional[int] = ...) -> None: ...
 
 class TraceRecord(_message.Message):
     __slots__ = ("seq", "node", "ts_unix_ns", "kind", "pid", "tid", "ns_pid", "container_id", "namespace", "pod", "container", "gpu", "device", "fd", "call", "request", "escape", "cmd", "cmd_name", "h_class", "class_name", "nv_status", "nv_status_name", "ret", "duration_ns", "args", "notes", "comm", "child_pid")
@@ -142,7 +144,7 @@ class TraceRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., node: _Optional[str] = ..., ts_unix_ns: _Optional[int] = ..., kind: _Optional[str] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., ns_pid: _Optional[int] = ..., container_id: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., container: _Optional[str] = ..., gpu: _Optional[str] = ..., device: _Optional[str] = ..., fd: _Optional[int] = ..., call: _Optional[str] = ..., request: _Optional[int] = ..., escape: _Optional[str] = ..., cmd: _Optional[int] = ..., cmd_name: _Optional[str] = ..., h_class: _Optional[int] = ..., class_name: _Optional[str] = ..., nv_status: _Optional[int] = ..., nv_status_name: _Optional[str] = ..., ret: _Optional[int] = ..., duration_ns: _Optional[int] = ..., args: _Optional[_Mapping[str, str]] = ..., notes: _Optional[_Iterable[str]] = ..., comm: _Optional[str] = ..., child_pid: _Optional[int] = ...) -> None: ...
 
 class TraceBatch(_message.Message):
-    __slots__ = ("session", "records", "records_total", "dropped_limit_total", "dropped_ringbuf_total", "ended", "end_reason")
+    __slots__ = ("session", "records", "records_total", "dropped_limit_total", "dropped_ringbuf_total", "ended", "end_reason", "dropped_transport_total")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class TraceBatch(_message.Message):
     DROPPED_RINGBUF_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     END_REASON_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TRANSPORT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     session: str
     records: _containers.RepeatedCompositeFieldContainer[TraceRecord]
     records_total: int
@@ -157,7 +160,8 @@ class TraceBatch(_message.Message):
     dropped_ringbuf_total: int
     ended: bool
     end_reason: str
-    def __init__(self, session: _Optional[str] = ..., records: _Optional[_Iterable[_Union[TraceRecord, _Mapping]]] = ..., records_total: _Optional[int] = ..., dropped_limit_total: _Optional[int] = ..., dropped_ringbuf_total: _Optional[int] = ..., ended: _Optional[bool] = ..., end_reason: _Optional[str] = ...) -> None: ...
+    dropped_transport_total: int
+    def __init__(self, session: _Optional[str] = ..., records: _Optional[_Iterable[_Union[TraceRecord, _Mapping]]] = ..., records_total: _Optional[int] = ..., dropped_limit_total: _Optional[int] = ..., dropped_ringbuf_total: _Optional[int] = ..., ended: _Optional[bool] = ..., end_reason: _Optional[str] = ..., dropped_transport_total: _Optional[int] = ...) -> None: ...
 
 class TraceStart(_message.Message):
     __slots__ = ("session", "container_ids", "pid", "gpu", "deadline_unix_ns", "max_records")
