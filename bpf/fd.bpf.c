@@ -111,7 +111,12 @@ int gg_settle(void *ctx)
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     struct gg_pending op = {};
-    if (!gg_take_pending(tid, s->nr, &op) || s->ret < 0)
+    if (!gg_take_pending(tid, s->nr, &op))
+        return 0;
+    if (op.op == GG_OP_OPEN) /* failed opens too: a session records the errno */
+        gg_trace_instant(GG_TK_OPEN, (u32)(id >> 32), tid, s->ret >= 0 ? (s32)s->ret : -1, op.dev_id, s->ret,
+                         op.oflags, 0, 0);
+    if (s->ret < 0)
         return 0;
     u32 flags = op.op == GG_OP_DUP ? GG_FD_DUP : 0;
     gg_set_fd((u32)(id >> 32), tid, (s32)s->ret, op.dev_id, flags);
@@ -131,6 +136,7 @@ static __always_inline int gg_close(s32 fd)
      * Counted at enter: close releases the fd even when it returns an error (EINTR, EIO). */
     if (fds.delete(&fk) != 0)
         return 0;
+    gg_trace_instant(GG_TK_CLOSE, tgid, (u32)id, fd, dev_id, 0, 0, 0, 0);
     gg_drop_fd(tgid, (u32)id, fd, dev_id);
     return 0;
 }

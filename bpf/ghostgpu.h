@@ -1,6 +1,7 @@
 /* ghostgpu kernel side: shared event struct, map keys, maps, constants and the prefix matcher.
  *
- * Compiled by bcc as ONE program together with open.bpf.c, fd.bpf.c, ioctl.bpf.c and sched.bpf.c.
+ * Compiled by bcc as ONE program together with trace.bpf.c, open.bpf.c, fd.bpf.c, ioctl.bpf.c and
+ * sched.bpf.c (in that order: trace.bpf.c's helpers are called by the others).
  * tracer/bpf_source.py concatenates the files (with #line markers) instead of #include-ing them:
  * bcc 0.26 rewrites map calls (m.lookup()) and TRACEPOINT_PROBE argument structs only in its main
  * file, so an #include'd program fails to load ("unknown opcode 8d").
@@ -143,12 +144,15 @@ struct gg_pending {
     s32 fd; /* dup2/dup3: the target fd; -1 otherwise */
     u32 op;
     s32 nr; /* syscall number of the enter: an exit only settles its own syscall's entry */
+    u32 oflags; /* GG_OP_OPEN: the open flags, for a trace session's OPEN record */
+    u32 pad;
 };
 struct gg_scratch {
     u64 filename; /* GG_SLOW_OPEN: user pointer to the path */
     s64 ret;      /* GG_SLOW_SETTLE: the syscall's return value */
     s32 nr;       /* both: the syscall number */
     u32 pad;
+    u64 oflags;   /* GG_SLOW_OPEN: the open flags */
 };
 struct gg_ioctl_key {
     u32 tgid;

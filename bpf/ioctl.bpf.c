@@ -1,4 +1,5 @@
-/* ioctl.bpf.c: count ioctls on GPU fds (no event) and notice the first mapping of a device.
+/* ioctl.bpf.c: count ioctls on GPU fds (no event) and notice the first mapping of a device; hand
+ * both to a trace session when one covers the caller (trace.bpf.c).
  *
  * Hot path: ioctl and mmap are among the busiest syscalls of a node (terminals, sockets, malloc's
  * large blocks). A process that holds no GPU device pays one inlined array load and a byte test
@@ -11,8 +12,12 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     u32 tgid = (u32)(id >> 32);
     s32 fd = (s32)args->fd;
     struct gg_fd_val *fv = gg_gpu_fd(tgid, fd);
-    if (!fv)
+    if (!fv) {
+        if (gg_maybe_holder(tgid) && (fv = gg_trace_inherited_fd(tgid, fd)))
+            gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
         return 0;
+    }
+    gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
     /* The request word is 32 bits in the ioctl ABI; the tracepoint widens it to 64. */
     struct gg_ioctl_key ik = {.tgid = tgid, .fd = fd, .dev_id = fv->dev_id, .cmd = (u32)args->cmd};
     u64 *count = ioctls.lookup(&ik);
@@ -48,6 +53,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
     if (!fv)
         return 0;
     u32 dev_id = fv->dev_id;
+    gg_trace_mmap_enter(tgid, (u32)id, fd, dev_id, (u64)args->len, (u64)args->prot, (u64)args->flags,
+                        (u64)args->off);
     struct gg_hold_key hk = {.tgid = tgid, .dev_id = dev_id};
     struct gg_hold_val *h = holds.lookup(&hk);
     if (!h || h->mapped)

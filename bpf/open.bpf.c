@@ -56,7 +56,8 @@ int gg_open_match(void *ctx)
     u32 dev_id = gg_intern(&key);
     if (dev_id == 0)
         return 0;
-    struct gg_pending p = {.dev_id = dev_id, .fd = -1, .op = GG_OP_OPEN, .nr = s->nr};
+    struct gg_pending p = {.dev_id = dev_id, .fd = -1, .op = GG_OP_OPEN, .nr = s->nr,
+                           .oflags = (u32)s->oflags};
     gg_set_pending((u32)bpf_get_current_pid_tgid(), &p);
     return 0;
 }
@@ -81,6 +82,7 @@ static __always_inline int gg_open_enter(void *ctx, const char *filename, u64 fl
     if (!s)
         return 0;
     s->filename = (u64)filename;
+    s->oflags = flags;
     s->nr = nr;
     slow.call(ctx, GG_SLOW_OPEN);
     return 0;

@@ -14,7 +14,9 @@ TRACEPOINT_PROBE(task, task_newtask)
 {
     if (args->clone_flags & GG_CLONE_THREAD)
         return 0; /* a thread shares the fd table: nothing new to track */
-    u32 tgid = (u32)(bpf_get_current_pid_tgid() >> 32);
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = (u32)(id >> 32);
+    gg_trace_fork(tgid, (u32)id, (u32)args->pid);
     u32 *held = procs.lookup(&tgid);
     if (!held || *held == 0) /* 0: held devices once, holds none now (kept for EXIT) */
         return 0;
@@ -61,6 +63,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
+    gg_trace_instant(GG_TK_EXEC, tgid, (u32)id, -1, 0, 0, 0, 0, 0);
     u32 *held = procs.lookup(&tgid);
     if (!held || *held == 0)
         return 0;
@@ -83,6 +86,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
      * the field (the Debian 6.1 headers used to build here predate it); 6.18 has it. */
     if (!args->group_dead)
         return 0;
+    gg_trace_gone(tgid, (u32)id);
     if (!procs.lookup(&tgid))
         return 0;
     /* fds/holds/ioctls stay until user space has read the final counts (BpfSource.forget). */
@@ -95,6 +99,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
      * shows no live thread left (a zombie leader counts itself until the last thread is gone). */
     if ((u32)id != tgid)
         return 0;
+    gg_trace_gone(tgid, (u32)id);
     if (!procs.lookup(&tgid))
         return 0;
     gg_emit(GG_EV_EXIT, tgid, (u32)id, -1, 0, 0, GG_FLAG_LEADER_ONLY);

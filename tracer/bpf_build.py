@@ -11,7 +11,7 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-BPF_FILES = ("ghostgpu.h", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c", "sched.bpf.c")
+BPF_FILES = ("ghostgpu.h", "trace.bpf.c", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c", "sched.bpf.c")
 
 
 def find_bpf_dir(source_root: Path | None = None, data_root: Path | None = None) -> Path:

@@ -115,6 +115,8 @@ class BpfSource:
         self._records: list[bytes] = []
         self._leader_exits: dict[int, SourceEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
+        self.trace: Any = None  # tracer.trace_kernel.TraceKernel once started (None: no trace sessions)
+        self.trace_error = ""  # why trace sessions cannot run, when trace is None
 
     def _preflight(self) -> tuple[Any, str]:
         try:
@@ -168,6 +170,12 @@ class BpfSource:
         except Exception as exc:
             self.close()
             raise BpfUnavailable(f"setting up the ghostgpu BPF maps failed: {exc}") from None
+        try:
+            from ghostgpu.tracer.trace_kernel import TraceKernel
+
+            self.trace = TraceKernel(self._bpf)  # detaches the hooks only a session needs
+        except Exception as exc:  # attribution runs on; sessions are refused with this line
+            self.trace_error = f"trace sessions unavailable: {exc}"
         self.programs_attached = int(self._bpf.num_open_tracepoints())
         self.start_s = time.monotonic() - t0
         # LLVM's compile leaves ~25 MB of freed heap the allocator keeps (measured with bcc 0.26,
@@ -177,6 +185,9 @@ class BpfSource:
 
     def close(self) -> None:
         """Detach and unload everything; safe to call twice."""
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
         if self.tables is not None:
             self.tables.holder_bytes = None
             self.tables = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from string import hexdigits
 
@@ -228,6 +229,20 @@ class CgroupIdResolver:
             self.rescan()
             path = self._paths.get(cgroup_id)
         return path
+
+    def ids_of_containers(self, container_ids: Iterable[str]) -> set[int]:
+        """The ids of every cgroup (at any depth) of these containers, from a fresh walk: what a
+        trace session's scope is in the kernel. An id may be a prefix of the full 64-hex id."""
+        wanted = tuple(cid for cid in container_ids if cid)
+        if not wanted:
+            return set()
+        self.rescan()
+        out: set[int] = set()
+        for cgroup_id, path in list(self._paths.items()):
+            cid = parse_cgroup_path(path).container_id
+            if cid and cid.startswith(wanted):
+                out.add(cgroup_id)
+        return out
 
     def identity_for(self, cgroup_id: int) -> CgroupIdentity | None:
         path = self.path_for(cgroup_id)

@@ -55,6 +55,9 @@ class TracerConfig:
     bpf_ringbuf_pages: int = 64
     ioctl_poll_interval_s: float = 1.0
     health_listen: str = ""  # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
+    trace_max_sessions: int = 4  # trace sessions at once on this node (at most 8: bpf/trace.bpf.c slots)
+    trace_max_duration_s: float = 600.0
+    trace_max_records: int = 100_000  # per session; calls past it are counted, not recorded
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +92,10 @@ class TracerConfig:
         pages = self.bpf_ringbuf_pages
         if pages <= 0 or pages & (pages - 1):
             raise ConfigError(f"bpf_ringbuf_pages: must be a power of two, got {pages}")
+        if not 1 <= self.trace_max_sessions <= 8:
+            raise ConfigError(f"trace_max_sessions: must be 1 to 8, got {self.trace_max_sessions}")
+        if self.trace_max_duration_s <= 0 or self.trace_max_records <= 0:
+            raise ConfigError("trace_max_duration_s and trace_max_records: must be positive")
         if not self.node_name:
             raise ConfigError("node_name: empty; set --node-name or GHOSTGPU_NODE_NAME")
         if self.health_listen:

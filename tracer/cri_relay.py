@@ -25,7 +25,7 @@ import grpc
 
 from ghostgpu.common import protocol
 from ghostgpu.common.addresses import socket_path
-from ghostgpu.v1 import stream_pb2
+from ghostgpu.v1 import stream_pb2, trace_pb2
 
 log = logging.getLogger("ghostgpu.cri_relay")
 
@@ -144,6 +144,9 @@ class CriRelay:
                 self._channel = None
 
 
+TRACE_SETUP_WAIT_S = 10.0
+
+
 class CommandRunner:
     """Runs the collector's commands off the stream's receiver thread, a few at a time.
 
@@ -159,6 +162,10 @@ class CommandRunner:
         self._lock = threading.Lock()
         self.running = 0  # queued or running
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ghostgpu-command")
+        # Trace sessions (tracer/trace_sessions.py), set once the kernel side runs.
+        self.trace_handler: Callable[[stream_pb2.Command], trace_pb2.TraceCommandResult] | None = None
+        self.trace_unavailable = "the tracer is starting"
+        self.trace_ready = threading.Event()  # set once trace_handler (or why there is none) is known
 
     def submit(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
         with self._lock:
@@ -185,6 +192,16 @@ class CommandRunner:
             elif body == "cri":
                 result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,
                                       f"tracer on {self._node} runs no CRI relay")
+            elif body in ("trace_start", "trace_update", "trace_stop"):
+                # Hello offers "trace" once BPF runs, a moment before the sessions are set up.
+                self.trace_ready.wait(TRACE_SETUP_WAIT_S)
+                handler = self.trace_handler
+                if handler is None:
+                    answer = trace_pb2.TraceCommandResult(
+                        error=f"tracer on {self._node} cannot trace: {self.trace_unavailable}")
+                else:
+                    answer = handler(command)
+                result = stream_pb2.CommandResult(id=command.id, trace=answer)
             else:
                 # No body is a command from a newer collector: answer, never leave it hanging.
                 result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,

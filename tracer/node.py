@@ -36,6 +36,7 @@ from ghostgpu.common.addresses import collector_address
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.health import AgentHealth
+    from ghostgpu.tracer.trace_sessions import TraceSessions
 
     from ghostgpu.common.httpserve import HttpServer
 
@@ -69,6 +70,34 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
                         capabilities=["podresources"] if poller_runs else [], options=options)
     sinks.append(stream)
     return sinks, stream, relay
+
+
+def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) -> TraceSessions | None:
+    """Trace sessions (docs/TRACE.md) run where the kernel side runs and a collector can ask for them."""
+    bpf = tracer.bpf
+    if bpf is None or bpf.trace is None:
+        stream.set_trace_handler(None, bpf.trace_error if bpf is not None else "BPF is off on this node")
+        return None
+    from ghostgpu.tracer.call_decode import read_driver_version
+    from ghostgpu.tracer.cgroup import CgroupIdResolver
+    from ghostgpu.tracer.trace_records import RecordMaker
+    from ghostgpu.tracer.trace_sessions import TraceLimits, TraceSessions
+
+    def gpu_names(minor: int) -> tuple[str, str]:
+        gpu = tracer.nvml.gpu_by_minor(minor)  # the view is replaced whole by the agent: safe to read
+        return (str(gpu.index), gpu.uuid) if gpu is not None else (str(minor), "")
+
+    def driver_version() -> str | None:
+        return read_driver_version(cfg.proc_root) or tracer.nvml.driver_version or None
+
+    cgroups = CgroupIdResolver(cfg.cgroup_root)  # the session thread's own: no cache shared across threads
+    maker = RecordMaker(cfg.node_name, cfg.proc_root, cgroups, tracer.catalog.ref_for, bpf.trace.dev_paths,
+                        gpu_names)
+    limits = TraceLimits(cfg.trace_max_sessions, cfg.trace_max_duration_s, cfg.trace_max_records)
+    sessions = TraceSessions(bpf.trace, cfg.node_name, limits, maker, cgroups, stream.emit_trace,
+                             driver_version)
+    stream.set_trace_handler(sessions.handle)
+    return sessions
 
 
 def start_health(cfg: TracerConfig, args: argparse.Namespace,
@@ -107,6 +136,7 @@ def _run(cfg: TracerConfig, args: argparse.Namespace, install_signals: Callable[
     sink: Any = sinks[0] if len(sinks) == 1 else FanOut(sinks)
     poller: PodResourcesPoller | None = None
     tracer: Tracer | None = None
+    sessions: TraceSessions | None = None
     try:
         if poller_runs:
             poller = PodResourcesPoller(pr_endpoint, sink.emit, PODRESOURCES_INTERVAL_S, node=cfg.node_name)
@@ -117,11 +147,15 @@ def _run(cfg: TracerConfig, args: argparse.Namespace, install_signals: Callable[
                 health.stream = stream
         install_signals(tracer.stop)
         tracer.start()
+        if stream is not None:
+            sessions = start_trace_sessions(cfg, tracer, stream)
         if poller is not None:
             poller.start()
         while not tracer.stop_event.is_set():
             tracer.step()
     finally:
+        if sessions is not None:
+            sessions.close()  # ends every session with a last batch, before BPF goes away
         if tracer is not None:
             tracer.close()
         if health_server is not None:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = ["FLUSH_S", "WINDOW_BATCHES", "StreamOptions", "StreamSink"]
 
 log = logging.getLogger("ghostgpu.stream")
 
+TRACE_QUEUE_MAX = 256  # trace batches waiting for the stream (~512 records each): then they are counted lost
 _STATE_KINDS = frozenset(("finding", "resolved", "info", "allocations"))  # what a Snapshot is made of
 
 
@@ -90,6 +92,7 @@ class StreamSink(StreamSender):
         self._down_logged = False
         self._refusal_logged = ""
         self._commands = CommandRunner(relay, node)
+        self._trace_out: deque[bytes] = deque()  # TraceBatch messages, sent after the events before them
         self._thread = threading.Thread(target=self._run, name="ghostgpu-stream", daemon=True)
         self._thread.start()
 
@@ -129,6 +132,25 @@ class StreamSink(StreamSender):
         if first_drop:
             log.warning("spool full (%d events): dropping the oldest until the collector at %s acknowledges",
                         spool.capacity, self.target)
+
+    def emit_trace(self, message: stream_pb2.TracerMessage) -> bool:
+        """Queue a trace session's batch; False when the queue is full (the caller counts the loss).
+        It leaves only once every event emitted before it is on the stream (stream_sender._pump)."""
+        data = message.SerializeToString()
+        with self._lock:
+            if self._closed or len(self._trace_out) >= TRACE_QUEUE_MAX:
+                return False
+            self._trace_out.append(data)
+        self._wake.set()
+        return True
+
+    def set_trace_handler(self, handler: Callable[[stream_pb2.Command], Any] | None, unavailable: str = "",
+                          ) -> None:
+        """Who answers the collector's trace commands (None: they are answered with `unavailable`)."""
+        self._commands.trace_handler = handler
+        if unavailable:
+            self._commands.trace_unavailable = unavailable
+        self._commands.trace_ready.set()
 
     def _track(self, kind: str, record: Record) -> None:
         """What a Snapshot needs, kept as records arrive (under _lock, so it matches the seq)."""

@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class StreamSender:
     _down_logged: bool
     _refusal_logged: str
     _commands: CommandRunner
+    _trace_out: deque[bytes]  # under _lock
 
     def emit(self, record: AnyRecord, _bounded: bool = True) -> None:
         raise NotImplementedError  # StreamSink's
@@ -147,7 +149,9 @@ class StreamSender:
         caps = list(self._capabilities)
         info = self._info
         if info is not None:
-            caps[:0] = [name for name, on in (("bpf", info.bpf), ("nvml", info.nvml)) if on]
+            # "trace": sessions run wherever the kernel side does (refused with a reason otherwise)
+            caps[:0] = [name for name, on in (("bpf", info.bpf), ("nvml", info.nvml), ("trace", info.bpf))
+                        if on]
         hello = stream_pb2.Hello(api_version=protocol.API_VERSION, node=self.node, boot_id=self.boot_id,
                                  instance_id=self.instance_id, tracer_version=__version__, capabilities=caps)
         return stream_pb2.TracerMessage(hello=hello).SerializeToString()
@@ -261,6 +265,8 @@ class StreamSender:
                 self._encode_pending()
                 self._send_unsent(session)
                 continue
+            if self._send_trace(session):  # only now: every event emitted before it is on the stream
+                continue
             oldest = session.oldest_unacked_s()
             if oldest is not None and now - oldest > self.options.ack_timeout_s:
                 log.warning("collector at %s acknowledged nothing for %g s; reconnecting", self.target,
@@ -292,6 +298,18 @@ class StreamSender:
             with self._lock:
                 self._events_sent += len(batch)
                 self._batches_sent += 1
+
+    def _send_trace(self, session: StreamSession) -> bool:
+        """Hand one queued TraceBatch to the stream if no event is waiting ahead of it."""
+        with self._lock:
+            if not self._trace_out or self._spool.pending or self._spool.unsent:
+                return False
+            data = self._trace_out.popleft()
+        if not session.put(data, self._put_deadline()):
+            with self._lock:
+                self._trace_out.appendleft(data)  # the stream ended: the next connection sends it
+            return False
+        return True
 
     def _lost(self, session: StreamSession) -> None:
         code, details = session.error_code(), session.error_details()

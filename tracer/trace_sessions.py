@@ -1,0 +1,243 @@
+"""Trace sessions on the node: the collector's start/update/stop commands, the tracer's own limits,
+deadlines, and the thread that turns kernel trace records into TraceRecords and TraceBatches.
+
+The tracer enforces every limit itself and ends a session at its deadline whether or not a
+collector is there to hear it. One thread does all the work (drain the trace ring buffer, decode,
+batch, expire); commands arrive on the stream's command threads and only change the table of
+sessions under a lock. Records are made once here (kernel record -> decoded call -> TraceRecord ->
+ghostgpu.v1.TraceRecord) and leave in batches through `emit`, which the stream sends after the
+attribution events queued before them (tracer/stream.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ghostgpu.tracer.call_decode import DriverLayout, layout_for
+from ghostgpu.tracer.cgroup import CgroupIdResolver
+from ghostgpu.tracer.events import boot_ns
+from ghostgpu.tracer.trace_kernel import SLOTS, TraceKernel, slot_bits, unpack_trace
+from ghostgpu.tracer.trace_records import RecordMaker
+
+from ghostgpu.common.convert_trace import record_into
+from ghostgpu.common.trace import TraceRecord
+from ghostgpu.v1 import stream_pb2, trace_pb2
+
+log = logging.getLogger("ghostgpu.trace")
+
+POLL_MS = 100  # the thread's wait for records; also how late a deadline can be noticed
+FLUSH_S = 0.1  # a batch leaves at most this long after its first record
+BATCH_RECORDS = 512
+LIMIT_PREFIX = "limit: "  # a refusal over a configured limit (the collector answers RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class TraceLimits:
+    max_sessions: int = 4  # --trace-max-sessions (at most SLOTS)
+    max_duration_s: float = 600.0  # --trace-max-duration
+    max_records: int = 100_000  # --trace-max-records, per session
+
+
+@dataclass
+class _Session:
+    id: str
+    slot: int
+    deadline_ns: int  # unix ns
+    max_records: int
+    gpu: str
+    pid: int
+    container_ids: frozenset[str] = frozenset()
+    seq: int = 0
+    transport_dropped: int = 0
+    pending: list[TraceRecord] = field(default_factory=list)
+    first_pending_s: float = 0.0
+    end_reason: str = ""  # set when it must end (stop command, deadline)
+
+
+class TraceSessions:
+    def __init__(self, kernel: TraceKernel, node: str, limits: TraceLimits, maker: RecordMaker,
+                 cgroups: CgroupIdResolver, emit: Callable[[stream_pb2.TracerMessage], bool],
+                 driver_version: Callable[[], str | None]) -> None:
+        self.kernel, self.node, self.limits, self.maker = kernel, node, limits, maker
+        self.cgroups, self.emit, self.driver_version = cgroups, emit, driver_version
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._layout: DriverLayout | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ghostgpu-trace", daemon=True)
+        self._thread.start()
+
+    # --- commands (any thread) --------------------------------------------------------------------
+
+    def handle(self, command: stream_pb2.Command) -> trace_pb2.TraceCommandResult:
+        body = command.WhichOneof("body")
+        try:
+            if body == "trace_start":
+                return self._start(command.trace_start)
+            if body == "trace_update":
+                return self._update(command.trace_update)
+            if body == "trace_stop":
+                return self._end(command.trace_stop.session, "stopped")
+        except Exception as exc:  # one bad command never takes the tracer down
+            log.exception("trace command failed")
+            return trace_pb2.TraceCommandResult(error=f"tracer on {self.node}: {exc}")
+        return trace_pb2.TraceCommandResult(error=f"tracer on {self.node}: unknown trace command")
+
+    def _start(self, cmd: trace_pb2.TraceStart) -> trace_pb2.TraceCommandResult:
+        result = trace_pb2.TraceCommandResult(session=cmd.session)
+        left_s = (cmd.deadline_unix_ns - time.time_ns()) / 1e9
+        if left_s > self.limits.max_duration_s + 5:  # 5 s: clock skew between collector and node
+            result.error = (f"{LIMIT_PREFIX}duration {left_s:.0f} s exceeds node {self.node}'s maximum of "
+                            f"{self.limits.max_duration_s:g} s (--trace-max-duration)")
+            return result
+        if not cmd.container_ids and not cmd.pid:
+            result.error = f"tracer on {self.node}: a session needs container ids or a pid"
+            return result
+        with self._lock:
+            if cmd.session in self._sessions:
+                return result  # a retried command: already running
+            used = {s.slot for s in self._sessions.values()}
+            if len(self._sessions) >= min(self.limits.max_sessions, SLOTS):
+                result.error = (f"{LIMIT_PREFIX}node {self.node} runs {len(self._sessions)} trace sessions, "
+                                f"the limit (--trace-max-sessions {self.limits.max_sessions})")
+                return result
+            slot = min(set(range(SLOTS)) - used)
+            max_records = min(cmd.max_records or self.limits.max_records, self.limits.max_records)
+            session = _Session(cmd.session, slot, cmd.deadline_unix_ns, max_records, cmd.gpu, cmd.pid,
+                               frozenset(cmd.container_ids))
+            if self._layout is None or not self._sessions:  # the driver may have changed since
+                self._layout = layout_for(self.driver_version())
+                self.kernel.set_layouts(self._layout.kernel_layouts())
+                self.maker.layout = self._layout
+            self.kernel.open_slot(slot, max_records)
+            if cmd.pid:
+                self.kernel.add_tgid(slot, cmd.pid)
+            if cmd.container_ids:
+                self.kernel.set_cgroups(slot, self._cgroup_ids(session.container_ids))
+            self._sessions[cmd.session] = session
+        log.info("trace session %s started (slot %d, %s, until %s)", cmd.session, slot,
+                 f"pid {cmd.pid}" if cmd.pid else f"{len(cmd.container_ids)} containers",
+                 time.strftime("%H:%M:%S", time.localtime(cmd.deadline_unix_ns / 1e9)))
+        self._wake.set()
+        return result
+
+    def _update(self, cmd: trace_pb2.TraceUpdate) -> trace_pb2.TraceCommandResult:
+        with self._lock:
+            session = self._sessions.get(cmd.session)
+            if session is None:
+                return trace_pb2.TraceCommandResult(session=cmd.session,
+                                                    error=f"no trace session {cmd.session} on {self.node}")
+            session.container_ids = frozenset(cmd.container_ids)
+            self.kernel.set_cgroups(session.slot, self._cgroup_ids(session.container_ids))
+        return trace_pb2.TraceCommandResult(session=cmd.session)
+
+    def _end(self, session_id: str, reason: str) -> trace_pb2.TraceCommandResult:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None and not session.end_reason:
+                session.end_reason = reason
+        self._wake.set()
+        return trace_pb2.TraceCommandResult(session=session_id)
+
+    def _cgroup_ids(self, container_ids: frozenset[str]) -> set[int]:
+        """The cgroup v2 ids of these containers (each container's directory and any below it)."""
+        return self.cgroups.ids_of_containers(container_ids)
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # --- the session thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # contained: the next step tries again
+                log.exception("trace session step failed")
+                self._stop.wait(POLL_MS / 1000)
+
+    def _step(self) -> None:
+        with self._lock:
+            idle = not self._sessions
+        if idle:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            return
+        self._take(self.kernel.poll(POLL_MS))
+        now_ns, now_s = time.time_ns(), time.monotonic()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            if not session.end_reason and now_ns >= session.deadline_ns:
+                session.end_reason = "deadline"
+            if session.end_reason:
+                self._finish(session)
+            elif session.pending and (len(session.pending) >= BATCH_RECORDS
+                                      or now_s - session.first_pending_s >= FLUSH_S):
+                self._flush(session)
+
+    def _take(self, raws: list[bytes]) -> None:
+        if not raws:
+            return
+        offset_ns = time.time_ns() - boot_ns()  # CLOCK_BOOTTIME -> unix time, read once per batch
+        with self._lock:
+            by_slot = {s.slot: s for s in self._sessions.values()}
+        now_s = time.monotonic()
+        for data in raws:
+            raw = unpack_trace(data)
+            if raw is None:
+                continue
+            for slot in slot_bits(raw.slots):
+                session = by_slot.get(slot)
+                if session is None:
+                    continue
+                record = self.maker.make(raw, session.id, session.seq + 1, offset_ns, session.gpu)
+                if record is None:  # filtered out (--gpu)
+                    continue
+                session.seq += 1
+                if not session.pending:
+                    session.first_pending_s = now_s
+                session.pending.append(record)
+            if raw.kind == 8:  # EXIT: the pid's identity cache is stale from now on
+                self.maker.forget(raw.tgid)
+
+    def _flush(self, session: _Session, ended: bool = False) -> None:
+        records, session.pending = session.pending, []
+        _records, over_limit, drops = self.kernel.slot_counts(session.slot)
+        batch = trace_pb2.TraceBatch(
+            session=session.id, records_total=session.seq, dropped_limit_total=over_limit,
+            dropped_ringbuf_total=drops, dropped_transport_total=session.transport_dropped, ended=ended,
+            end_reason=session.end_reason if ended else "")
+        for record in records:
+            record_into(batch.records.add(), record)
+        if not self.emit(stream_pb2.TracerMessage(trace=batch)):
+            session.transport_dropped += len(records)
+
+    def _finish(self, session: _Session) -> None:
+        """Close the slot, take what the ring buffer still holds for it, send the last batch."""
+        self.kernel.close_slot(session.slot)
+        self._take(self.kernel.poll(0))
+        self._flush(session, ended=True)
+        with self._lock:
+            self._sessions.pop(session.id, None)
+        log.info("trace session %s ended (%s): %d records", session.id, session.end_reason, session.seq)
+
+    def close(self) -> None:
+        """End every session now (the tracer is stopping) and stop the thread."""
+        with self._lock:
+            for session in self._sessions.values():
+                session.end_reason = session.end_reason or "tracer stopped"
+        self._wake.set()
+        deadline = time.monotonic() + 2.0
+        while self.active() and time.monotonic() < deadline and self._thread.is_alive():
+            self._wake.set()
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(2.0)
