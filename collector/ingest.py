@@ -10,6 +10,10 @@ Rules (shared spec, "Stream protocol", items 2, 4, 5): the first message must be
 supported API version naming a node; a new Hello for a node replaces (aborts) its older stream;
 a batch is validated whole before anything changes; events at or below the stored seq are
 duplicates (counted, not stored again); an Ack covers only committed events.
+
+Trace sessions (docs/TRACE.md): TraceBatches and the answers to trace commands go to `traces`
+(collector/traces.py's TraceBook, set by the Collector), which also hears every stream's end, as
+a session running on a tracer whose stream ended has lost that node.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from ghostgpu.collector.cluster import ClusterTable
@@ -39,6 +43,16 @@ log = logging.getLogger(__name__)
 _ACK = object()
 MAX_INFLIGHT_BATCHES = 32  # per stream, uncommitted: past it the reader waits (back-pressure on the tracer)
 PENDING_BYTES_MAX = 64 << 20  # all streams: event bytes queued for the writer
+
+
+class TraceSink(Protocol):
+    """What ingest hands the trace session book (collector/traces.py)."""
+
+    def batch(self, stream: Any, tb: Any) -> None: ...
+
+    def answer(self, stream: Any, result: stream_pb2.CommandResult) -> bool: ...
+
+    def stream_ended(self, stream: Any) -> None: ...
 
 
 class StreamAbort(Exception):
@@ -88,6 +102,7 @@ class Ingest:
         self.max_batch_events = max_batch_events
         self.sessions: dict[str, IngestSession] = {}
         self.relay = CriRelayClient(self.sessions)
+        self.traces: TraceSink | None = None  # the trace session book; the Collector sets it
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
         self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
@@ -182,6 +197,8 @@ class Ingest:
     def _close(self, session: IngestSession) -> None:
         session.active = False
         self.relay.stream_ended(session)
+        if self.traces is not None:
+            self.traces.stream_ended(session)
         if self.sessions.get(session.node) is session:
             del self.sessions[session.node]
             session.state.end()
@@ -253,7 +270,13 @@ class Ingest:
                 state.set_stats(msg.heartbeat.stats)
                 self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
         elif kind == "result":
-            self.relay.answer(session, msg.result)
+            if self.traces is None or not self.traces.answer(session, msg.result):
+                self.relay.answer(session, msg.result)
+        elif kind == "trace":
+            if self.traces is not None:
+                self.traces.batch(session, msg.trace)
+            else:
+                log.debug("node %s sent trace records; this collector runs no trace sessions", session.node)
         elif kind == "hello":
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "Hello sent twice on one stream")
         else:

@@ -13,7 +13,8 @@ resolver's workers (collector/cri.py) call CRI through a tracer's relay or a loc
 hand their answers back to the loop. /metrics (metrics_listen) is served by its own HTTP threads
 (collector/metrics.py), which read the loop's state through call(); the Alertmanager pusher
 (alertmanager URLs, collector/alertpush.py) watches findings like any WatchFindings client and posts
-from its own thread, so a down Alertmanager never holds up ingest.
+from its own thread, so a down Alertmanager never holds up ingest. Trace sessions (collector/traces.py)
+live on the loop too, their tables in the same SQLite file.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.server import ListenError, check_listen, start_server
 from ghostgpu.collector.store import Store, StoreError
+from ghostgpu.collector.trace_commands import TraceLimits, parse_duration_s
+from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS, TraceStore
+from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu import __version__
 from ghostgpu.common.addresses import dial_address, is_unix, parse_listen, port_of
@@ -68,7 +72,10 @@ class Collector:
                  max_batch_events: int = MAX_BATCH_EVENTS, metrics_listen: str | None = None,
                  metrics_max_process_series: int = 1000, alertmanager: Sequence[str] = (),
                  alert_resend_s: float = 60.0, alert_labels: dict[str, str] | None = None,
-                 pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None) -> None:
+                 pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None,
+                 trace_limits: TraceLimits | None = None,
+                 trace_store_max_records: int = DEFAULT_STORE_MAX_RECORDS,
+                 trace_retention_h: float = 24.0) -> None:
         self.listen = [listen] if isinstance(listen, str) else list(listen)
         for addr in self.listen:
             check_listen(addr)
@@ -84,6 +91,13 @@ class Collector:
             raise ValueError(f"--metrics-max-process-series {metrics_max_process_series}: must be 0 or more")
         if alert_resend_s <= 0:
             raise ValueError(f"--alertmanager-resend-s {alert_resend_s}: must be more than 0")
+        if trace_store_max_records < 0:
+            raise ValueError(f"--trace-store-max-records {trace_store_max_records}: must be 0 or more")
+        if trace_retention_h <= 0:
+            raise ValueError(f"--trace-retention-h {trace_retention_h}: must be more than 0")
+        self.trace_limits = trace_limits or TraceLimits()  # collector/traces.py: trace sessions
+        self.trace_store_max_records = trace_store_max_records
+        self.trace_retention_h = trace_retention_h
         self.metrics_listen = metrics_listen
         self.metrics_max_process_series = metrics_max_process_series
         self.alertmanager = list(alertmanager)
@@ -155,8 +169,14 @@ class Collector:
                                     forget=getattr(self.resolver, "forget", None))
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
         self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
+        self.trace_store = TraceStore(self.store, self.trace_store_max_records, self.trace_retention_h * 3600)
+        self.traces = TraceBook(self.ingest.sessions, self.trace_store, self.trace_limits,
+                                transport_for=self.transport_for, nodes=self.nodes,
+                                cluster_rows=self.cluster.rows,
+                                resolve_names=getattr(self.resolver, "get", None))
+        self.ingest.traces = self.traces
         failures = getattr(self.resolver, "node_failures", None)
-        self.query = QueryService(self.nodes, self.cluster, self.store, failures)
+        self.query = QueryService(self.nodes, self.cluster, self.store, failures, traces=self.traces)
         if self.alertmanager:
             if self._pusher_factory is not None:
                 factory = self._pusher_factory
@@ -196,6 +216,7 @@ class Collector:
             return
         if self.pusher is not None:
             self.cluster.watch(self.pusher.watcher, include_open=True)
+        self.traces.start_ticking()
         self._ready.set()
         while True:
             try:
@@ -207,6 +228,7 @@ class Collector:
                 if self.heap is not None:
                     self.heap.tick()
         self.cluster.flush_changed()
+        self.traces.shutdown()  # before the streams end: sessions end naming the collector, not a node
         self.ingest.shutdown()
         self.query.shutdown()
         await server.stop(self._grace_s)
@@ -283,6 +305,10 @@ class Collector:
         self.loop.call_soon_threadsafe(run)
         return fut.result(timeout_s)
 
+    def trace_audit(self, session: str = "", since_unix_ns: int = 0, limit: int = 1000) -> list[Any]:
+        """The trace_audit rows (ghostgpu.v1.TraceAuditEntry), oldest first; from any thread."""
+        return self.traces.audit(session, since_unix_ns, limit).result(10.0)
+
     def _call_for_scrape(self, fn: Callable[[], T]) -> T:
         loop = self.loop
         if loop is None or loop.is_closed() or self._stopped.is_set():
@@ -301,6 +327,22 @@ class Collector:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # stopping: nobody reads the table any more
                 loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
+
+
+def trace_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace session keyword arguments of Collector from the --trace-* flags (ValueError naming one)."""
+    kw: dict[str, Any] = {}
+    # Durations as "10m", "30s" (or seconds): `up` may share --trace-max-duration with its tracer.
+    for flag, key in (("trace_max_duration", "max_duration_s"),
+                      ("trace_default_duration", "default_duration_s")):
+        if (value := getattr(args, flag, None)) is not None:
+            kw[key] = parse_duration_s(value, "--" + flag.replace("_", "-"))
+    if (records := getattr(args, "trace_max_records", None)) is not None:
+        kw["max_records"] = int(records)
+    limits = TraceLimits(**kw)
+    return {"trace_limits": limits,
+            "trace_store_max_records": getattr(args, "trace_store_max_records", DEFAULT_STORE_MAX_RECORDS),
+            "trace_retention_h": getattr(args, "trace_retention_h", 24.0)}
 
 
 def collector_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -331,7 +373,7 @@ def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[
     try:
         collector = Collector(listen, db, args.retention_days, args.event_log_max,
                               getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s,
-                              **collector_options(args))
+                              **collector_options(args), **trace_options(args))
         collector.start()
     except (ListenError, StoreError, HttpListenError, ValueError) as e:
         print(f"ghostgpu: collector: {e}", file=sys.stderr)

@@ -5,6 +5,13 @@ Live state (consumers, open findings, node status) is answered from memory on th
 an answer is one consistent moment. History (findings, the event log) is read from SQLite on the
 store's thread, after every write queued before the call, so a finding just opened is already in
 ListFindings. The API-version check happens before these handlers (collector/server.py).
+
+Trace sessions (StartTrace, StopTrace, ListTraces, WatchTrace) are the book's (collector/traces.py);
+here only the client's identity is taken from the transport. gRPC Python does not expose a unix
+socket's peer credentials (SO_PEERCRED: context.peer() is "unix:", the auth context holds only the
+security type, with local credentials too; grpcio 1.85), so on the unix socket `requested_by` is
+the uid the client states in the `ghostgpu-client-uid` metadata, recorded as "uid N (claimed)";
+over TCP it is the peer address, e.g. "ipv4:10.0.0.5:51234".
 """
 
 from __future__ import annotations
@@ -12,18 +19,21 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from ghostgpu.collector.cluster import ClusterTable, Watcher
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
+from ghostgpu.collector.trace_scope import TraceError
+from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu import __version__
 from ghostgpu.common.convert import class_from_proto, cluster_consumer_to_proto
+from ghostgpu.common.convert_trace import scope_from_proto, session_to_proto
 from ghostgpu.common.protocol import MAX_MESSAGE_BYTES
-from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
+from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2, trace_pb2
 
 T = TypeVar("T")
 DEFAULT_LIMIT = 1000
@@ -32,6 +42,16 @@ MAX_LIMIT = 100_000
 # ghostgpu.common.protocol.channel_options), with room to spare: 1,000 holder events of processes with 10 KB
 # command lines are 10 MB. A client pages on with after_seq, so a shorter page loses nothing.
 EVENTS_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
+CLIENT_UID_METADATA = "ghostgpu-client-uid"  # the uid a client states (the CLI sends os.getuid())
+
+
+def client_identity(peer: str, metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """`requested_by`: the TCP peer address, or on the unix socket the uid the client claims."""
+    if not peer.startswith("unix:"):
+        return peer or "unknown peer"
+    value = next((v for k, v in metadata or () if k == CLIENT_UID_METADATA), None)
+    text = (value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")).strip()
+    return f"uid {text} (claimed)" if text.isdigit() else "unix socket (no uid stated)"
 
 
 def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequence[str],
@@ -118,11 +138,12 @@ def _stored_events(rows: list[EventRow], instance_id: str, after_seq: int,
 
 class QueryService(query_pb2_grpc.QueryServicer):
     def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store,
-                 cri_failures: Callable[[str], int] | None = None) -> None:
+                 cri_failures: Callable[[str], int] | None = None, traces: TraceBook | None = None) -> None:
         self.nodes = nodes
         self.cluster = cluster
         self.store = store
         self.cri_failures = cri_failures
+        self.traces = traces
         self._closing = False
 
     async def ListConsumers(self, request: query_pb2.ListConsumersRequest,
@@ -185,6 +206,48 @@ class QueryService(query_pb2_grpc.QueryServicer):
         rows = await self._read(read, context)
         events = await asyncio.to_thread(_stored_events, rows, request.instance_id, request.after_seq, limit)
         return query_pb2.ListEventsResponse(events=events)
+
+    # ---- trace sessions (collector/traces.py) ------------------------------------------------------
+
+    async def _book(self, context: grpc.aio.ServicerContext) -> TraceBook:
+        if self.traces is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this collector runs no trace sessions")
+        return self.traces  # type: ignore[return-value]  # abort raised otherwise
+
+    async def StartTrace(self, request: trace_pb2.StartTraceRequest,
+                         context: grpc.aio.ServicerContext) -> trace_pb2.StartTraceResponse:
+        book = await self._book(context)
+        who = client_identity(context.peer(), context.invocation_metadata())
+        try:
+            scope = scope_from_proto(request.scope)
+            s = await book.start(scope, request.duration_ms, request.max_records, who)
+        except TraceError as e:
+            await context.abort(e.code, e.line)
+        return trace_pb2.StartTraceResponse(session=session_to_proto(s))
+
+    async def StopTrace(self, request: trace_pb2.StopTraceRequest,
+                        context: grpc.aio.ServicerContext) -> trace_pb2.StopTraceResponse:
+        book = await self._book(context)
+        who = client_identity(context.peer(), context.invocation_metadata())
+        try:
+            s = await book.stop(request.id, who)
+        except TraceError as e:
+            await context.abort(e.code, e.line)
+        return trace_pb2.StopTraceResponse(session=session_to_proto(s))
+
+    async def ListTraces(self, request: trace_pb2.ListTracesRequest,
+                         context: grpc.aio.ServicerContext) -> trace_pb2.ListTracesResponse:
+        book = await self._book(context)
+        return trace_pb2.ListTracesResponse(sessions=[session_to_proto(s) for s in book.list()])
+
+    async def WatchTrace(self, request: trace_pb2.WatchTraceRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[trace_pb2.TraceWatchMessage]:
+        book = await self._book(context)
+        try:
+            async for msg in book.watch(request.id, request.follow):
+                yield msg
+        except TraceError as e:
+            await context.abort(e.code, e.line)
 
     async def _read(self, read: Callable[[sqlite3.Connection], T], context: grpc.aio.ServicerContext) -> T:
         try:

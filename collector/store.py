@@ -1,4 +1,4 @@
-"""The collector's SQLite store: stream positions, the event log and the findings history.
+"""The collector's SQLite store: stream positions, the event log, the findings history and trace sessions.
 
 One writer thread owns the connection. Callers queue write operations with `submit()`; the writer
 takes everything queued, runs it in one transaction (group commit) and only then calls each job's
@@ -9,6 +9,10 @@ before it, and `:memory:` (one private database per connection) works too.
 Events are stored per batch, not per event: one row holds a slice of one EventBatch as a
 serialized TracerMessage (zlib-compressed: tracer events repeat their container IDs and cgroup
 paths, so they shrink about 20x), and the log is bounded by a total event count, oldest rows first.
+
+The trace tables (trace_sessions, trace_records, trace_audit) are written by collector/trace_store.py
+through `op_call`: a function run on the writer thread inside the group's transaction, so its rows
+commit (or roll back) with everything else of the group, and compression stays off the event loop.
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ CREATE TABLE IF NOT EXISTS findings (
   consumer_key TEXT NOT NULL, opened_unix_ns INTEGER NOT NULL, resolved_unix_ns INTEGER NOT NULL,
   consumer BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS findings_by_resolved ON findings (resolved_unix_ns);
+CREATE TABLE IF NOT EXISTS trace_sessions (
+  id TEXT PRIMARY KEY, started_unix_ns INTEGER NOT NULL, ended_unix_ns INTEGER NOT NULL,
+  session BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS trace_records (
+  id INTEGER PRIMARY KEY, session TEXT NOT NULL, node TEXT NOT NULL, first_seq INTEGER NOT NULL,
+  last_seq INTEGER NOT NULL, count INTEGER NOT NULL, codec INTEGER NOT NULL, blob BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS trace_records_by_session ON trace_records (session, id);
+CREATE TABLE IF NOT EXISTS trace_audit (
+  id INTEGER PRIMARY KEY, ts_unix_ns INTEGER NOT NULL, session TEXT NOT NULL, action TEXT NOT NULL,
+  who TEXT NOT NULL, detail TEXT NOT NULL);
 """
 
 
@@ -174,6 +188,12 @@ class Store:
     def op_finding(row: FindingRow) -> tuple[Any, ...]:
         return ("finding", row)
 
+    @staticmethod
+    def op_call(fn: Callable[[sqlite3.Connection], None]) -> tuple[Any, ...]:
+        """Run fn(connection) inside the group's transaction, after the group's other writes, in the
+        order submitted; a sqlite3.Error rolls the group back and retries it as any write does."""
+        return ("call", fn)
+
     def submit(self, ops: Sequence[tuple[Any, ...]],
                done: Callable[[BaseException | None], None] | None = None, size_bytes: int = 0) -> None:
         """Queue writes; `done(error)` runs on the writer thread once they are committed (or failed)."""
@@ -274,6 +294,7 @@ class Store:
         positions: dict[tuple[str, str, str], tuple[Any, ...]] = {}
         findings: dict[int, tuple[Any, ...]] = {}
         events: list[tuple[Any, ...]] = []
+        calls: list[Callable[[sqlite3.Connection], None]] = []
         now_ns = time.time_ns()
         for job in jobs:
             for op in job.ops:
@@ -287,6 +308,8 @@ class Store:
                     positions[op[1][:3]] = op[1]  # the latest counters of each instance win
                 elif kind == "finding":
                     findings[op[1][0]] = op[1]
+                elif kind == "call":
+                    calls.append(op[1])
         conn = self._conn
         conn.execute("BEGIN")
         log_events = self._log_events
@@ -300,6 +323,13 @@ class Store:
         if findings:
             conn.executemany("INSERT OR REPLACE INTO findings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                              list(findings.values()))
+        for fn in calls:
+            try:
+                fn(conn)
+            except sqlite3.Error:
+                raise  # the group rolls back and is retried
+            except Exception:  # a bug in one caller's rows must not stop the writer (and every ack)
+                log.exception("store: a write function failed; its rows are skipped")
         conn.execute("COMMIT")
         self._log_events = log_events
 

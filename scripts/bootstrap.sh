@@ -70,7 +70,8 @@ make_venv() {
 install() {
   need_root "$@"
   apt_install python3-bpfcc python3-venv python3-dev linux-headers-amd64 gcc make psmisc lsof util-linux iproute2 strace \
-    containerd runc busybox-static prometheus prometheus-alertmanager python3-yaml
+    containerd runc busybox-static prometheus prometheus-alertmanager python3-yaml chromium
+  command -v npm >/dev/null || apt_install npm  # tests/integration/test_speedscope.py installs the viewer
   link_kernel_headers
   mount_tracefs
   make_venv

@@ -63,6 +63,25 @@ def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None)
                    metavar="S", help="re-send open alerts every S seconds (default 60)")
     p.add_argument("--alert-label", dest="alert_labels", action="append", metavar="KEY=VALUE",
                    help="extra label on every pushed alert (repeatable), e.g. cluster=prod")
+    # Trace sessions (docs/TRACE.md). --trace-max-duration and --trace-max-records are also tracer
+    # limits: where the parser has them already (`up`, from its tracer's flags), one value serves both.
+    import contextlib
+
+    for flags, kw in (
+        (("--trace-max-duration",), {"metavar": "D", "help": "longest trace session a client may start "
+                                     "(default 10m; 30s, 10m, 1h)"}),
+        (("--trace-max-records",), {"type": int, "metavar": "N", "help": "records kept per trace session at "
+                                    "most, and its default (default 100000)"}),
+    ):
+        with contextlib.suppress(argparse.ArgumentError):
+            p.add_argument(*flags, dest=flags[0][2:].replace("-", "_"), **kw)  # type: ignore[arg-type]
+    p.add_argument("--trace-default-duration", dest="trace_default_duration", metavar="D",
+                   help="length of a trace session whose client names none (default 30s)")
+    p.add_argument("--trace-store-max-records", dest="trace_store_max_records", type=int, default=1_000_000,
+                   metavar="N", help="trace records kept in all sessions together; the oldest ended sessions "
+                   "make room, else records past it are counted as dropped (default 1000000)")
+    p.add_argument("--trace-retention-h", dest="trace_retention_h", type=float, default=24.0, metavar="H",
+                   help="hours an ended trace session and its records are kept (default 24)")
 
 
 def _add_health_flag(p: argparse.ArgumentParser) -> None:
@@ -79,6 +98,58 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="only this class (repeatable): hidden, ghost, orphaned, unallocated, ...")
     p.add_argument("--node", help="only this node")
+
+
+def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], verb: bool = False) -> None:
+    """--collector and the outputs. On list/show the defaults are SUPPRESSed, so a flag given before
+    the verb (`trace --collector X list`) is not overwritten by the verb's default."""
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if verb else value
+
+    p.add_argument("--collector", default=default(None), help="collector address HOST:PORT or "
+                   f"unix:///path (default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
+    p.add_argument("-o", "--output", choices=outputs, default=default("table"),
+                   help="table (default), json (one document at the end) or jsonl (one record a line)")
+    if "jsonl" in outputs:
+        p.add_argument("--summary", action="store_true", default=default(False),
+                       help="per call, as strace -c: count, errors, total, average and p99 time, %% of time")
+        p.add_argument("--chrome-trace", dest="chrome_trace", metavar="FILE", default=default(None),
+                       help="also write Chrome Trace Event JSON (Perfetto, chrome://tracing, speedscope)")
+
+
+def _add_trace_parser(sub: Any) -> None:
+    """`ghostgpu trace [flags]` starts a session; `trace list|show ID|stop ID` (docs/TRACE.md)."""
+    trace = sub.add_parser("trace", help="record every GPU call of a pod, container or process tree "
+                           "for a while, decoded (docs/TRACE.md)",
+                           description="Start a trace session and print its GPU calls as they happen; "
+                           "or list, show and stop sessions.")
+    _add_trace_outputs(trace, ("table", "json", "jsonl"))
+    trace.add_argument("-n", "--namespace", help="trace this namespace (with --pod: the pod's; "
+                       "default 'default' when --pod is given)")
+    trace.add_argument("--pod", help="trace this pod")
+    trace.add_argument("--container", help="only this container of the pod (a name, or a container id "
+                       "prefix)")
+    trace.add_argument("--pid", type=int, help="trace this host PID and every process it forks "
+                       "(needs --node)")
+    trace.add_argument("--node", help="the node of --pid; otherwise only this node")
+    trace.add_argument("--gpu", metavar="INDEX|UUID", help="only this GPU's device files (and the "
+                       "control devices)")
+    trace.add_argument("--for", dest="duration", metavar="DURATION",
+                       help="how long: 30s, 2m, 1h30m, 500ms or plain seconds (default: the collector's)")
+    trace.add_argument("--max-records", dest="max_records", type=int, metavar="N",
+                       help="keep at most N records (default: the tracer's --trace-max-records)")
+    trace.add_argument("--detach", action="store_true", help="print the session id first; Ctrl-C then "
+                       "leaves the session running without asking")
+    verbs = trace.add_subparsers(dest="trace_command", metavar="{list,show,stop}")
+    lst = verbs.add_parser("list", help="trace sessions, running and ended")
+    _add_trace_outputs(lst, ("table", "json"), verb=True)
+    show = verbs.add_parser("show", help="a session's records, as `trace` printed them live")
+    show.add_argument("id", help="session id (t-...)")
+    _add_trace_outputs(show, ("table", "json", "jsonl"), verb=True)
+    stop = verbs.add_parser("stop", help="stop a running session")
+    stop.add_argument("id", help="session id (t-...)")
+    stop.add_argument("--collector", default=argparse.SUPPRESS,
+                      help="collector address HOST:PORT or unix:///path")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -116,6 +187,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_query_flags(findings)
     findings.add_argument("--since", default="1h", help="how far back: 30s, 15m, 1h, 7d (default 1h)")
     findings.add_argument("--limit", type=int, default=1000)
+
+    _add_trace_parser(sub)
 
     up = sub.add_parser("up", help="collector and tracer on this node with a live view of the GPU consumers")
     up.add_argument("--jsonl", help="also write the tracer's JSON lines to this path")
@@ -182,6 +255,13 @@ def cmd_query(args: argparse.Namespace) -> int:
     return {"ps": client.cmd_ps, "findings": client.cmd_findings}[args.command](args)
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    """`trace` and `trace list|show|stop`, defined in ghostgpu/cli/trace.py: imported only when one runs."""
+    from ghostgpu.cli.trace import cmd_trace as run
+
+    return run(args)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from ghostgpu.cli.up import run_up
 
@@ -202,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             # detection latency p50 from 44 to 30 ms on a 2-core VM (bench/bench_detect_latency.py).
             sys.setswitchinterval(0.0005)
         commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector,
-                    "ps": cmd_query, "findings": cmd_query, "up": cmd_up}
+                    "ps": cmd_query, "findings": cmd_query, "up": cmd_up,
+                    "trace": cmd_trace}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"ghostgpu: config: {exc}", file=sys.stderr)

@@ -1,8 +1,10 @@
-"""`ghostgpu ps` and `ghostgpu findings`: clients of the collector's query service.
+"""`ghostgpu ps` and `ghostgpu findings`: clients of the collector's query service (and the
+trace RPCs `ghostgpu trace` calls, ghostgpu/cli/trace.py).
 
 A collector that cannot be reached, or that refuses this client's API version, is one line on
 stderr and exit status 1; a bad flag is one line and exit status 2 (raised as ValueError, which
-ghostgpu.cli prints).
+ghostgpu.cli prints). A trace request the collector refuses (docs/TRACE.md: NOT_FOUND,
+INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED) is its one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import grpc
 from ghostgpu.cli import view
 from ghostgpu.common.addresses import collector_address
 from ghostgpu.common.convert import class_to_proto, cluster_consumer_from_proto
+from ghostgpu.common.convert_trace import record_from_proto, scope_to_proto, session_from_proto
 from ghostgpu.common.model import ClusterConsumer, ConsumerClass
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, MAX_ANSWER_BYTES, channel_options
-from ghostgpu.v1 import query_pb2, query_pb2_grpc
+from ghostgpu.common.trace import TraceRecord, TraceScope, TraceSession
+from ghostgpu.v1 import query_pb2, query_pb2_grpc, trace_pb2
 
 CALL_TIMEOUT_S = 10.0
 WATCH_REDRAW_S = 2.0  # ages in the SINCE column move even when no finding does
@@ -35,6 +39,20 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 class ClientError(Exception):
     """A collector failure already phrased as the one line to print."""
+
+
+class TraceRefused(ClientError):
+    """A trace request the collector refused: its one line (the status details), exit status 2."""
+
+
+TRACE_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def trace_error(exc: grpc.RpcError, address: str) -> ClientError:
+    if exc.code() in TRACE_REFUSALS and exc.details():
+        return TraceRefused(exc.details().splitlines()[0])
+    return ClientError(describe_rpc_error(exc, address))
 
 
 def parse_since(text: str) -> float:
@@ -129,6 +147,46 @@ class Query:
                 raise ClientError(describe_rpc_error(exc, self.address)) from exc
         finally:
             stream.cancel()
+
+    # Trace sessions (docs/TRACE.md). Errors: TraceRefused for a refusal, ClientError otherwise.
+    def _trace_call(self, fn: Callable[..., Any], request: Any) -> Any:
+        try:
+            return fn(request, metadata=self.metadata, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise trace_error(exc, self.address) from exc
+
+    def start_trace(self, scope: TraceScope, duration_ms: int = 0, max_records: int = 0) -> TraceSession:
+        req = trace_pb2.StartTraceRequest(scope=scope_to_proto(scope), duration_ms=duration_ms,
+                                          max_records=max_records)
+        return session_from_proto(self._trace_call(self.stub.StartTrace, req).session)
+
+    def stop_trace(self, session_id: str) -> TraceSession:
+        resp = self._trace_call(self.stub.StopTrace, trace_pb2.StopTraceRequest(id=session_id))
+        return session_from_proto(resp.session)
+
+    def list_traces(self) -> list[TraceSession]:
+        resp = self._trace_call(self.stub.ListTraces, trace_pb2.ListTracesRequest())
+        return [session_from_proto(m) for m in resp.sessions]
+
+    def watch_trace(self, session_id: str, follow: bool,
+                    ) -> tuple[Iterator[tuple[list[TraceRecord], TraceSession]], Callable[[], None]]:
+        """WatchTrace: (messages as (records, session), a cancel function another thread may call).
+        The iterator ends after the message whose session has ended, or when cancelled."""
+        call = self.stub.WatchTrace(trace_pb2.WatchTraceRequest(id=session_id, follow=follow),
+                                    metadata=self.metadata)
+
+        def messages() -> Iterator[tuple[list[TraceRecord], TraceSession]]:
+            try:
+                for m in call:
+                    session = session_from_proto(m.session)
+                    yield [record_from_proto(r, session.id or session_id) for r in m.records], session
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    raise trace_error(exc, self.address) from exc
+            finally:
+                call.cancel()
+
+        return messages(), call.cancel
 
 
 class FindingWaker:

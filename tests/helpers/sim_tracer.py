@@ -5,6 +5,13 @@ Welcome and the Acks, and answers the collector's CRI relay Commands from a cann
 callable (refusing methods outside the read-only list, as the real tracer does). Messages go out
 as bytes, so a test can also send malformed ones, and a benchmark can serialize its batches
 beforehand (`synthetic_batches`) and push them with a window of unacknowledged batches.
+
+Trace sessions (docs/TRACE.md): a sim tracer whose capabilities include "trace" answers
+trace_start, trace_update and trace_stop Commands (every one is kept in `trace_commands`; the
+answer's error line comes from `trace_errors[kind]`, "" by default; `trace_silent` answers none),
+and on trace_stop sends the session's last batch (`ended`, "stopped") as the real tracer does.
+`send_trace()` sends a TraceBatch of records (`trace_record()` builds one; seqs are numbered per
+session), `end_trace()` a session's last batch, `wait_trace_command()` waits for a command.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from google.protobuf.message import Message
 from ghostgpu.common.convert import consumer_to_proto
 from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
-from ghostgpu.v1 import node_pb2, stream_pb2
+from ghostgpu.v1 import node_pb2, stream_pb2, trace_pb2
 
 METHOD = "/ghostgpu.v1.NodeStream/Connect"
 CriAnswer = Callable[[str, bytes], tuple[int, str, bytes]]  # (method, request) -> (code, message, response)
@@ -82,6 +89,20 @@ def allocations(rows: Sequence[tuple[str, str, str, Sequence[str]]], available: 
                                        device_ids=list(ids)) for ns, pod, c, ids in rows])
 
 
+def trace_record(kind: str = "ioctl", container_id: str = "", pid: int = 4242, **fields: Any,
+                 ) -> trace_pb2.TraceRecord:
+    """A plausible traced call (RM_CONTROL on /dev/nvidia0); seq 0 lets send_trace() number it."""
+    base: dict[str, Any] = {"ts_unix_ns": time.time_ns(), "kind": kind, "pid": pid, "tid": pid,
+                            "container_id": container_id, "device": "/dev/nvidia0", "gpu": "0", "fd": 5,
+                            "call": "RM_CONTROL" if kind == "ioctl" else kind, "comm": "python3"}
+    if kind == "ioctl":
+        base.update(request=0xC020462A, escape="NV_ESC_RM_CONTROL", cmd=0x20800110,
+                    cmd_name="NV2080_CTRL_CMD_GPU_GET_INFO", nv_status=0, nv_status_name="NV_OK",
+                    duration_ns=12_000)
+    base.update(fields)
+    return trace_pb2.TraceRecord(**base)
+
+
 def message_bytes(**body: Any) -> bytes:
     """A serialized TracerMessage, e.g. message_bytes(events=stream_pb2.EventBatch(...))."""
     return stream_pb2.TracerMessage(**body).SerializeToString()
@@ -130,6 +151,11 @@ class SimTracer:
         self.next_seq = 1
         self.status: tuple[grpc.StatusCode, str] | None = None  # set once the stream ended
         self.commands: list[tuple[str, bytes]] = []  # CRI calls the collector relayed through us
+        self.trace_commands: list[stream_pb2.Command] = []  # trace_start/update/stop, in order
+        self.trace_errors: dict[str, str] = {}  # command kind -> the error line to answer it with
+        self.trace_silent = False  # answer no trace command (the collector's wait runs out)
+        self.trace_seq: dict[str, int] = {}  # session -> the last seq sent
+        self._trace_totals: dict[str, dict[str, int]] = {}  # session -> its drop counters so far
         self._cond = threading.Condition()
         options = channel_options()
         if max_send_bytes is not None:  # to reach the collector's own limit, send past ours
@@ -189,7 +215,11 @@ class SimTracer:
             self._cond.notify_all()
 
     def _answer(self, command: stream_pb2.Command) -> None:
-        if command.WhichOneof("body") != "cri":
+        body = command.WhichOneof("body") or ""
+        if body.startswith("trace_") and "trace" in self.capabilities:
+            self._answer_trace(command, body)
+            return
+        if body != "cri":
             resp = stream_pb2.CriResponse(code=grpc.StatusCode.UNIMPLEMENTED.value[0],
                                           message="unknown command")
         else:
@@ -199,6 +229,19 @@ class SimTracer:
             resp = stream_pb2.CriResponse(code=code, message=message, response=response,
                                           endpoint=SIM_ENDPOINT)
         self.send(message_bytes(result=stream_pb2.CommandResult(id=command.id, cri=resp)))
+
+    def _answer_trace(self, command: stream_pb2.Command, body: str) -> None:
+        session = getattr(command, body).session
+        with self._cond:
+            self.trace_commands.append(command)
+            self._cond.notify_all()
+        if self.trace_silent:
+            return
+        error = self.trace_errors.get(body, "")
+        result = trace_pb2.TraceCommandResult(session=session, error=error)
+        self.send(message_bytes(result=stream_pb2.CommandResult(id=command.id, trace=result)))
+        if body == "trace_stop" and not error:
+            self.end_trace(session, "stopped")
 
     def _cri_answer(self, method: str, request: bytes) -> tuple[int, str, bytes]:
         if method not in ALLOWED_METHODS:  # the real tracer's list
@@ -256,6 +299,43 @@ class SimTracer:
         if last_seqs:
             self.wait_acked(last_seqs[-1], max(0.0, deadline - time.monotonic()))
             self.next_seq = max(self.next_seq, last_seqs[-1] + 1)
+
+    def send_trace(self, session: str, records: Sequence[trace_pb2.TraceRecord] = (), *, ended: bool = False,
+                   end_reason: str = "", **totals: int) -> int:
+        """Send one TraceBatch (records with seq 0 numbered on from the session's last); its last seq.
+        `totals` (dropped_limit_total, dropped_ringbuf_total, dropped_transport_total) are running
+        totals, as a tracer's: the session's last ones are sent again unless given."""
+        kept = self._trace_totals.setdefault(session, {})
+        kept.update(totals)
+        batch = trace_pb2.TraceBatch(session=session, ended=ended, end_reason=end_reason, **kept)
+        seq = self.trace_seq.get(session, 0)
+        for r in records:
+            m = batch.records.add()
+            m.CopyFrom(r)
+            if not m.seq:
+                m.seq = seq + 1
+            seq = m.seq
+        self.trace_seq[session] = seq
+        batch.records_total = seq
+        self.send(message_bytes(trace=batch))
+        return seq
+
+    def end_trace(self, session: str, reason: str = "deadline") -> None:
+        """The session's last batch on this node."""
+        self.send_trace(session, ended=True, end_reason=reason)
+
+    def wait_trace_command(self, kind: str, session: str | None = None, count: int = 1,
+                           timeout_s: float = 10.0) -> stream_pb2.Command:
+        """The count-th trace command of `kind` (trace_start, trace_update, trace_stop) received."""
+        def found() -> list[stream_pb2.Command]:
+            return [c for c in self.trace_commands if c.WhichOneof("body") == kind
+                    and (session is None or getattr(c, kind).session == session)]
+
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(found()) >= count, timeout_s):
+                raise AssertionError(f"node {self.node}: no {kind} #{count} within {timeout_s} s "
+                                     f"(got {[c.WhichOneof('body') for c in self.trace_commands]})")
+            return found()[count - 1]
 
     # ---- waiting and closing --------------------------------------------------------------------
 

@@ -1,0 +1,148 @@
+"""Trace commands down the tracers' streams, their answers, and what the collector's limits are.
+
+`TraceCommands.call` sends a Command (trace_start, trace_update or trace_stop) on a tracer's
+stream (collector/ingest.py's IngestSession: its `out` queue) and waits, bounded, for the
+CommandResult.trace that answers it: its error line, "" when done. An answer that does not come
+in time, or a stream that ends first, is an error line too ("timeout: ...", "gone: ..."), so the
+caller treats every outcome alike. Command ids count from 2**62, apart from the CRI relay's
+(collector/relay.py, from 1): a result is routed by its id as well as by its body, and an old
+tracer that answers a trace command with a CRI "unknown command" is still heard.
+
+The error-line convention with the tracer (its prefix picks the gRPC code the client gets):
+"limit: ..." RESOURCE_EXHAUSTED (its per-node session limit), "not found: ..." NOT_FOUND (no such
+process or session), "invalid: ..." INVALID_ARGUMENT (an unknown GPU), anything else
+FAILED_PRECONDITION (it cannot trace now). The line names the node, or the collector adds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from ghostgpu.collector.trace_scope import TraceError
+from ghostgpu.collector.trace_store import DEFAULT_MAX_RECORDS
+
+from ghostgpu.common.trace import TraceScope
+from ghostgpu.v1 import stream_pb2
+
+_CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,
+          "invalid:": grpc.StatusCode.INVALID_ARGUMENT, "timeout:": grpc.StatusCode.UNAVAILABLE,
+          "gone:": grpc.StatusCode.UNAVAILABLE}
+_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+COMMAND_ID_BASE = 1 << 62
+
+
+@dataclass(frozen=True)
+class TraceLimits:
+    max_duration_s: float = 600.0  # --trace-max-duration
+    default_duration_s: float = 30.0  # --trace-default-duration
+    max_records: int = DEFAULT_MAX_RECORDS  # --trace-max-records: per session, default and maximum
+    end_grace_s: float = 5.0  # past the deadline (or a stop) the collector ends what tracers did not
+    command_timeout_s: float = 5.0  # for each trace_start/update/stop answer
+    reresolve_s: float = 1.0  # a namespace scope takes in containers started since
+    tick_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.default_duration_s > self.max_duration_s:
+            raise ValueError(f"--trace-default-duration {self.default_duration_s:g}s is more than "
+                             f"--trace-max-duration {self.max_duration_s:g}s")
+        if self.max_records < 1:
+            raise ValueError(f"--trace-max-records {self.max_records}: must be 1 or more")
+
+
+def parse_duration_s(value: object, flag: str) -> float:
+    """"30s", "10m", "1h", "500ms", or a number of seconds; ValueError naming the flag."""
+    text = str(value).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?", text)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"{flag} {text!r}: use a positive number and a unit ms, s, m or h (e.g. 30s, 10m)")
+    return float(m.group(1)) * _UNITS_S[m.group(2) or "s"]
+
+
+def fmt_ms(ms: int) -> str:
+    """20m, 90s, 1h, 1500ms: as the flags take them."""
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def validate(scope: TraceScope, duration_ms: int, max_records: int, limits: TraceLimits) -> tuple[int, int]:
+    """(duration_ms, max_records) with the defaults filled in; INVALID_ARGUMENT naming what is wrong."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if not (scope.namespace or scope.pod or scope.container or scope.pid):
+        raise TraceError(bad, "a trace needs a scope: --namespace, --pod, --container, or --pid with --node")
+    if scope.pid and not scope.node:
+        raise TraceError(bad, "--pid needs --node: a PID names a process on one node")
+    if scope.pod and not scope.namespace:
+        raise TraceError(bad, f"--pod {scope.pod} needs --namespace: pod names are per namespace")
+    max_ms = int(limits.max_duration_s * 1000)
+    duration_ms = duration_ms or int(limits.default_duration_s * 1000)
+    if duration_ms > max_ms:
+        raise TraceError(bad, f"duration {fmt_ms(duration_ms)} exceeds the maximum of {fmt_ms(max_ms)} "
+                         "(--trace-max-duration)")
+    if max_records > limits.max_records:
+        raise TraceError(bad, f"max records {max_records} exceeds the maximum of {limits.max_records} "
+                         "(--trace-max-records)")
+    return duration_ms, max_records or limits.max_records
+
+
+def node_error(node: str, error: str) -> TraceError:
+    """A tracer's (or the command's) error line as the client gets it: code by prefix, node named."""
+    code, line = grpc.StatusCode.FAILED_PRECONDITION, error.strip()
+    for prefix, c in _CODES.items():
+        if line.startswith(prefix):
+            code, line = c, line[len(prefix):].strip()
+            break
+    named = f"node {node}" in line or f"on {node}" in line  # "tracer on gpu-3: ..." names it too
+    return TraceError(code, line if named else f"node {node}: {line}")
+
+
+class TraceCommands:
+    """Commands in flight per stream; every method runs on the event loop."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pending: dict[tuple[Any, int], asyncio.Future[str]] = {}
+        self._ids = itertools.count(COMMAND_ID_BASE)
+
+    def send(self, stream: Any, **body: Any) -> int:
+        """Queue a Command on the stream, answered or not; its id."""
+        cid = next(self._ids)
+        stream.out.put_nowait(stream_pb2.CollectorMessage(command=stream_pb2.Command(id=cid, **body)))
+        return cid
+
+    async def call(self, stream: Any, **body: Any) -> str:
+        """Send one command and wait for its answer: the error line, "" when done."""
+        if stream is None or not stream.active:
+            return "gone: its tracer is not connected"
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        cid = self.send(stream, **body)
+        self._pending[(stream, cid)] = fut
+        try:
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            what = next(iter(body))
+            return f"timeout: node {stream.node}'s tracer did not answer {what} within {self.timeout_s:g} s"
+        finally:
+            self._pending.pop((stream, cid), None)
+
+    def answer(self, stream: Any, result: stream_pb2.CommandResult) -> bool:
+        """A CommandResult: True when it answers a trace command (ours, even if nobody waits now)."""
+        body = result.WhichOneof("body")
+        fut = self._pending.pop((stream, result.id), None)
+        if fut is None:
+            return body == "trace" or result.id >= COMMAND_ID_BASE
+        if not fut.done():
+            fut.set_result(result.trace.error if body == "trace" else
+                           f"node {stream.node}'s tracer does not know trace commands (it answered {body})")
+        return True
+
+    def stream_ended(self, stream: Any) -> None:
+        for (s, _), fut in list(self._pending.items()):
+            if s is stream and not fut.done():
+                fut.set_result(f"gone: node {stream.node}'s tracer disconnected before it answered")
