@@ -36,12 +36,13 @@ from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.server import ListenError, check_listen, start_server
 from ghostgpu.collector.store import Store, StoreError
-from ghostgpu.collector.trace_commands import TraceLimits, parse_duration_s
+from ghostgpu.collector.trace_commands import TraceLimits
 from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS, TraceStore
 from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu import __version__
 from ghostgpu.common.addresses import dial_address, is_unix, parse_listen, port_of
+from ghostgpu.common.durations import parse_duration_s
 from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable
 from ghostgpu.common.model import K8sInfo
 from ghostgpu.common.protocol import MAX_BATCH_EVENTS

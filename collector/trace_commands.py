@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,6 @@ from ghostgpu.v1 import stream_pb2
 _CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,
           "invalid:": grpc.StatusCode.INVALID_ARGUMENT, "timeout:": grpc.StatusCode.UNAVAILABLE,
           "gone:": grpc.StatusCode.UNAVAILABLE}
-_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 COMMAND_ID_BASE = 1 << 62
 
 
@@ -52,15 +50,6 @@ class TraceLimits:
                              f"--trace-max-duration {self.max_duration_s:g}s")
         if self.max_records < 1:
             raise ValueError(f"--trace-max-records {self.max_records}: must be 1 or more")
-
-
-def parse_duration_s(value: object, flag: str) -> float:
-    """"30s", "10m", "1h", "500ms", or a number of seconds; ValueError naming the flag."""
-    text = str(value).strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?", text)
-    if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"{flag} {text!r}: use a positive number and a unit ms, s, m or h (e.g. 30s, 10m)")
-    return float(m.group(1)) * _UNITS_S[m.group(2) or "s"]
 
 
 def fmt_ms(ms: int) -> str:

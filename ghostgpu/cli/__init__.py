@@ -27,6 +27,12 @@ def _add_tracer_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a holder may go unlisted by NVML before it is hidden (default 2)")
     p.add_argument("--scan-interval-s", dest="scan_interval_s", type=float,
                    help="seconds between /proc scans (default 30)")
+    p.add_argument("--trace-max-sessions", dest="trace_max_sessions", type=int, metavar="N",
+                   help="trace sessions at once on this node (default 4, at most 8)")
+    p.add_argument("--trace-max-duration", dest="trace_max_duration", metavar="D",
+                   help="longest trace session (default 10m; 30s, 10m, 1h)")
+    p.add_argument("--trace-max-records", dest="trace_max_records", type=int, metavar="N",
+                   help="records kept per trace session; calls past it are counted (default 100000)")
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -207,11 +213,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
+    from ghostgpu.common.durations import parse_duration_s
     from ghostgpu.tracer.config import load_config
 
     keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
-            "scan_interval_s", "bpf", "health_listen")
+            "scan_interval_s", "bpf", "health_listen", "trace_max_sessions", "trace_max_records")
     overrides = {k: getattr(args, k, None) for k in keys}
+    if getattr(args, "trace_max_duration", None) is not None:
+        overrides["trace_max_duration_s"] = parse_duration_s(args.trace_max_duration, "--trace-max-duration")
     return load_config(args.config, overrides=overrides)
 
 

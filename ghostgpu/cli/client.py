@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import threading
@@ -96,7 +97,9 @@ class Query:
     def __post_init__(self) -> None:
         self.channel = grpc.insecure_channel(self.address, options=channel_options(MAX_ANSWER_BYTES))
         self.stub = query_pb2_grpc.QueryStub(self.channel)
-        self.metadata = ((API_VERSION_METADATA, str(API_VERSION)),)
+        # The uid travels as a claim (the collector records it as such): grpcio gives the server no
+        # SO_PEERCRED of a unix-socket peer. Authentication comes with the security issue.
+        self.metadata = ((API_VERSION_METADATA, str(API_VERSION)), ("ghostgpu-client-uid", str(os.getuid())))
 
     @classmethod
     def from_flag(cls, value: str | None) -> Query:

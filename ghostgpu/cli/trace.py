@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -29,28 +28,17 @@ from typing import TextIO
 from ghostgpu.cli import trace_view
 from ghostgpu.cli.chrome_trace import chrome_trace
 from ghostgpu.cli.client import ClientError, Query, TraceRefused
+from ghostgpu.common.durations import parse_duration_s
 from ghostgpu.common.trace import TraceRecord, TraceScope, TraceSession, TraceStatus
 
 END_GRACE_S = 15.0  # past its deadline, a session the collector has not ended is given up on
 STOP_GRACE_S = 10.0  # after StopTrace, how long the last records may take to arrive
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 SCOPE_FLAGS = ("namespace", "pod", "container", "pid", "node", "gpu", "duration", "detach", "max_records")
 
 
 def parse_duration(text: str) -> float:
-    """'30s', '2m', '1h30m', '500ms', '1.5m', or plain seconds ('90', '2.5') -> seconds (> 0)."""
-    s = text.strip().lower()
-    seconds: float | None = None
-    if re.fullmatch(r"\d+(?:\.\d*)?|\.\d+", s):
-        seconds = float(s)
-    elif s and re.fullmatch(rf"(?:{_PART.pattern})+", s):
-        seconds = sum(float(n) * _UNIT_S[u] for n, u in _PART.findall(s))
-    if seconds is None:
-        raise ValueError(f"--for {text!r}: use a duration like 30s, 2m, 1h30m, 500ms or plain seconds")
-    if seconds <= 0:
-        raise ValueError(f"--for {text!r}: a trace needs a duration above 0")
-    return seconds
+    """`--for`: '30s', '2m', '1h30m', '500ms', '1.5m', or plain seconds -> seconds (> 0)."""
+    return parse_duration_s(text, "--for")
 
 
 def scope_from_args(args: argparse.Namespace) -> TraceScope:

@@ -80,7 +80,9 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
                        ("--cgroup-root", "cgroup_root"), ("--grace-s", "grace_s"),
                        ("--scan-interval-s", "scan_interval_s"),
                        ("--podresources-endpoint", "podresources_endpoint"),
-                       ("--health-listen", "health_listen")):
+                       ("--health-listen", "health_listen"), ("--trace-max-sessions", "trace_max_sessions"),
+                       ("--trace-max-duration", "trace_max_duration"),
+                       ("--trace-max-records", "trace_max_records")):
         value = getattr(args, dest, None)
         if value is not None:
             cmd += [flag, str(value)]
@@ -104,7 +106,7 @@ def _open_db(args: argparse.Namespace) -> str:
 
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
-    from ghostgpu.collector.main import Collector, collector_options
+    from ghostgpu.collector.main import Collector, collector_options, trace_options
     from ghostgpu.collector.server import ListenError
     from ghostgpu.common.httpserve import HttpListenError
 
@@ -115,7 +117,8 @@ def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpo
     try:  # a bad --metrics-listen, --alertmanager, --alert-label, ... is a ValueError naming the flag
         collector = Collector(listen=[listen], db_path=_open_db(args), retention_days=args.retention_days,
                               event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
-                              cri_ttl_s=args.cri_ttl_s, node_name=node, **collector_options(args))
+                              cri_ttl_s=args.cri_ttl_s, node_name=node, **collector_options(args),
+                              **trace_options(args))
     except ValueError as e:
         raise FlagError(str(e)) from None
     try:

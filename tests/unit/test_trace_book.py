@@ -10,11 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ghostgpu.collector.trace_commands import fmt_ms, node_error, parse_duration_s
+from ghostgpu.collector.trace_commands import fmt_ms, node_error
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.trace_watch import TraceWatcher, watch_messages
 from ghostgpu.collector.traces import TraceBook
 
+from ghostgpu.common.durations import parse_duration_s
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.polling import wait_until
