@@ -120,7 +120,8 @@ class TraceSessions:
             if cmd.container_ids:
                 self.kernel.set_cgroups(slot, self._cgroup_ids(session.container_ids))
             self._sessions[cmd.session] = session
-        log.info("trace session %s started (slot %d, %s, until %s)", cmd.session, slot,
+        # At warning level: sessions are rare, user-started, and belong in the DaemonSet's log.
+        log.warning("trace session %s started (slot %d, %s, until %s)", cmd.session, slot,
                  f"pid {cmd.pid}" if cmd.pid else f"{len(cmd.container_ids)} containers",
                  time.strftime("%H:%M:%S", time.localtime(cmd.deadline_unix_ns / 1e9)))
         self._wake.set()
@@ -226,7 +227,7 @@ class TraceSessions:
         self._flush(session, ended=True)
         with self._lock:
             self._sessions.pop(session.id, None)
-        log.info("trace session %s ended (%s): %d records", session.id, session.end_reason, session.seq)
+        log.warning("trace session %s ended (%s): %d records", session.id, session.end_reason, session.seq)
 
     def close(self) -> None:
         """End every session now (the tracer is stopping) and stop the thread."""

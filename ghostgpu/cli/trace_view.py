@@ -183,7 +183,7 @@ def _when(unix_ns: int) -> str:
 
 
 def dropped(s: TraceSession) -> int:
-    return s.dropped_limit_total + s.dropped_ringbuf_total + s.dropped_store_total
+    return s.dropped_limit_total + s.dropped_ringbuf_total + s.dropped_store_total + s.dropped_transport_total
 
 
 SESSION_COLUMNS: tuple[view.Column[TraceSession], ...] = (
@@ -210,11 +210,12 @@ def session_line(s: TraceSession) -> str:
     counts = f"{s.records_total} records"
     if d := dropped(s):
         counts += (f", {d} dropped (record limit {s.dropped_limit_total}, ring buffer "
-                   f"{s.dropped_ringbuf_total}, collector store {s.dropped_store_total})")
+                   f"{s.dropped_ringbuf_total}, collector store {s.dropped_store_total}, transport "
+                   f"{s.dropped_transport_total})")
     if s.status.ended:
         state = f"{s.status} at {_when(s.ended_unix_ns)}" if s.ended_unix_ns else str(s.status)
     else:
         state = f"running until {_when(s.deadline_unix_ns)}"
     detail = f" ({s.status_detail})" if s.status_detail else ""
-    nodes = f" on {','.join(s.nodes)}" if s.nodes else ""
+    nodes = f" on {','.join(s.nodes)}" if s.nodes and not s.scope.node else ""  # a node scope says it
     return f"trace {s.id} {state}{detail}: {s.scope.describe()}{nodes}, {counts}"

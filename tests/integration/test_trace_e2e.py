@@ -1,0 +1,83 @@
+"""`ghostgpu trace` end to end, as a user runs it: the real CLI asks a real collector, which starts
+the session on a real tracer (BPF), whose records come back decoded, live and afterwards
+(`trace show`), with `trace list`, a Chrome trace file, and the collector killed mid-session (the
+tracer still ends the session at its deadline)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.collector_proc import REPO, CollectorProcess, _clean_env
+from tests.helpers.fake_collector import FakeCollector
+from tests.helpers.fakenvml import FakeNvml
+from tests.helpers.gpucalls import NODES_MMAP, GpuCalls, GpuCallsOptions
+from tests.helpers.polling import wait_until
+from tests.helpers.tracer_proc import TracerProcess
+
+pytestmark = pytest.mark.usefixtures("root_bpf")
+
+
+def cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ghostgpu.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=REPO, env=_clean_env())
+
+
+def test_trace_a_process_from_the_cli_and_show_it_again(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    chrome = tmp_path / "trace.json"
+    with CollectorProcess(tmp_path, unix=False) as coll, \
+            TracerProcess(tmp_path, ["--grace-s", "0.5"], fake_nvml.env(), node_name="n1",
+                          collector=coll.address) as tracer:
+        tracer.wait_ready()
+        opts = GpuCallsOptions(driver=fake_nvml.driver_version, private_dev=NODES_MMAP)
+        with GpuCalls(opts) as run:
+            pid = run.wait_ready().pid
+            live = subprocess.Popen(
+                [sys.executable, "-m", "ghostgpu.cli", "trace", "--collector", coll.address, "--node", "n1",
+                 "--pid", str(pid), "--for", "4s", "-o", "jsonl", "--chrome-trace", str(chrome)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_clean_env())
+            # The session is running once `trace list` shows it: then let the workload go.
+            wait_until(lambda: "running" in cli("trace", "list", "--collector", coll.address).stdout,
+                       what="the session running", timeout_s=20)
+            run.release()
+            issued = run.finish()
+            out, err = live.communicate(timeout=30)
+        assert live.returncode == 0, err
+        records = [json.loads(line) for line in out.splitlines()]
+        want = [(x["tid"], x["call"], x["cmd_name"], x["class_name"], x["nv_status_name"])
+                for x in issued if x["kind"] == "ioctl"]
+        got = [(r["tid"], r["call"], r["cmd_name"], r["class_name"], r["nv_status_name"])
+               for r in records if r["kind"] == "ioctl"]
+        assert sorted(got) == sorted(want) and len(got) == 27
+        for tid in {t for t, *_ in want}:
+            assert [g for g in got if g[0] == tid] == [w for w in want if w[0] == tid]  # per thread, in order
+        session = records[0]["session"]
+        shown = cli("trace", "show", session, "--collector", coll.address, "-o", "json")
+        assert shown.returncode == 0, shown.stderr
+        doc = json.loads(shown.stdout)
+        assert doc["session"]["status"] == "completed" and len(doc["records"]) == len(records)
+        assert doc["session"]["requested_by"].startswith("ipv4:")
+        events = json.loads(chrome.read_text())["traceEvents"]
+        slices = [e for e in events if e["ph"] == "X"]
+        assert len(slices) == 27 and all(e["dur"] > 0 and e["pid"] == pid for e in slices)
+
+
+def test_a_session_ends_at_its_deadline_with_the_collector_gone(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    """The collector that started it is killed: the tracer still ends the session on time."""
+    from ghostgpu.v1 import stream_pb2, trace_pb2
+
+    with FakeCollector() as fc, TracerProcess(tmp_path, [], fake_nvml.env(), collector=fc.target) as tracer:
+        tracer.wait_ready()
+        wait_until(lambda: any("trace" in r.msg.hello.capabilities for r in fc.messages("hello")),
+                   what="Hello", timeout_s=15)
+        fc.send_command(stream_pb2.Command(id=7, trace_start=trace_pb2.TraceStart(
+            session="t-gone", pid=tracer.proc.pid, deadline_unix_ns=time.time_ns() + 1_500_000_000)))
+        wait_until(lambda: fc.messages("result"), what="the start answered", timeout_s=10)
+        fc.stop()
+        wait_until(lambda: "trace session t-gone ended (deadline)" in tracer.stderr(),
+                   what="the tracer ending the session itself", timeout_s=10)
