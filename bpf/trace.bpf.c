@@ -215,27 +215,37 @@ static __always_inline void gg_trace_instant(u32 kind, u32 tgid, u32 tid, s32 fd
     trace_events.ringbuf_submit(r, 0);
 }
 
+/* The in-flight slot of a call entering now, filled with what every kind shares; NULL when the
+ * caller is in no session or every session it is in is full (the call is counted there). */
+static __always_inline struct gg_tcall *gg_trace_begin(u32 tgid, u32 kind, s32 fd, u32 dev_id)
+{
+    u32 slots = gg_trace_scope(tgid);
+    if (!slots)
+        return NULL;
+    slots = gg_trace_admit(slots);
+    if (!slots)
+        return NULL;
+    u32 zero = 0;
+    struct gg_tcall *c = trace_tmp.lookup(&zero);
+    if (!c)
+        return NULL;
+    __builtin_memset(c, 0, sizeof(*c));
+    c->ts_ns = bpf_ktime_get_boot_ns();
+    c->kind = kind;
+    c->slots = slots;
+    c->fd = fd;
+    c->dev_id = dev_id;
+    return c;
+}
+
 /* ioctl entry on a GPU fd (ioctl.bpf.c): keep the call in flight with the fixed bytes of its
  * parameter block. The layout (how many bytes, where the status is) comes from trace_layout,
  * which user space fills for the running driver version. */
 static __always_inline void gg_trace_ioctl_enter(u32 tgid, u32 tid, s32 fd, u32 dev_id, u32 request, u64 arg)
 {
-    u32 slots = gg_trace_scope(tgid);
-    if (!slots)
-        return;
-    slots = gg_trace_admit(slots);
-    if (!slots)
-        return;
-    u32 zero = 0;
-    struct gg_tcall *c = trace_tmp.lookup(&zero);
+    struct gg_tcall *c = gg_trace_begin(tgid, GG_TK_IOCTL, fd, dev_id);
     if (!c)
         return;
-    __builtin_memset(c, 0, sizeof(*c));
-    c->ts_ns = bpf_ktime_get_boot_ns();
-    c->kind = GG_TK_IOCTL;
-    c->slots = slots;
-    c->fd = fd;
-    c->dev_id = dev_id;
     c->request = request;
     u64 block = arg;
     u32 eff = request;
@@ -274,22 +284,9 @@ static __always_inline void gg_trace_ioctl_enter(u32 tgid, u32 tid, s32 fd, u32 
 static __always_inline void gg_trace_mmap_enter(u32 tgid, u32 tid, s32 fd, u32 dev_id, u64 len, u64 prot,
                                                 u64 flags, u64 off)
 {
-    u32 slots = gg_trace_scope(tgid);
-    if (!slots)
-        return;
-    slots = gg_trace_admit(slots);
-    if (!slots)
-        return;
-    u32 zero = 0;
-    struct gg_tcall *c = trace_tmp.lookup(&zero);
+    struct gg_tcall *c = gg_trace_begin(tgid, GG_TK_MMAP, fd, dev_id);
     if (!c)
         return;
-    __builtin_memset(c, 0, sizeof(*c));
-    c->ts_ns = bpf_ktime_get_boot_ns();
-    c->kind = GG_TK_MMAP;
-    c->slots = slots;
-    c->fd = fd;
-    c->dev_id = dev_id;
     c->a0 = len;
     c->a1 = (prot << 32) | (flags & 0xFFFFFFFFull);
     c->a2 = off;

@@ -13,7 +13,7 @@ import mmap
 import os
 from collections.abc import Callable
 
-from ghostgpu.tracer.call_decode import DriverLayout, IoctlCapture, decode_call, layout_for
+from ghostgpu.tracer.call_decode import DecodedCall, DriverLayout, IoctlCapture, decode_call, layout_for
 from ghostgpu.tracer.cgroup import CgroupIdResolver
 from ghostgpu.tracer.trace_kernel import TF_STATUS, TF_XFER, TRACE_KINDS, RawTrace
 
@@ -68,10 +68,21 @@ class RecordMaker:
                  gpu_names: Callable[[int], tuple[str, str]]) -> None:
         self.node, self.proc_root, self.cgroups = node, proc_root, cgroups
         self.device_ref, self.dev_paths, self.gpu_names = device_ref, dev_paths, gpu_names
-        self.layout: DriverLayout = layout_for(None)  # the session manager sets the running driver's
+        self._layout: DriverLayout = layout_for(None)  # the session manager sets the running driver's
         self._paths: dict[int, str] = {}
         self._who: dict[int, tuple[int | None, str]] = {}
         self._containers: dict[int, str] = {}
+        self._decoded: dict[tuple[object, ...], DecodedCall] = {}  # of self.layout: cleared when it changes
+
+    @property
+    def layout(self) -> DriverLayout:
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: DriverLayout) -> None:
+        if layout != self._layout:
+            self._decoded.clear()
+        self._layout = layout
 
     def forget(self, pid: int) -> None:
         self._who.pop(pid, None)
@@ -139,11 +150,20 @@ class RecordMaker:
 
     def _ioctl(self, raw: RawTrace, base: dict, device: DeviceRef | None) -> TraceRecord:
         xfer = bool(raw.flags & TF_XFER)
-        cap = IoctlCapture(
-            request=raw.request, device_kind=str(device.kind) if device is not None else "other",
-            block=raw.block_bytes, status=raw.status if raw.flags & TF_STATUS else None, ret=raw.ret,
-            xfer_nr=raw.xfer_nr if xfer else None, xfer_size=raw.xfer_size if xfer else None)
-        call = decode_call(cap, self.layout)
+        kind = str(device.kind) if device is not None else "other"
+        status = raw.status if raw.flags & TF_STATUS else None
+        block = raw.block_bytes
+        # A process repeats the same calls (a training loop's controls): decode each distinct one once.
+        key = (raw.request, kind, block, status, raw.ret, raw.xfer_nr if xfer else None,
+               raw.xfer_size if xfer else None)
+        call = self._decoded.get(key)
+        if call is None:
+            cap = IoctlCapture(request=raw.request, device_kind=kind, block=block, status=status, ret=raw.ret,
+                               xfer_nr=key[5], xfer_size=key[6])
+            call = decode_call(cap, self._layout)
+            if len(self._decoded) >= _CACHE_MAX:
+                self._decoded.clear()
+            self._decoded[key] = call
         return TraceRecord(**base, fd=raw.fd, call=call.call, request=raw.request, escape=call.escape,
                            cmd=call.cmd, cmd_name=call.cmd_name, h_class=call.h_class,
                            class_name=call.class_name, nv_status=call.nv_status,

@@ -68,6 +68,8 @@ class TraceSessions:
         self._sessions: dict[str, _Session] = {}
         self._layout: DriverLayout | None = None
         self._wake = threading.Event()
+        self._idle = threading.Event()  # set while no session runs
+        self._idle.set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ghostgpu-trace", daemon=True)
         self._thread.start()
@@ -120,6 +122,7 @@ class TraceSessions:
             if cmd.container_ids:
                 self.kernel.set_cgroups(slot, self._cgroup_ids(session.container_ids))
             self._sessions[cmd.session] = session
+            self._idle.clear()
         # At warning level: sessions are rare, user-started, and belong in the DaemonSet's log.
         log.warning("trace session %s started (slot %d, %s, until %s)", cmd.session, slot,
                  f"pid {cmd.pid}" if cmd.pid else f"{len(cmd.container_ids)} containers",
@@ -227,6 +230,8 @@ class TraceSessions:
         self._flush(session, ended=True)
         with self._lock:
             self._sessions.pop(session.id, None)
+            if not self._sessions:
+                self._idle.set()
         log.warning("trace session %s ended (%s): %d records", session.id, session.end_reason, session.seq)
 
     def close(self) -> None:
@@ -235,10 +240,7 @@ class TraceSessions:
             for session in self._sessions.values():
                 session.end_reason = session.end_reason or "tracer stopped"
         self._wake.set()
-        deadline = time.monotonic() + 2.0
-        while self.active() and time.monotonic() < deadline and self._thread.is_alive():
-            self._wake.set()
-            time.sleep(0.01)
+        self._idle.wait(2.0)  # the thread finishes each one (last batch) within a step
         self._stop.set()
         self._wake.set()
         self._thread.join(2.0)

@@ -81,3 +81,36 @@ def test_a_session_ends_at_its_deadline_with_the_collector_gone(tmp_path: Path, 
         fc.stop()
         wait_until(lambda: "trace session t-gone ended (deadline)" in tracer.stderr(),
                    what="the tracer ending the session itself", timeout_s=10)
+
+
+def test_a_tracer_lost_mid_session_ends_it_as_node_lost_with_records_kept(tmp_path: Path,
+                                                                          fake_nvml: FakeNvml) -> None:
+    with CollectorProcess(tmp_path, unix=False) as coll, \
+            TracerProcess(tmp_path, ["--grace-s", "0.5"], fake_nvml.env(), node_name="n1",
+                          collector=coll.address) as tracer:
+        tracer.wait_ready()
+        opts = GpuCallsOptions(driver=fake_nvml.driver_version, private_dev=NODES_MMAP, hold=True)
+        with GpuCalls(opts) as run:
+            pid = run.wait_ready().pid
+            live = subprocess.Popen(
+                [sys.executable, "-m", "ghostgpu.cli", "trace", "--collector", coll.address, "--node", "n1",
+                 "--pid", str(pid), "--for", "60s", "-o", "jsonl"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_clean_env())
+            wait_until(lambda: "running" in cli("trace", "list", "--collector", coll.address).stdout,
+                       what="the session running", timeout_s=20)
+            run.release()
+            run.wait_done()
+
+            def stored() -> int:
+                listed = json.loads(cli("trace", "list", "--collector", coll.address, "-o", "json").stdout)
+                return listed[0]["records_total"] if listed else 0
+
+            wait_until(lambda: stored() >= 27, what="the records stored", timeout_s=20)
+            tracer.kill()
+            out, err = live.communicate(timeout=30)
+            run.release()
+        session = json.loads(out.splitlines()[0])["session"]
+        shown = json.loads(cli("trace", "show", session, "--collector", coll.address, "-o", "json").stdout)
+        assert shown["session"]["status"] == "node lost" and "n1" in shown["session"]["status_detail"]
+        assert len(shown["records"]) == shown["session"]["records_total"] >= 27
+        assert "node lost" in err

@@ -165,6 +165,27 @@ def test_a_session_past_its_record_limit_counts_what_it_drops(traced: Traced) ->
     assert end.dropped_limit_total == len(issued) - 50 + 1 - 1
 
 
+def test_attribution_goes_on_while_a_session_overflows(traced: Traced) -> None:
+    """A session flooded past its record limit and its ring buffer (a spinning workload) never
+    holds up attribution: a new consumer's open is reported meanwhile, and the drops are counted."""
+    opts = GpuCallsOptions(driver="595.45.04", private_dev=NODES_MMAP, spin=3_000_000)
+    with GpuCalls(opts) as run:
+        pid = run.wait_ready().pid
+        traced.command(trace_start=trace_pb2.TraceStart(
+            session="t-flood", pid=pid, deadline_unix_ns=time.time_ns() + 60 * 10**9, max_records=1000))
+        run.release()
+        with FakeContainer() as c:
+            p = c.run(["open", "/dev/nvidia0", "ready", "wait"])
+            p.wait_ready()
+            traced.tracer.wait_for(lambda r: r.get("event") == "open" and r.get("pid") == p.host_pid,
+                                   what="the new consumer's open, during the flood", timeout_s=5)
+            assert run.popen.poll() is None, "the flood was still running"
+            p.release()
+        run.finish(timeout_s=120)
+    end = traced.stop("t-flood")
+    assert end.records_total == 1000 and end.dropped_limit_total > 0
+
+
 def test_the_tracer_ends_a_session_at_its_deadline(traced: Traced) -> None:
     traced.start("t-short", pid=os.getpid(), seconds=0.5)
     wait_until(lambda: traced.ended("t-short") is not None, what="the deadline's last batch", timeout_s=5)
