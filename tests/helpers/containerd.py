@@ -8,6 +8,8 @@ set by hand (containerd only returns the labels it was given). `stop()` kills co
 leaves the pods running (their shims live on); `start()` on the same root recovers them.
 Teardown: sandboxes stopped and removed through CRI, containerd killed, the pod cgroups removed
 depth-first (containerd never removes them: that is the kubelet's job), the temp dir removed.
+More images on the busybox layer (tests/helpers/containerd_image.py ImageVariant) are imported on
+demand (`import_variant`); a container's stdout is read back from its CRI log (`log_lines`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import grpc
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.k8s import cri_runtime_v1_pb2_grpc as cri_grpc
 from tests.helpers.container import cgroup_registry, parse_cgroup_mounts
-from tests.helpers.containerd_image import BUSYBOX_IMAGE, PAUSE_IMAGE, write_image_tar
+from tests.helpers.containerd_image import BUSYBOX_IMAGE, PAUSE_IMAGE, ImageVariant, write_image_tar
 
 BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "runc")
 QOS_PARENT = "/kubepods/besteffort"
@@ -131,6 +133,7 @@ class Containerd:
         self._channel: grpc.Channel | None = None
         self._stub: cri_grpc.RuntimeServiceStub | None = None
         self._imported = False
+        self._variants: set[ImageVariant] = set()
         for sub in ("cni/bin", "cni/conf", "logs"):
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
         Path(self.config_path).write_text(_config(self.dir))
@@ -194,6 +197,22 @@ class Containerd:
             raise RuntimeError(f"ctr images import {tar} failed: {out.stderr.strip() or out.stdout.strip()}")
         self._imported = True
 
+    def import_variant(self, variant: ImageVariant) -> str:
+        """Import an image on the busybox layer (once per containerd root); its tag, for create_container."""
+        if variant in self._variants:
+            return variant.tag
+        tar = os.path.join(self.dir, f"image-{len(self._variants)}.tar")
+        write_image_tar(tar, _goarch(), variants=[variant], base=False)
+        out = subprocess.run(
+            ["ctr", "--address", self.socket, "-n", "k8s.io", "images", "import", tar],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": _PATH})
+        os.unlink(tar)
+        if out.returncode != 0:
+            raise RuntimeError(f"ctr images import {variant.tag} failed: "
+                               f"{out.stderr.strip() or out.stdout.strip()}")
+        self._variants.add(variant)
+        return variant.tag
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             return " | ".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
@@ -232,10 +251,11 @@ class Containerd:
 
     def create_container(self, pod: Pod, name: str, command: list[str],
                          devices: Sequence[tuple[str, str]] = (),
-                         labels: dict[str, str] | None = None, start: bool = True) -> str:
+                         labels: dict[str, str] | None = None, start: bool = True,
+                         image: str = BUSYBOX_IMAGE) -> str:
         """CreateContainer (+ StartContainer) in `pod`; devices are (host path, container path)."""
         config = cri.ContainerConfig(
-            metadata=cri.ContainerMetadata(name=name, attempt=0), image=cri.ImageSpec(image=BUSYBOX_IMAGE),
+            metadata=cri.ContainerMetadata(name=name, attempt=0), image=cri.ImageSpec(image=image),
             command=command, log_path=f"{name}.log",
             devices=[cri.Device(host_path=h, container_path=c, permissions="rwm") for h, c in devices],
             labels={**kubelet_labels(pod.name, pod.namespace, pod.uid, name), **(labels or {})})
@@ -255,6 +275,32 @@ class Containerd:
 
     def container_host_pid(self, container_id: str) -> int:
         return int(self.container_info(container_id)["pid"])
+
+    def container_status(self, container_id: str) -> cri.ContainerStatus:
+        req = cri.ContainerStatusRequest(container_id=container_id)
+        return self.runtime.ContainerStatus(req, timeout=CALL_TIMEOUT_S).status
+
+    def log_lines(self, container_id: str, stream: str = "stdout") -> list[str]:
+        """What the container wrote on `stream` so far, line by line, from its CRI log file
+        (`TIMESTAMP STREAM P|F TEXT` lines; P: a partial line continued on the next one)."""
+        path = self.container_status(container_id).log_path
+        try:
+            raw = Path(path).read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        out: list[str] = []
+        partial = ""
+        for entry in raw.splitlines():
+            parts = entry.split(" ", 3)
+            if len(parts) < 3 or parts[1] != stream:
+                continue
+            text = parts[3] if len(parts) == 4 else ""
+            if parts[2] == "P":
+                partial += text
+            else:
+                out.append(partial + text)
+                partial = ""
+        return out
 
     def stop_pod(self, pod_id: str) -> None:
         self.runtime.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=pod_id), timeout=CALL_TIMEOUT_S)

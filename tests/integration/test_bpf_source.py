@@ -23,6 +23,7 @@ import pytest
 from ghostgpu.tracer import bpf_source
 from ghostgpu.tracer.bpf_source import SLOW_PATHS, BpfSource, BpfUnavailable
 from ghostgpu.tracer.events import EventKind, SourceEvent
+from ghostgpu.tracer.trace_kernel import LAZY_HOOKS
 
 from tests.conftest import require_root
 
@@ -299,8 +300,14 @@ def test_close_detaches_everything() -> None:
         progs, perf = _bpf_fds()
         hooked = len(source._bpf.tracepoint_fds)
         assert hooked >= 15  # 15 on every ABI, plus open, dup2 and openat2 where they exist
-        # One program per tracepoint plus the two slow paths reached by tail call.
-        assert (progs, perf) == (before[0] + hooked + len(SLOW_PATHS), before[1] + hooked)
+        # One program per tracepoint plus the two slow paths reached by tail call, plus the trace
+        # sessions' exit hooks: loaded, attached only while a session runs (none now).
+        lazy = len(LAZY_HOOKS)
+        assert (progs, perf) == (before[0] + hooked + len(SLOW_PATHS) + lazy, before[1] + hooked)
+        source.trace.open_slot(0, 10)
+        assert _bpf_fds()[1] == before[1] + hooked + lazy
+        source.trace.close_slot(0)
+        assert _bpf_fds()[1] == before[1] + hooked
         assert source.start_s is not None and source.start_s < 30
         print(f"BpfSource.start() took {source.start_s:.2f} s")
     finally:

@@ -41,7 +41,7 @@ def test_trace_flags_reach_the_collector(command: str) -> None:
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["--trace-max-duration", "ten"], "--trace-max-duration 'ten': use a positive number and a unit"),
+    (["--trace-max-duration", "ten"], "--trace-max-duration 'ten': use a duration like 30s, 2m"),
     (["--trace-default-duration", "20m"], "--trace-default-duration 1200s is more than --trace-max-duration"),
     (["--trace-retention-h", "0"], "--trace-retention-h 0.0: must be more than 0"),
 ])
