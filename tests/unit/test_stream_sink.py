@@ -401,3 +401,35 @@ def test_emit_never_waits_for_the_network(tcp_collector: FakeCollector, sinks: S
     tcp_collector.gate.set()
     wait_until(lambda: sink.stats()["spooled"] == 0, "all 20000 acknowledged", timeout_s=20)
     assert tcp_collector.seqs() == list(range(1, 20_001))
+
+
+def test_a_trace_batch_never_overtakes_the_events_emitted_before_it(collector: FakeCollector,
+                                                                   sinks: Sinks) -> None:
+    """Attribution first: a TraceBatch queued after events leaves after every one of them, even
+    while the collector holds the connection back."""
+    from ghostgpu.v1 import trace_pb2
+
+    collector.gate.clear()
+    sink = sinks(collector.target, StreamOptions(info_wait_s=5.0))
+    sink.emit(INFO)
+    for i in range(50):
+        sink.emit(notice(i))
+    batch = stream_pb2.TracerMessage(trace=trace_pb2.TraceBatch(session="t-1", records_total=1))
+    assert sink.emit_trace(batch)
+    sink.emit(notice(99))
+    collector.gate.set()
+    wait_until(lambda: collector.messages("trace"), "the trace batch")
+    wait_until(lambda: collector.seqs()[-1:] == [52], "every event")
+    order = [(r.msg.WhichOneof("msg"), r.msg.events.events[-1].seq if r.msg.HasField("events") else 0)
+             for r in collector.received if r.msg.WhichOneof("msg") in ("events", "trace")]
+    at = next(i for i, (kind, _) in enumerate(order) if kind == "trace")
+    assert max(seq for kind, seq in order[:at]) >= 51, "all 51 events emitted before it went first"
+
+
+def test_trace_batches_wait_in_a_bounded_queue_while_the_collector_is_away(sinks: Sinks) -> None:
+    from ghostgpu.v1 import trace_pb2
+
+    sink = sinks("127.0.0.1:1", StreamOptions(info_wait_s=0.0))  # nothing listens there
+    batch = stream_pb2.TracerMessage(trace=trace_pb2.TraceBatch(session="t-1"))
+    queued = [sink.emit_trace(batch) for _ in range(stream_module.TRACE_QUEUE_MAX + 3)]
+    assert queued == [True] * stream_module.TRACE_QUEUE_MAX + [False] * 3  # the caller counts the loss
