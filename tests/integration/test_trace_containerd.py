@@ -5,11 +5,14 @@ the scope through the tracer's CRI relay only, and the real `ghostgpu trace` CLI
 Each workload container runs the static gpucalls (tests/helpers/gpucalls.c: the ioctl sequence
 of a CUDA start-up) from an image that holds it at /bin/gpucalls, with the host's /dev/null as
 its /dev/nvidiactl and /dev/nvidia-uvm and /dev/zero as its /dev/nvidia0 (mapped in through
-CRI's devices, as the kubelet does for a device plugin). Its shell waits on a FIFO in the
-container's /tmp until the test writes a line to it (through /proc/PID/root), so that every call
-is issued once the session is known to run on the tracer. gpucalls' JSON lines come back from
-the container's CRI log: the decoded records must be exactly those calls, per thread and in
-order, carry the container's id and the names CRI gave it, and nothing from any other pod.
+CRI's devices, as the kubelet does for a device plugin). Its stdin is a FIFO in the container's
+/tmp, which the test opens through /proc/PID/root once the session is known to run on the tracer:
+the shell's redirection returns, it execs gpucalls (`--ready --hold`), which starts its calls on
+the test's line and, after them, waits for the test to close the FIFO, which the test does once
+the collector has every record (so the tracer read the process's identity while it lived).
+gpucalls' JSON lines come back from the container's CRI log: the decoded records must be exactly
+those calls, per thread and in order, carry the container's id and the names CRI gave it, and
+nothing from any other pod.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ NODE = "node-trace"
 DRIVER = "550.54.15"  # what the fake NVML says; gpucalls lays out its blocks for the same release
 DEADLINE_S = 30.0  # generous: a 2-core VM shared with other test runs
 GPUCALLS_TAG = "docker.io/local/gpucalls:test"
-GATE = "/tmp/go"  # the FIFO each workload's shell reads one line from before it execs gpucalls
+GATE = "/tmp/go"  # the FIFO that is the workload's stdin
 DEVICES = [("/dev/null", "/dev/nvidiactl"), ("/dev/zero", "/dev/nvidia0"), ("/dev/null", "/dev/nvidia-uvm")]
-GATED_GPUCALLS = ["/bin/sh", "-c", f"busybox mkfifo {GATE} && read line < {GATE} && "
-                  f"exec /bin/gpucalls --driver {DRIVER}"]
+GATED_GPUCALLS = ["/bin/sh", "-c", f"busybox mkfifo {GATE} && "
+                  f"exec /bin/gpucalls --driver {DRIVER} --ready --hold < {GATE}"]
 IDLE = ["/bin/sleep", "300"]
 COMPARED = ("call", "cmd_name", "class_name", "nv_status_name")  # of an ioctl, beyond kind, device and fd
 KINDS = ("open", "ioctl", "mmap", "munmap", "close")
@@ -91,7 +94,8 @@ class TraceNode:
     query: Query
     workdir: Path
     pods: list[Pod] = field(default_factory=list)
-    _traces: int = 0
+    gates: dict[str, int] = field(default_factory=dict)  # container id -> our end of its stdin FIFO
+    traces: list[LiveTrace] = field(default_factory=list)
 
     # ---- pods ---------------------------------------------------------------------------------
 
@@ -107,7 +111,8 @@ class TraceNode:
         return self.pod(name, namespace, GATED_GPUCALLS)
 
     def go(self, cid: str) -> None:
-        """Lets the container's gpucalls start: one line into its gate FIFO (once its shell reads it)."""
+        """Lets the container's gpucalls start: opens its stdin FIFO (once the shell waits to read it),
+        which execs gpucalls, and writes the line its --ready waits for."""
         gate = f"/proc/{self.containerd.container_host_pid(cid)}/root{GATE}"
         fd = -1
 
@@ -121,24 +126,27 @@ class TraceNode:
                 return False
             return True
 
-        wait_until(opened, f"container {cid[:12]}'s shell reading {GATE}", DEADLINE_S)
-        try:
-            os.write(fd, b"go\n")
-        finally:
-            os.close(fd)
+        wait_until(opened, f"container {cid[:12]}'s shell opening {GATE}", DEADLINE_S)
+        self.gates[cid] = fd
+        os.write(fd, b"go\n")
+
+    def done(self, cid: str) -> list[dict[str, Any]]:
+        """What the container's gpucalls issued (its JSON lines), once it said `done` (it then holds)."""
+        wait_until(lambda: "done" in self.containerd.log_lines(cid), f"gpucalls in {cid[:12]} done",
+                   DEADLINE_S)
+        return [r for r in parse_lines(self.containerd.log_lines(cid)) if "i" in r]
+
+    def release(self, cid: str) -> None:
+        """Closes the FIFO: gpucalls' --hold sees EOF, it exits 0."""
+        os.close(self.gates.pop(cid))
+        status = self.exited(cid)
+        assert status.exit_code == 0, (f"gpucalls in {cid[:12]} exited {status.exit_code}: "
+                                       f"{self.containerd.log_lines(cid, 'stderr')}")
 
     def exited(self, cid: str) -> cri.ContainerStatus:
         wait_until(lambda: self.containerd.container_status(cid).state == cri.CONTAINER_EXITED,
                    f"container {cid[:12]} to exit", DEADLINE_S)
         return self.containerd.container_status(cid)
-
-    def issued(self, cid: str) -> list[dict[str, Any]]:
-        """What the container's gpucalls issued (its JSON lines), once it exited 0 after `done`."""
-        status = self.exited(cid)
-        out = self.containerd.log_lines(cid)
-        assert status.exit_code == 0 and out[-1:] == ["done"], (
-            f"gpucalls in {cid[:12]} exited {status.exit_code}: {self.containerd.log_lines(cid, 'stderr')}")
-        return [r for r in parse_lines(out) if "i" in r]
 
     # ---- trace sessions ---------------------------------------------------------------------------
 
@@ -146,13 +154,14 @@ class TraceNode:
         """`ghostgpu trace ARGS -o jsonl`, returned once its session runs: the CLI prints its "running
         until" line after StartTrace returned, which the collector answers once every tracer in scope
         answered its trace_start, which a tracer does once its kernel maps are set."""
-        self._traces += 1
-        out_path, err_path = (self.workdir / f"trace{self._traces}.{x}" for x in ("out", "err"))
+        n = len(self.traces) + 1
+        out_path, err_path = (self.workdir / f"trace{n}.{x}" for x in ("out", "err"))
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ghostgpu.cli", "trace", "--collector", self.collector.address, *args,
                  "-o", "jsonl"], stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=REPO, env=_clean_env())
         live = LiveTrace(proc, out_path, err_path)
+        self.traces.append(live)
         found: list[str] = []
 
         def started() -> bool:
@@ -160,17 +169,16 @@ class TraceNode:
             assert proc.poll() is None or found, f"ghostgpu trace exited {proc.returncode}: {live.stderr()}"
             return bool(found)
 
-        try:
-            wait_until(started, "ghostgpu trace's session running", DEADLINE_S)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+        wait_until(started, "ghostgpu trace's session running", DEADLINE_S)
         live.session = found[0]
         return live
 
     def session(self, sid: str) -> TraceSession:
         return next(s for s in self.query.list_traces() if s.id == sid)
+
+    def wait_records(self, sid: str, n: int) -> None:
+        """Until the collector stored at least n records of the session."""
+        wait_until(lambda: self.session(sid).records_total >= n, f"{n} records of {sid} stored", DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +210,16 @@ def node(containerd_session: Containerd, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture
 def trace_node(node: TraceNode, containerd: Containerd) -> Iterator[TraceNode]:
-    """The node, its containerd running; the pods a test made are removed after it."""
+    """The node, its containerd running; what a test left (CLI processes, FIFO ends, pods) goes after it."""
     yield node
+    for live in node.traces:
+        if live.proc.poll() is None:
+            live.proc.kill()
+            live.proc.wait()
+    node.traces.clear()
+    for fd in node.gates.values():
+        os.close(fd)
+    node.gates.clear()
     pods, node.pods[:] = list(node.pods), []
     for pod in pods:
         node.containerd.remove_pod(pod.id)
@@ -245,13 +261,16 @@ def test_a_pod_scope_catches_its_pods_calls_and_nothing_from_the_next_pod(trace_
     ns = "trace-pods"
     _, cid1 = trace_node.gpucalls_pod("trainer-a", ns)
     _, cid2 = trace_node.gpucalls_pod("trainer-b", ns)  # same namespace, same container name, same calls
-    live = trace_node.trace("-n", ns, "--pod", "trainer-a", "--for", "6s")
+    live = trace_node.trace("-n", ns, "--pod", "trainer-a", "--for", "8s")
     session = trace_node.session(live.session)
     assert (session.nodes, session.container_ids) == ((NODE,), (cid1,))
     trace_node.go(cid1)
     trace_node.go(cid2)
-    issued1, issued2 = trace_node.issued(cid1), trace_node.issued(cid2)
+    issued1, issued2 = trace_node.done(cid1), trace_node.done(cid2)
     assert len(issued2) == len(issued1) > 27  # the other pod made the very same calls meanwhile
+    trace_node.wait_records(live.session, len(issued1) + 1)  # its calls and its exec
+    trace_node.release(cid1)
+    trace_node.release(cid2)
     assert time.time_ns() < session.deadline_unix_ns, "the workloads took longer than the session"
 
     records = live.wait()  # the session ends at its deadline
@@ -282,7 +301,9 @@ def test_a_namespace_scope_takes_in_a_container_started_mid_session(
     wait_until(lambda: cid in trace_node.session(live.session).container_ids,
                "the session taking in the new container", DEADLINE_S)
     trace_node.go(cid)
-    issued = trace_node.issued(cid)
+    issued = trace_node.done(cid)
+    trace_node.wait_records(live.session, len(issued) + 1)
+    trace_node.release(cid)  # its exit is in the kernel's buffer before the stop: the tracer sends it
     stop = ghostgpu_cli("trace", "stop", live.session, "--collector", trace_node.collector.address)
     assert stop.returncode == 0 and f"trace {live.session} stopped" in stop.stdout, stop.stderr
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,35 @@ from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
 
 pytestmark = pytest.mark.usefixtures("root_bpf")
+
+
+class LiveTrace:
+    """`ghostgpu trace ...` running, its stderr read as it comes (the "running until" line says the
+    session is started on the tracers: StartTrace has returned)."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "ghostgpu.cli", "trace", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                     env=_clean_env())
+        self.err: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def wait_running(self) -> None:
+        wait_until(lambda: any("running until" in line for line in self.err), what="the session started",
+                   timeout_s=30)
+
+    def finish(self, timeout_s: float = 30.0) -> tuple[int, str, str]:
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()
+        rc = self.proc.wait(timeout_s)
+        self._reader.join(timeout_s)
+        return rc, out, "".join(self.err)
 
 
 def cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -37,17 +67,14 @@ def test_trace_a_process_from_the_cli_and_show_it_again(tmp_path: Path, fake_nvm
         opts = GpuCallsOptions(driver=fake_nvml.driver_version, private_dev=NODES_MMAP)
         with GpuCalls(opts) as run:
             pid = run.wait_ready().pid
-            live = subprocess.Popen(
-                [sys.executable, "-m", "ghostgpu.cli", "trace", "--collector", coll.address, "--node", "n1",
-                 "--pid", str(pid), "--for", "4s", "-o", "jsonl", "--chrome-trace", str(chrome)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_clean_env())
-            # The session is running once `trace list` shows it: then let the workload go.
-            wait_until(lambda: "running" in cli("trace", "list", "--collector", coll.address).stdout,
-                       what="the session running", timeout_s=20)
+            live = LiveTrace("--collector", coll.address, "--node", "n1", "--pid", str(pid), "--for", "4s",
+                             "-o", "jsonl", "--chrome-trace", str(chrome))
+            live.wait_running()
+            assert "running" in cli("trace", "list", "--collector", coll.address).stdout
             run.release()
             issued = run.finish()
-            out, err = live.communicate(timeout=30)
-        assert live.returncode == 0, err
+            rc, out, err = live.finish()
+        assert rc == 0, err
         records = [json.loads(line) for line in out.splitlines()]
         want = [(x["tid"], x["call"], x["cmd_name"], x["class_name"], x["nv_status_name"])
                 for x in issued if x["kind"] == "ioctl"]
@@ -92,12 +119,9 @@ def test_a_tracer_lost_mid_session_ends_it_as_node_lost_with_records_kept(tmp_pa
         opts = GpuCallsOptions(driver=fake_nvml.driver_version, private_dev=NODES_MMAP, hold=True)
         with GpuCalls(opts) as run:
             pid = run.wait_ready().pid
-            live = subprocess.Popen(
-                [sys.executable, "-m", "ghostgpu.cli", "trace", "--collector", coll.address, "--node", "n1",
-                 "--pid", str(pid), "--for", "60s", "-o", "jsonl"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_clean_env())
-            wait_until(lambda: "running" in cli("trace", "list", "--collector", coll.address).stdout,
-                       what="the session running", timeout_s=20)
+            live = LiveTrace("--collector", coll.address, "--node", "n1", "--pid", str(pid), "--for", "60s",
+                             "-o", "jsonl")
+            live.wait_running()
             run.release()
             run.wait_done()
 
@@ -107,7 +131,7 @@ def test_a_tracer_lost_mid_session_ends_it_as_node_lost_with_records_kept(tmp_pa
 
             wait_until(lambda: stored() >= 27, what="the records stored", timeout_s=20)
             tracer.kill()
-            out, err = live.communicate(timeout=30)
+            _rc, out, err = live.finish()
             run.release()
         session = json.loads(out.splitlines()[0])["session"]
         shown = json.loads(cli("trace", "show", session, "--collector", coll.address, "-o", "json").stdout)
