@@ -91,8 +91,12 @@ def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) 
         return read_driver_version(cfg.proc_root) or tracer.nvml.driver_version or None
 
     cgroups = CgroupIdResolver(cfg.cgroup_root)  # the session thread's own: no cache shared across threads
+    def known_identity(pid: int) -> tuple[int | None, str] | None:
+        holder = tracer.state.holders.get(pid)  # one dict read: safe beside the agent's thread
+        return (holder.process.ns_pid, holder.process.comm) if holder is not None else None
+
     maker = RecordMaker(cfg.node_name, cfg.proc_root, cgroups, tracer.catalog.ref_for, bpf.trace.dev_paths,
-                        gpu_names)
+                        gpu_names, known_identity)
     limits = TraceLimits(cfg.trace_max_sessions, cfg.trace_max_duration_s, cfg.trace_max_records)
     sessions = TraceSessions(bpf.trace, cfg.node_name, limits, maker, cgroups, stream.emit_trace,
                              driver_version)

@@ -65,8 +65,12 @@ def read_identity(proc_root: str, pid: int) -> tuple[int | None, str]:
 class RecordMaker:
     def __init__(self, node: str, proc_root: str, cgroups: CgroupIdResolver,
                  device_ref: Callable[[str], DeviceRef], dev_paths: Callable[[], dict[int, str]],
-                 gpu_names: Callable[[int], tuple[str, str]]) -> None:
+                 gpu_names: Callable[[int], tuple[str, str]],
+                 known_identity: Callable[[int], tuple[int | None, str] | None] = lambda pid: None) -> None:
         self.node, self.proc_root, self.cgroups = node, proc_root, cgroups
+        # What the agent read when the process opened its device: a 20 ms job is often gone by the
+        # time its first trace record is read here.
+        self.known_identity = known_identity
         self.device_ref, self.dev_paths, self.gpu_names = device_ref, dev_paths, gpu_names
         self._layout: DriverLayout = layout_for(None)  # the session manager sets the running driver's
         self._paths: dict[int, str] = {}
@@ -92,7 +96,10 @@ class RecordMaker:
         if who is None:
             if len(self._who) >= _CACHE_MAX:
                 self._who.clear()
-            who = self._who[pid] = read_identity(self.proc_root, pid)
+            who = read_identity(self.proc_root, pid)
+            if who == (None, ""):
+                who = self.known_identity(pid) or who
+            self._who[pid] = who
         return who
 
     def _container(self, cgroup_id: int) -> str:

@@ -197,3 +197,17 @@ def test_flag_names() -> None:
     assert bit_names(3, [(1, "PROT_READ"), (2, "PROT_WRITE")], "PROT_NONE") == "PROT_READ|PROT_WRITE"
     assert bit_names(0, [(1, "PROT_READ")], "PROT_NONE") == "PROT_NONE"
     assert bit_names(0x81, [(1, "A")], "0") == "A|0x80"
+
+
+def test_a_process_gone_before_its_records_are_read_keeps_the_identity_the_agent_saw(tmp_path: Path) -> None:
+    from ghostgpu.tracer.trace_kernel import unpack_trace
+
+    maker = RecordMaker("n1", str(tmp_path), CgroupIdResolver(str(tmp_path)), device_ref,
+                        lambda: dict(PATHS), lambda minor: (str(minor), ""),
+                        known_identity=lambda pid: (7, "trainer") if pid == 4242 else None)
+    raw = unpack_trace(ioctl_record(4242, 4242, CTL))
+    assert raw is not None
+    rec = maker.make(raw, "t-1", 1, 0)
+    assert rec is not None and (rec.ns_pid, rec.comm) == (7, "trainer")
+    other = maker.make(raw._replace(tgid=99), "t-1", 2, 0)
+    assert other is not None and (other.ns_pid, other.comm) == (None, "")
