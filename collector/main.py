@@ -36,13 +36,12 @@ from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.server import ListenError, check_listen, start_server
 from ghostgpu.collector.store import Store, StoreError
-from ghostgpu.collector.trace_commands import TraceLimits
+from ghostgpu.collector.trace_commands import TraceLimits, trace_options
 from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS, TraceStore
 from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu import __version__
 from ghostgpu.common.addresses import dial_address, is_unix, parse_listen, port_of
-from ghostgpu.common.durations import parse_duration_s
 from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable
 from ghostgpu.common.model import K8sInfo
 from ghostgpu.common.protocol import MAX_BATCH_EVENTS
@@ -328,22 +327,6 @@ class Collector:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # stopping: nobody reads the table any more
                 loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
-
-
-def trace_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The trace session keyword arguments of Collector from the --trace-* flags (ValueError naming one)."""
-    kw: dict[str, Any] = {}
-    # Durations as "10m", "30s" (or seconds): `up` may share --trace-max-duration with its tracer.
-    for flag, key in (("trace_max_duration", "max_duration_s"),
-                      ("trace_default_duration", "default_duration_s")):
-        if (value := getattr(args, flag, None)) is not None:
-            kw[key] = parse_duration_s(value, "--" + flag.replace("_", "-"))
-    if (records := getattr(args, "trace_max_records", None)) is not None:
-        kw["max_records"] = int(records)
-    limits = TraceLimits(**kw)
-    return {"trace_limits": limits,
-            "trace_store_max_records": getattr(args, "trace_store_max_records", DEFAULT_STORE_MAX_RECORDS),
-            "trace_retention_h": getattr(args, "trace_retention_h", 24.0)}
 
 
 def collector_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.containment import Containment, HealthReport
 from ghostgpu.tracer.devices import DeviceCatalog
-from ghostgpu.tracer.events import EventKind, NvmlView, ProcView, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, NvmlView, SourceEvent, boot_ns
 from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
 from ghostgpu.tracer.nvml import NvmlSource
@@ -88,12 +88,8 @@ class Tracer:
             return "--bpf off"
         from ghostgpu.tracer.bpf_source import BpfSource, BpfUnavailable
 
-        source = BpfSource(
-            self.cfg.prefixes,
-            max_fds=self.cfg.bpf_max_fds,
-            ringbuf_pages=self.cfg.bpf_ringbuf_pages,
-            classify=self.catalog.ref_for,
-        )
+        source = BpfSource(self.cfg.prefixes, max_fds=self.cfg.bpf_max_fds,
+                           ringbuf_pages=self.cfg.bpf_ringbuf_pages, classify=self.catalog.ref_for)
         try:
             source.start()
         except BpfUnavailable as exc:
@@ -227,7 +223,7 @@ class Tracer:
                     for hold in holder.holds.values():
                         hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
             self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
-        created = self._seed(view, pids)
+        created = self.bpf.seed_view(view, pids) if self.bpf is not None else set()
         # A process that died between the /proc read and the seed exited while the kernel had no
         # entry for it (it reports EXIT only for a tgid in procs): nobody else will report it, so
         # it is settled here at once. So is a holder whose identity, re-read after its fds, says
@@ -250,22 +246,6 @@ class Tracer:
         # A scan also refreshes identities (a parent that died, a leader turned zombie) without
         # any hold changing: re-classify after every one.
         self._dirty = True
-
-    def _seed(self, view: ProcView, pids: set[int] | None) -> set[int]:
-        """Write what the scan found into the kernel tables; the pids made holders just now."""
-        if self.bpf is None:
-            return set()
-        created: set[int] = set()
-        for pid, holds in view.items():
-            fds = {fd: path for path, hold in holds.items() for fd in hold.fds}
-            mapped = [path for path, hold in holds.items() if hold.mapped]
-            if self.bpf.seed(pid, fds, mapped):
-                created.add(pid)
-        for pid in (pids or set()) - view.keys():
-            # Rescanned and holding nothing now (an exec that dropped its close-on-exec fds): the
-            # kernel's count goes to 0, its procs entry stays until EXIT (its counters wait for it).
-            self.bpf.seed(pid, {}, (), create=False)
-        return created
 
     def _read_ioctls(self, pid: int | None = None) -> None:
         """All processes' counters (the periodic read), or one process's at its close or exit."""
@@ -352,9 +332,8 @@ class Tracer:
 
     def _settle_overdue(self) -> None:
         now_s = time.monotonic()
-        for pid, due_s in list(self._exit_due.items()):
-            if due_s <= now_s:
-                self._settle_exit(pid)
+        for pid in [pid for pid, due_s in self._exit_due.items() if due_s <= now_s]:
+            self._settle_exit(pid)
 
     def _settle_exit(self, pid: int) -> None:
         """The process is gone and the kernel may never say so: report its EXIT now."""

@@ -27,7 +27,7 @@ from ghostgpu.tracer.bpf_build import (
     has_caps,
     program_text,
 )
-from ghostgpu.tracer.events import EventKind, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, ProcView, SourceEvent, boot_ns
 from ghostgpu.tracer.identity import group_dead
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
@@ -262,6 +262,20 @@ class BpfSource:
         """Tell the kernel about holds found in /proc; True when it made pid a holder just now
         (see HolderTables.seed)."""
         return self.tables.seed(pid, fds, mapped_paths, create) if self.tables is not None else False
+
+    def seed_view(self, view: ProcView, pids: set[int] | None) -> set[int]:
+        """Write what a /proc scan found into the kernel tables; the pids made holders just now."""
+        created: set[int] = set()
+        for pid, holds in view.items():
+            fds = {fd: path for path, hold in holds.items() for fd in hold.fds}
+            mapped = [path for path, hold in holds.items() if hold.mapped]
+            if self.seed(pid, fds, mapped):
+                created.add(pid)
+        for pid in (pids or set()) - view.keys():
+            # Rescanned and holding nothing now (an exec that dropped its close-on-exec fds): the
+            # kernel's count goes to 0, its procs entry stays until EXIT (its counters wait for it).
+            self.seed(pid, {}, (), create=False)
+        return created
 
     def reset_fds(self, pid: int) -> None:
         """After an EXEC: drop the pid's stale fd and hold entries; see HolderTables.reset_fds."""

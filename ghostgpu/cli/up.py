@@ -106,8 +106,9 @@ def _open_db(args: argparse.Namespace) -> str:
 
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
-    from ghostgpu.collector.main import Collector, collector_options, trace_options
+    from ghostgpu.collector.main import Collector, collector_options
     from ghostgpu.collector.server import ListenError
+    from ghostgpu.collector.trace_commands import trace_options
     from ghostgpu.common.httpserve import HttpListenError
 
     busy = port_free(listen)

@@ -183,6 +183,34 @@ def load_under(limit: float, *names: str) -> Callable[[dict[str, Any]], str]:
     return render
 
 
+def met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def trace_taken(d: dict[str, Any]) -> float:
+    """bench_trace.py part 1: the share of the in-session spin calls whose record the session thread took."""
+    p = d["per_call"]
+    taken = sum(p["session_records_delivered"])
+    return taken / max(taken + sum(p["session_dropped_ringbuf"]) + sum(p["session_dropped_limit"]), 1)
+
+
+def trace_outside(op: str, key: str) -> Callable[[dict[str, Any]], Any]:
+    """bench_trace.py part 2, CPU time: `key` of the op's figures (dotted)."""
+    return lambda d: dig(d["outside"]["cpu_ns"][op], key)
+
+
+def trace_outside_goal(op: str) -> Callable[[dict[str, Any]], str]:
+    return lambda d: met(d["outside"]["cpu_ns"][op]["ratio_session_vs_bpf"]
+                         <= d["outside"]["goal_ratio_session_vs_bpf_max"])
+
+
+
+def attribution_goal(d: dict[str, Any]) -> str:
+    """bench_trace.py part 5: every opener seen, open -> its --jsonl line p99 under the goal."""
+    s = d["via_collector"]["session"]
+    return met(s["open_to_jsonl_ms"]["p99"] < s["goal_p99_ms"] and s["openers_seen"] == s["openers"])
+
+
 # The tracer's batching policy, quoted where the README explains the ingest figures.
 TRACER_BATCHING = [
     const("else {:g} ms or {:,} events", stream.FLUSH_S * 1000, protocol.MAX_BATCH_EVENTS,
@@ -406,6 +434,68 @@ ROWS: dict[str, list[Figure]] = {
         fixed("RSS flat within 5 MB", "the issue's goal for RSS growth (bench_churn.py checks it)"),
         fig("flat within 5 MB ({})", "churn", lambda d: "met" if all(d["goals"].values()) else "missed"),
         fixed("as fd 3", "the fd tests/helpers/churn.c opens the device as"),
+    ],
+    "trace session: added cost per traced GPU `ioctl`": [
+        fig("median of {} rounds", "trace", lambda d: len(d["per_call"]["rounds"])),
+        fig("at full spin {:.0%} of the records taken", "trace", trace_taken),
+        fig("+{:.0f} ns (BPF loaded, no session: +{:.0f} ns)", "trace", "per_call.added_ns_median.session",
+            "per_call.added_ns_median.bpf"),
+        fig("`strace -f -e trace=ioctl` +{:,.0f} ns", "trace", "per_call.added_ns_median.strace"),
+        fig("| {:.3f}x |", "trace", "per_call.ratio_added_session_vs_strace"),
+        fig("<= {:g}x ({})", "trace", "per_call.goal_ratio_max", lambda d: met(
+            d["per_call"]["ratio_added_session_vs_strace"] <= d["per_call"]["goal_ratio_max"])),
+    ],
+    "trace session running on another process: non-GPU `ioctl`": [
+        fig("median of {} rounds", "trace", lambda d: len(d["outside"]["rounds"])),
+        fig("{:,.0f} ns ({:+.0f} ns)", "trace", trace_outside("ioctl", "ns_per_op_median.session"),
+            trace_outside("ioctl", "added_ns_session_vs_bpf")),
+        fig("no session: {:,.0f} ns", "trace", trace_outside("ioctl", "ns_per_op_median.bpf")),
+        fig("| {:.2f}x |", "trace", trace_outside("ioctl", "ratio_session_vs_bpf")),
+        fig("unchanged, within {:.0f}% ({}:", "trace",
+            lambda d: 100 * (d["outside"]["goal_ratio_session_vs_bpf_max"] - 1), trace_outside_goal("ioctl")),
+    ],
+    "trace session running on another process: `openat`+`close`": [
+        fig("{:,.0f} ns ({:+.0f} ns)", "trace", trace_outside("open", "ns_per_op_median.session"),
+            trace_outside("open", "added_ns_session_vs_bpf")),
+        fig("| {:,.0f} ns |", "trace", trace_outside("open", "ns_per_op_median.bpf")),
+        fig("| {:.2f}x |", "trace", trace_outside("open", "ratio_session_vs_bpf")),
+        fig("unchanged, within {:.0f}% ({})", "trace",
+            lambda d: 100 * (d["outside"]["goal_ratio_session_vs_bpf_max"] - 1), trace_outside_goal("open")),
+    ],
+    "trace session start": [
+        fig("{} starts", "trace", "start.starts"),
+        fig("p50 {:.1f} ms, p99 {:.1f} ms", "trace", lambda d: 1000 * d["start"]["first_record_s"]["p50"],
+            lambda d: 1000 * d["start"]["first_record_s"]["p99"]),
+        fig("p50 < {:g} s ({})", "trace", "start.goal_p50_s",
+            lambda d: met(d["start"]["first_record_s"]["p50"] < d["start"]["goal_p50_s"])),
+    ],
+    "trace session on a workload issuing": [
+        fig("issuing {:,} GPU ioctls/s for {:g} s", "trace", "via_collector.session.rate_target",
+            "options.duration_s"),
+        fig("{:,.0f} records/s delivered ({:.0%} of the calls)", "trace",
+            "via_collector.session.records_per_s", "via_collector.session.records_vs_calls"),
+        fig("dropped: {:,} by the ring buffer, {:,} at the limit, {:,} in transport, {:,} in the store",
+            "trace",
+            "via_collector.session.dropped_ringbuf_total", "via_collector.session.dropped_limit_total",
+            "via_collector.session.dropped_transport_total", "via_collector.session.dropped_store_total"),
+        fig("collector {:.1f}%, tracer {:.1f}%, CLI {:.1f}%", "trace",
+            "via_collector.session.cpu_pct_of_one_core_window.collector",
+            "via_collector.session.cpu_pct_of_one_core_window.tracer",
+            "via_collector.session.cpu_pct_of_one_core_window.cli"),
+        fig("outside any session: collector {:.1f}%, tracer {:.1f}%", "trace",
+            "via_collector.reference_no_session.cpu_pct_of_one_core_window.collector",
+            "via_collector.reference_no_session.cpu_pct_of_one_core_window.tracer"),
+        fig("in-process with no stream: {:,.0f} records/s", "trace", "throughput.session.records_per_s"),
+    ],
+    "attribution meanwhile": [
+        fig("{} fresh processes", "trace", "via_collector.session.openers"),
+        fig("read every {:g} ms", "trace", lambda d: 1000 * d["via_collector"]["session"]["jsonl_poll_s"]),
+        fig("| p50 {:.1f} ms, p99 {:.1f} ms |", "trace", "via_collector.session.open_to_jsonl_ms.p50",
+            "via_collector.session.open_to_jsonl_ms.p99"),
+        fig("outside any session: p50 {:.1f} ms, p99 {:.1f} ms", "trace",
+            "via_collector.reference_no_session.open_to_jsonl_ms.p50",
+            "via_collector.reference_no_session.open_to_jsonl_ms.p99"),
+        fig("p99 < {:g} ms ({})", "trace", "via_collector.session.goal_p99_ms", attribution_goal),
     ],
 }
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ghostgpu.collector.main import run_collector, trace_options
+from ghostgpu.collector.main import run_collector
 from ghostgpu.collector.query import CLIENT_UID_METADATA, client_identity
-from ghostgpu.collector.trace_commands import TraceLimits
+from ghostgpu.collector.trace_commands import TraceLimits, trace_options
 from ghostgpu.collector.trace_store import RESTARTED
 from ghostgpu.collector.traces import STOPPED
 
