@@ -67,6 +67,7 @@ class TraceSessions:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._layout: DriverLayout | None = None
+        self._next_slot = 0
         self._wake = threading.Event()
         self._idle = threading.Event()  # set while no session runs
         self._idle.set()
@@ -108,7 +109,11 @@ class TraceSessions:
                 result.error = (f"{LIMIT_PREFIX}node {self.node} runs {len(self._sessions)} trace sessions, "
                                 f"the limit (--trace-max-sessions {self.limits.max_sessions})")
                 return result
-            slot = min(set(range(SLOTS)) - used)
+            # Round robin, not the lowest free slot: a call in flight when a session ended (entered
+            # before, exits after) carries that slot's bit, and must not land in a new session.
+            slot = next(i % SLOTS for i in range(self._next_slot, self._next_slot + SLOTS)
+                        if i % SLOTS not in used)
+            self._next_slot = slot + 1
             max_records = min(cmd.max_records or self.limits.max_records, self.limits.max_records)
             session = _Session(cmd.session, slot, cmd.deadline_unix_ns, max_records, cmd.gpu, cmd.pid,
                                frozenset(cmd.container_ids))

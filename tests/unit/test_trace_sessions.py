@@ -169,7 +169,8 @@ def test_limits_are_refused_naming_them(tmp_path: Path) -> None:
         n.sessions.handle(stream_pb2.Command(trace_stop=trace_pb2.TraceStop(session="a")))
         wait_until(lambda: n.sessions.active() == 1, what="a ended")
         assert n.start("e", max_records=1_000_000).error == ""
-        assert n.kernel.slots[0][3] == 10  # the node's record limit wins over the collector's ask
+        assert n.kernel.slots[2][3] == 10  # the node's record limit wins over the collector's ask
+        # slot 2, not the freed 0: a call still in flight from "a" must not land in "e"
     finally:
         n.sessions.close()
 
