@@ -11,9 +11,12 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
     s32 fd = (s32)args->fd;
-    struct gg_fd_val *fv = gg_gpu_fd(tgid, fd);
+    if (!gg_maybe_holder(tgid)) /* gg_gpu_fd's filter, spelled out: the trace path below needs it too */
+        return 0;
+    struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
+    struct gg_fd_val *fv = fds.lookup(&fk);
     if (!fv) {
-        if (gg_maybe_holder(tgid) && (fv = gg_trace_inherited_fd(tgid, fd)))
+        if ((fv = gg_trace_inherited_fd(tgid, fd)))
             gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
         return 0;
     }

@@ -63,7 +63,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
-    gg_trace_instant(GG_TK_EXEC, tgid, (u32)id, -1, 0, 0, 0, 0, 0);
+    gg_trace_exec(tgid, (u32)id);
     u32 *held = procs.lookup(&tgid);
     if (!held || *held == 0)
         return 0;

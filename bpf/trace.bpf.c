@@ -1,5 +1,5 @@
 /* trace.bpf.c: on-demand trace sessions (docs/TRACE.md). A session is data in maps, not a program:
- * user space (tracer/trace_source.py) writes which cgroups and tgids are in scope, per slot, and
+ * user space (tracer/trace_kernel.py) writes which cgroups and tgids are in scope, per slot, and
  * the hooks of the other files call the gg_trace_* helpers below on the GPU calls they already
  * matched. This file's own hooks (the ioctl and mmap exits, munmap) are attached only while a
  * session runs, so with no session nothing on the node pays for them.
@@ -32,7 +32,7 @@
 #define GG_TRACE_NO_STATUS 0xFFFFu
 #define GG_TRACE_MAX_STATUS_OFF 16384 /* NV_ABSOLUTE_MAX_IOCTL_SIZE (nv.h): no block is larger */
 
-/* Record kinds: tracer/trace_source.py TRACE_KINDS mirrors them. */
+/* Record kinds: tracer/trace_kernel.py TRACE_KINDS mirrors them. */
 #define GG_TK_IOCTL 1
 #define GG_TK_OPEN 2
 #define GG_TK_CLOSE 3
@@ -78,7 +78,7 @@ struct gg_tcall {
     u32 block_len;
     u8 block[64]; /* GG_TRACE_CAPTURE used; 64 so the verifier's bound (n & 63) fits the buffer */
 };
-/* 152 bytes, no implicit padding: struct format "=QQQQQQqIIIIiIIIIIII48s" in trace_source.py. */
+/* 160 bytes, no implicit padding: struct format TREC in tracer/trace_kernel.py. */
 struct gg_trec {
     u64 ts_ns;     /* entry, CLOCK_BOOTTIME */
     u64 dur_ns;    /* exit - entry; 0 for instants */
@@ -117,7 +117,9 @@ BPF_ARRAY(trace_slots, struct gg_tslot, GG_TRACE_SLOTS);
 BPF_HASH(trace_cgroups, u64, u32, GG_TRACE_MAX_CGROUPS); /* cgroup id -> slot mask */
 BPF_HASH(trace_tgids, u32, u32, GG_TRACE_MAX_TGIDS);     /* tgid -> slot mask (forks inherit it) */
 BPF_HASH(trace_layout, u32, struct gg_tlayout, 1024);    /* effective request word -> layout */
-BPF_HASH(trace_forked, u32, u32, GG_TRACE_MAX_TGIDS);    /* traced fork child -> parent tgid */
+/* traced fork child -> parent tgid, until user space seeds the child's fds or it execs; LRU so a
+ * child that outlived every session (its entry is cleared when the last one ends) cannot fill it */
+BPF_TABLE("lru_hash", u32, u32, trace_forked, GG_TRACE_MAX_TGIDS);
 BPF_TABLE("lru_hash", u32, struct gg_tcall, trace_inflight, GG_TRACE_INFLIGHT);
 BPF_TABLE("lru_hash", struct gg_tmap_key, struct gg_tmap_val, trace_maps, GG_TRACE_INFLIGHT); /* traced mappings */
 BPF_PERCPU_ARRAY(trace_tmp, struct gg_tcall, 1); /* too big for the 512-byte stack with the rest */
@@ -388,6 +390,16 @@ static __always_inline void gg_trace_gone(u32 tgid, u32 tid)
         return;
     gg_trace_instant(GG_TK_EXIT, tgid, tid, -1, 0, 0, 0, 0, 0);
     trace_tgids.delete(&tgid);
+    trace_forked.delete(&tgid);
+}
+
+/* exec: record it, and stop resolving fds through the parent (the new image's fd numbers are its
+ * own; a CLOEXEC GPU fd of the parent's may be reused for anything). */
+static __always_inline void gg_trace_exec(u32 tgid, u32 tid)
+{
+    if (!gg_trace_scope(tgid))
+        return;
+    gg_trace_instant(GG_TK_EXEC, tgid, tid, -1, 0, 0, 0, 0, 0);
     trace_forked.delete(&tgid);
 }
 

@@ -280,7 +280,10 @@ class TraceBook:
         for node, error in zip(todo, answers, strict=True):
             if error:
                 errors[node] = live.notes[node] = node_error(node, error)
-                del live.parts[node]
+                stream = live.parts.pop(node).stream
+                if error.startswith("timeout:") and stream is not None and stream.active:
+                    # It may still start there (a slow tracer): tell it not to, or to stop at once.
+                    self.commands.send(stream, trace_stop=trace_pb2.TraceStop(session=s.id))
             else:
                 live.parts[node].started = True
         return errors

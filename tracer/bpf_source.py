@@ -271,6 +271,8 @@ class BpfSource:
             mapped = [path for path, hold in holds.items() if hold.mapped]
             if self.seed(pid, fds, mapped):
                 created.add(pid)
+            if self.trace is not None:
+                self.trace.forget_fork(pid)
         for pid in (pids or set()) - view.keys():
             # Rescanned and holding nothing now (an exec that dropped its close-on-exec fds): the
             # kernel's count goes to 0, its procs entry stays until EXIT (its counters wait for it).

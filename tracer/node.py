@@ -101,6 +101,7 @@ def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) 
     sessions = TraceSessions(bpf.trace, cfg.node_name, limits, maker, cgroups, stream.emit_trace,
                              driver_version)
     stream.set_trace_handler(sessions.handle)
+    stream.set_reconnect_hook(lambda: sessions.end_all("the stream to the collector was lost"))
     return sessions
 
 

@@ -93,6 +93,7 @@ class StreamSink(StreamSender):
         self._refusal_logged = ""
         self._commands = CommandRunner(relay, node)
         self._trace_out: deque[bytes] = deque()  # TraceBatch messages, sent after the events before them
+        self.on_reconnect: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="ghostgpu-stream", daemon=True)
         self._thread.start()
 
@@ -138,7 +139,9 @@ class StreamSink(StreamSender):
         It leaves only once every event emitted before it is on the stream (stream_sender._pump)."""
         data = message.SerializeToString()
         with self._lock:
-            if self._closed or len(self._trace_out) >= TRACE_QUEUE_MAX:
+            # A session's last batch is taken past the bound: it carries the end and the final counts.
+            full = len(self._trace_out) >= TRACE_QUEUE_MAX and not message.trace.ended
+            if self._closed or full:
                 return False
             self._trace_out.append(data)
         self._wake.set()
@@ -151,6 +154,10 @@ class StreamSink(StreamSender):
         if unavailable:
             self._commands.trace_unavailable = unavailable
         self._commands.trace_ready.set()
+
+    def set_reconnect_hook(self, hook: Callable[[], None]) -> None:
+        """Called on the sender thread when a stream replaces a lost one (not for the first)."""
+        self.on_reconnect = hook
 
     def _track(self, kind: str, record: Record) -> None:
         """What a Snapshot needs, kept as records arrive (under _lock, so it matches the seq)."""

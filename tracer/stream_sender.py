@@ -87,6 +87,7 @@ class StreamSender:
     _refusal_logged: str
     _commands: CommandRunner
     _trace_out: deque[bytes]  # under _lock
+    on_reconnect: Callable[[], None] | None
 
     def emit(self, record: AnyRecord, _bounded: bool = True) -> None:
         raise NotImplementedError  # StreamSink's
@@ -220,6 +221,12 @@ class StreamSender:
         self._backoff_s = self.options.backoff_min_s
         self._down_logged = False
         self._refusal_logged = ""
+        if self._welcomes > 1 and self.on_reconnect is not None:
+            # The collector ended what ran over the lost stream (trace sessions: "node lost").
+            try:
+                self.on_reconnect()
+            except Exception:
+                log.exception("reconnect hook failed")
         log.info("streaming to the collector at %s (acked seq %d)", self.target, welcome.acked_seq)
         self._report_overflow()
         return True
@@ -251,7 +258,8 @@ class StreamSender:
                 n_pending, first = len(self._spool.pending), self._first_pending_s
                 n_unsent, n_inflight = len(self._spool.unsent), len(self._spool.inflight)
                 overflowed = self._dropped_unreported and len(self._spool) < self._spool.capacity
-            if stopping and (now >= self._deadline_s or not (n_pending or n_unsent or n_inflight)):
+            if stopping and (now >= self._deadline_s or not (n_pending or n_unsent or n_inflight
+                                                             or self._trace_out)):
                 return "stopped"
             if overflowed:  # the collector fell behind while connected and has caught up again
                 self._report_overflow()

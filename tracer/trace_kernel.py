@@ -89,7 +89,9 @@ class TraceKernel:
 
     def __init__(self, bpf: Any) -> None:
         self._bpf = bpf
-        self._lock = threading.Lock()  # attach state and trace_on: commands come from several threads
+        # Attach state, trace_on and the scope masks: commands, the session thread and the agent
+        # (forget_fork) all change them.
+        self._lock = threading.Lock()
         self._attached = True  # bcc attached every TRACEPOINT_PROBE at load
         self._active: set[int] = set()
         self._records: list[bytes] = []
@@ -132,8 +134,8 @@ class TraceKernel:
         leaf.max_records, leaf.active = max_records, 1
         table[table.Key(slot)] = leaf
         with self._lock:
-            self._active.add(slot)
             self._set_attached(True)  # before trace_on: an entry never waits for an unattached exit
+            self._active.add(slot)
             self._write_on()
 
     def close_slot(self, slot: int) -> None:
@@ -143,13 +145,17 @@ class TraceKernel:
             leaf = table[table.Key(slot)]
             leaf.active = 0
             table[table.Key(slot)] = leaf
-        for name in (b"trace_cgroups", b"trace_tgids"):
-            self._clear_bit(name, slot)
         with self._lock:
+            for name in (b"trace_cgroups", b"trace_tgids"):
+                self._clear_bit(name, slot)
             self._active.discard(slot)
             self._write_on()
             if not self._active:
                 self._set_attached(False)
+                # Calls left in flight by the detach, forks and mappings of the ended sessions: none
+                # may surface in the next session (a stale entry would be taken by the next exit).
+                for name in (b"trace_inflight", b"trace_forked", b"trace_maps"):
+                    self._bpf[name].clear()
 
     def _write_on(self) -> None:
         table = self._bpf[b"trace_on"]
@@ -167,8 +173,11 @@ class TraceKernel:
 
     def set_cgroups(self, slot: int, cgroup_ids: Iterable[int]) -> None:
         """Make `slot`'s cgroup scope exactly `cgroup_ids`."""
+        with self._lock:  # masks are read-modify-written: one writer at a time
+            self._set_cgroups(slot, set(cgroup_ids))
+
+    def _set_cgroups(self, slot: int, wanted: set[int]) -> None:
         table = self._bpf[b"trace_cgroups"]
-        wanted = set(cgroup_ids)
         for key, value in list(table.items()):
             if key.value not in wanted and value.value >> slot & 1:
                 mask = value.value & ~(1 << slot)
@@ -183,7 +192,14 @@ class TraceKernel:
     def add_tgid(self, slot: int, tgid: int) -> None:
         """Put `tgid` in `slot`'s scope; its forks from now on join it in the kernel."""
         table = self._bpf[b"trace_tgids"]
-        self._add_bit(table, table.Key(tgid), slot)
+        with self._lock:
+            self._add_bit(table, table.Key(tgid), slot)
+
+    def forget_fork(self, tgid: int) -> None:
+        """User space seeded tgid's own fds: stop resolving its fds through its parent's."""
+        if self._active:
+            with contextlib.suppress(KeyError):
+                del self._bpf[b"trace_forked"][ctypes.c_uint32(tgid)]
 
     @staticmethod
     def _add_bit(table: Any, key: Any, slot: int) -> None:

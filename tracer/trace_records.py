@@ -88,6 +88,10 @@ class RecordMaker:
             self._decoded.clear()
         self._layout = layout
 
+    def forget_all(self) -> None:
+        self._who.clear()
+        self._containers.clear()
+
     def forget(self, pid: int) -> None:
         self._who.pop(pid, None)
 

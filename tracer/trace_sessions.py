@@ -11,9 +11,12 @@ attribution events queued before them (tracer/stream.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,7 +35,40 @@ log = logging.getLogger("ghostgpu.trace")
 POLL_MS = 100  # the thread's wait for records; also how late a deadline can be noticed
 FLUSH_S = 0.1  # a batch leaves at most this long after its first record
 BATCH_RECORDS = 512
-LIMIT_PREFIX = "limit: "  # a refusal over a configured limit (the collector answers RESOURCE_EXHAUSTED)
+# Prefixes of a refusal the collector turns into a gRPC code (collector/trace_commands.py).
+LIMIT_PREFIX = "limit: "  # over a configured limit: RESOURCE_EXHAUSTED
+NOT_FOUND_PREFIX = "not found: "  # the pid or container is not on this node: NOT_FOUND
+GPU_FILTER_HEADROOM = 16  # a --gpu session's kernel budget, in multiples of its own limit
+TK_EXEC, TK_EXIT = 7, 8  # bpf/trace.bpf.c GG_TK_*
+
+
+def process_tree(proc_root: str, root: int) -> set[int]:
+    """`root` and every live descendant (a --pid scope takes in what it already forked), from the
+    parent field of /proc/PID/stat; empty when `root` does not exist. A process gone mid-walk is
+    skipped."""
+    children: dict[int, list[int]] = {}
+    found = False
+    with contextlib.suppress(OSError), os.scandir(proc_root) as it:
+        for entry in it:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"{entry.path}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            pid = int(entry.name)
+            found = found or pid == root
+            children.setdefault(ppid, []).append(pid)
+    if not found:
+        return set()
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,7 @@ class _Session:
     container_ids: frozenset[str] = frozenset()
     seq: int = 0
     transport_dropped: int = 0
+    over_limit: int = 0  # past max_records in user space (--gpu sessions)
     pending: list[TraceRecord] = field(default_factory=list)
     first_pending_s: float = 0.0
     end_reason: str = ""  # set when it must end (stop command, deadline)
@@ -68,6 +105,7 @@ class TraceSessions:
         self._sessions: dict[str, _Session] = {}
         self._layout: DriverLayout | None = None
         self._next_slot = 0
+        self._stopped: deque[str] = deque(maxlen=256)  # ids stopped (or ended) lately
         self._wake = threading.Event()
         self._idle = threading.Event()  # set while no session runs
         self._idle.set()
@@ -93,24 +131,30 @@ class TraceSessions:
 
     def _start(self, cmd: trace_pb2.TraceStart) -> trace_pb2.TraceCommandResult:
         result = trace_pb2.TraceCommandResult(session=cmd.session)
-        left_s = (cmd.deadline_unix_ns - time.time_ns()) / 1e9
-        if left_s > self.limits.max_duration_s + 5:  # 5 s: clock skew between collector and node
-            result.error = (f"{LIMIT_PREFIX}duration {left_s:.0f} s exceeds node {self.node}'s maximum of "
-                            f"{self.limits.max_duration_s:g} s (--trace-max-duration)")
+        result.error = self._refusal(cmd)
+        if result.error:
             return result
-        if not cmd.container_ids and not cmd.pid:
-            result.error = f"tracer on {self.node}: a session needs container ids or a pid"
+        # What the scope is on this node, read before anything is written to the kernel.
+        cgroup_ids = self._cgroup_ids(frozenset(cmd.container_ids)) if cmd.container_ids else set()
+        if cmd.container_ids and not cgroup_ids:
+            ids = ", ".join(c[:12] for c in cmd.container_ids)
+            result.error = (f"{NOT_FOUND_PREFIX}no cgroup of container {ids} on node {self.node} "
+                            f"(cgroup v2 under {self.cgroups.root or 'nowhere'})")
+            return result
+        tgids = process_tree(self.maker.proc_root, cmd.pid) if cmd.pid else set()
+        if cmd.pid and not tgids:
+            result.error = f"{NOT_FOUND_PREFIX}no process {cmd.pid} on node {self.node}"
             return result
         with self._lock:
             if cmd.session in self._sessions:
                 return result  # a retried command: already running
-            used = {s.slot for s in self._sessions.values()}
             if len(self._sessions) >= min(self.limits.max_sessions, SLOTS):
                 result.error = (f"{LIMIT_PREFIX}node {self.node} runs {len(self._sessions)} trace sessions, "
                                 f"the limit (--trace-max-sessions {self.limits.max_sessions})")
                 return result
             # Round robin, not the lowest free slot: a call in flight when a session ended (entered
             # before, exits after) carries that slot's bit, and must not land in a new session.
+            used = {s.slot for s in self._sessions.values()}
             slot = next(i % SLOTS for i in range(self._next_slot, self._next_slot + SLOTS)
                         if i % SLOTS not in used)
             self._next_slot = slot + 1
@@ -121,19 +165,39 @@ class TraceSessions:
                 self._layout = layout_for(self.driver_version())
                 self.kernel.set_layouts(self._layout.kernel_layouts())
                 self.maker.layout = self._layout
-            self.kernel.open_slot(slot, max_records)
-            if cmd.pid:
-                self.kernel.add_tgid(slot, cmd.pid)
-            if cmd.container_ids:
-                self.kernel.set_cgroups(slot, self._cgroup_ids(session.container_ids))
+                self.maker.forget_all()  # pids seen by earlier sessions may have been reused
+            # --gpu filters in user space: the kernel's budget leaves room for the other GPUs' calls,
+            # and the session's own limit is kept exactly here (_take).
+            try:
+                self.kernel.open_slot(slot, max_records * GPU_FILTER_HEADROOM if cmd.gpu else max_records)
+                for tgid in sorted(tgids):
+                    self.kernel.add_tgid(slot, tgid)
+                if cgroup_ids:
+                    self.kernel.set_cgroups(slot, cgroup_ids)
+            except Exception:
+                self.kernel.close_slot(slot)  # never a slot left recording for nobody
+                raise
             self._sessions[cmd.session] = session
             self._idle.clear()
         # At warning level: sessions are rare, user-started, and belong in the DaemonSet's log.
         log.warning("trace session %s started (slot %d, %s, until %s)", cmd.session, slot,
-                 f"pid {cmd.pid}" if cmd.pid else f"{len(cmd.container_ids)} containers",
-                 time.strftime("%H:%M:%S", time.localtime(cmd.deadline_unix_ns / 1e9)))
+                    f"pid {cmd.pid} and {len(tgids) - 1} descendants" if cmd.pid else
+                    f"{len(cmd.container_ids)} containers",
+                    time.strftime("%H:%M:%S", time.localtime(cmd.deadline_unix_ns / 1e9)))
         self._wake.set()
         return result
+
+    def _refusal(self, cmd: trace_pb2.TraceStart) -> str:
+        left_s = (cmd.deadline_unix_ns - time.time_ns()) / 1e9
+        if left_s > self.limits.max_duration_s + 5:  # 5 s: clock skew between collector and node
+            return (f"{LIMIT_PREFIX}duration {left_s:.0f} s exceeds node {self.node}'s maximum of "
+                    f"{self.limits.max_duration_s:g} s (--trace-max-duration)")
+        if not cmd.container_ids and not cmd.pid:
+            return f"tracer on {self.node}: a session needs container ids or a pid"
+        with self._lock:
+            if cmd.session in self._stopped:  # a start that arrived after its own stop
+                return f"tracer on {self.node}: trace session {cmd.session} was already stopped"
+        return ""
 
     def _update(self, cmd: trace_pb2.TraceUpdate) -> trace_pb2.TraceCommandResult:
         with self._lock:
@@ -147,11 +211,19 @@ class TraceSessions:
 
     def _end(self, session_id: str, reason: str) -> trace_pb2.TraceCommandResult:
         with self._lock:
+            self._stopped.append(session_id)
             session = self._sessions.get(session_id)
             if session is not None and not session.end_reason:
                 session.end_reason = reason
         self._wake.set()
         return trace_pb2.TraceCommandResult(session=session_id)
+
+    def end_all(self, reason: str) -> None:
+        """End every session (the stream to the collector was replaced: it ended them as node lost)."""
+        with self._lock:
+            for session in self._sessions.values():
+                session.end_reason = session.end_reason or reason
+        self._wake.set()
 
     def _cgroup_ids(self, container_ids: frozenset[str]) -> set[int]:
         """The cgroup v2 ids of these containers (each container's directory and any below it)."""
@@ -209,18 +281,22 @@ class TraceSessions:
                 record = self.maker.make(raw, session.id, session.seq + 1, offset_ns, session.gpu)
                 if record is None:  # filtered out (--gpu)
                     continue
+                if session.seq >= session.max_records:
+                    session.over_limit += 1  # only with --gpu: the kernel's budget is larger
+                    continue
                 session.seq += 1
                 if not session.pending:
                     session.first_pending_s = now_s
                 session.pending.append(record)
-            if raw.kind == 8:  # EXIT: the pid's identity cache is stale from now on
+            if raw.kind in (TK_EXEC, TK_EXIT):  # the pid's cached identity is stale from now on
                 self.maker.forget(raw.tgid)
 
     def _flush(self, session: _Session, ended: bool = False) -> None:
         records, session.pending = session.pending, []
         _records, over_limit, drops = self.kernel.slot_counts(session.slot)
         batch = trace_pb2.TraceBatch(
-            session=session.id, records_total=session.seq, dropped_limit_total=over_limit,
+            session=session.id, records_total=session.seq,
+            dropped_limit_total=over_limit + session.over_limit,
             dropped_ringbuf_total=drops, dropped_transport_total=session.transport_dropped, ended=ended,
             end_reason=session.end_reason if ended else "")
         for record in records:
@@ -235,6 +311,7 @@ class TraceSessions:
         self._flush(session, ended=True)
         with self._lock:
             self._sessions.pop(session.id, None)
+            self._stopped.append(session.id)
             if not self._sessions:
                 self._idle.set()
         log.warning("trace session %s ended (%s): %d records", session.id, session.end_reason, session.seq)

@@ -81,8 +81,15 @@ def device_ref(path: str) -> DeviceRef:
     return DeviceRef(path, DeviceKind.GPU, int(path[-1]))
 
 
+def fake_proc(root: Path, parents: dict[int, int]) -> None:
+    for pid, ppid in parents.items():
+        (root / str(pid)).mkdir(exist_ok=True)
+        (root / str(pid) / "stat").write_text(f"{pid} (w x) S {ppid} 0 0 0\n")
+
+
 class Node:
     def __init__(self, tmp: Path, limits: TraceLimits | None = None) -> None:
+        fake_proc(tmp, {4242: 1, 4300: 4242, 4301: 4300, 5000: 1})  # 4242 has a child and a grandchild
         self.kernel = FakeTraceKernel()
         self.batches: list[trace_pb2.TraceBatch] = []
         self.collector_up = True
@@ -122,7 +129,8 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 def test_a_session_decodes_and_batches_its_records(node: Node) -> None:
     assert node.start("t-1").error == ""
-    assert node.kernel.tgids == {4242: 1} and node.kernel.slots[0][3] == 100_000
+    # the pid and what it forked before the start; the kernel adds later forks itself
+    assert node.kernel.tgids == {4242: 1, 4300: 1, 4301: 1} and node.kernel.slots[0][3] == 100_000
     assert node.kernel.layouts, "the driver's layouts were written to the kernel at the first start"
     node.kernel.push(ioctl_record(4242, 4243, CTL, status=0x1F), ioctl_record(4242, 4242, GPU0))
     wait_until(lambda: len(node.records("t-1")) == 2, what="two records in a batch")
@@ -189,6 +197,42 @@ def test_a_record_in_two_sessions_is_in_both(node: Node) -> None:
     node.kernel.push(ioctl_record(4242, 4242, CTL, slots=0b11))
     wait_until(lambda: node.records("t-1") and node.records("t-2"), what="both sessions got it")
     assert node.records("t-1")[0].seq == node.records("t-2")[0].seq == 1
+
+
+def test_what_is_not_on_the_node_is_refused_as_not_found(node: Node) -> None:
+    assert node.start("t-1", pid=999).error == "not found: no process 999 on node n1"
+    cmd = stream_pb2.Command(trace_start=trace_pb2.TraceStart(
+        session="t-2", container_ids=["ab" * 32], deadline_unix_ns=time.time_ns() + 10**10))
+    assert node.sessions.handle(cmd).error.startswith("not found: no cgroup of container abababababab")
+    assert not node.kernel.slots, "nothing written to the kernel for a refused start"
+
+
+def test_a_start_after_its_own_stop_is_refused(node: Node) -> None:
+    node.sessions.handle(stream_pb2.Command(trace_stop=trace_pb2.TraceStop(session="t-late")))
+    assert "already stopped" in node.start("t-late").error and not node.kernel.slots
+
+
+def test_a_start_that_fails_midway_leaves_no_slot_recording(node: Node) -> None:
+    def full(slot: int, tgid: int) -> None:
+        raise OSError("trace_tgids is full")
+
+    node.kernel.add_tgid = full  # type: ignore[method-assign]
+    assert "trace_tgids is full" in node.start("t-1").error
+    assert not node.kernel.slots and not node.sessions.active()
+
+
+def test_a_gpu_filtered_session_keeps_its_own_limit_exactly(tmp_path: Path) -> None:
+    n = Node(tmp_path, TraceLimits(max_records=2))
+    try:
+        n.start("t-1", gpu="1")
+        assert n.kernel.slots[0][3] == 2 * 16  # room in the kernel for the calls the filter drops
+        n.kernel.push(*(ioctl_record(4242, 4242, dev) for dev in (GPU0, GPU1, CTL, GPU1, GPU0, CTL)))
+        wait_until(lambda: len(n.records("t-1")) == 2, what="two kept")
+        n.sessions.handle(stream_pb2.Command(trace_stop=trace_pb2.TraceStop(session="t-1")))
+        wait_until(lambda: n.ended("t-1") is not None, what="stopped")
+        assert n.ended("t-1").dropped_limit_total == 2  # GPU1 and CTL past the limit; GPU0's not counted
+    finally:
+        n.sessions.close()
 
 
 def test_flag_names() -> None:
