@@ -34,7 +34,7 @@ log = logging.getLogger("ghostgpu.trace")
 
 POLL_MS = 100  # the thread's wait for records; also how late a deadline can be noticed
 FLUSH_S = 0.1  # a batch leaves at most this long after its first record
-BATCH_RECORDS = 512
+BATCH_RECORDS = 512  # ~200 KB a batch: far under the 8 MiB gRPC message limit (common/protocol.py)
 # Prefixes of a refusal the collector turns into a gRPC code (collector/trace_commands.py).
 LIMIT_PREFIX = "limit: "  # over a configured limit: RESOURCE_EXHAUSTED
 NOT_FOUND_PREFIX = "not found: "  # the pid or container is not on this node: NOT_FOUND
@@ -288,6 +288,8 @@ class TraceSessions:
                 if not session.pending:
                     session.first_pending_s = now_s
                 session.pending.append(record)
+                if len(session.pending) >= BATCH_RECORDS:  # one poll can hold ~100k: keep messages small
+                    self._flush(session)
             if raw.kind in (TK_EXEC, TK_EXIT):  # the pid's cached identity is stale from now on
                 self.maker.forget(raw.tgid)
 

@@ -256,3 +256,14 @@ def test_a_process_gone_before_its_records_are_read_keeps_the_identity_the_agent
     assert rec is not None and (rec.ns_pid, rec.comm) == (7, "trainer")
     other = maker.make(raw._replace(tgid=99), "t-1", 2, 0)
     assert other is not None and (other.ns_pid, other.comm) == (None, "")
+
+
+def test_a_flood_read_in_one_poll_leaves_in_bounded_batches(node: Node) -> None:
+    """One ring-buffer poll can hold 100,000 records: a batch of them all would pass gRPC's 8 MiB
+    message limit and cost the stream (seen at 200k ioctls/s)."""
+    from ghostgpu.tracer.trace_sessions import BATCH_RECORDS
+
+    node.start("t-1")
+    node.kernel.push(*(ioctl_record(4242, 4242, CTL) for _ in range(3 * BATCH_RECORDS + 7)))
+    wait_until(lambda: len(node.records("t-1")) == 3 * BATCH_RECORDS + 7, what="every record")
+    assert max(len(b.records) for b in node.batches) <= BATCH_RECORDS
