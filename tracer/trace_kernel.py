@@ -161,9 +161,13 @@ class TraceKernel:
         table = self._bpf[b"trace_on"]
         table[table.Key(0)] = table.Leaf(len(self._active))
 
-    def _clear_bit(self, name: bytes, slot: int) -> None:
-        table = self._bpf[name]
+    def _clear_bit(self, name: bytes, slot: int, keep: Iterable[int] = ()) -> None:
+        """Take `slot`'s bit off every key of map `name` but those in `keep` (a key left with no bit
+        goes); keys without the bit are not written."""
+        table, kept = self._bpf[name], set(keep)
         for key, value in list(table.items()):
+            if key.value in kept or not value.value >> slot & 1:
+                continue
             mask = value.value & ~(1 << slot)
             with contextlib.suppress(KeyError):  # a traced tgid exited meanwhile
                 if mask:
@@ -173,21 +177,12 @@ class TraceKernel:
 
     def set_cgroups(self, slot: int, cgroup_ids: Iterable[int]) -> None:
         """Make `slot`'s cgroup scope exactly `cgroup_ids`."""
+        wanted = set(cgroup_ids)
         with self._lock:  # masks are read-modify-written: one writer at a time
-            self._set_cgroups(slot, set(cgroup_ids))
-
-    def _set_cgroups(self, slot: int, wanted: set[int]) -> None:
-        table = self._bpf[b"trace_cgroups"]
-        for key, value in list(table.items()):
-            if key.value not in wanted and value.value >> slot & 1:
-                mask = value.value & ~(1 << slot)
-                with contextlib.suppress(KeyError):
-                    if mask:
-                        table[key] = table.Leaf(mask)
-                    else:
-                        del table[key]
-        for cgroup_id in wanted:
-            self._add_bit(table, table.Key(cgroup_id), slot)
+            self._clear_bit(b"trace_cgroups", slot, keep=wanted)
+            table = self._bpf[b"trace_cgroups"]
+            for cgroup_id in wanted:
+                self._add_bit(table, table.Key(cgroup_id), slot)
 
     def add_tgid(self, slot: int, tgid: int) -> None:
         """Put `tgid` in `slot`'s scope; its forks from now on join it in the kernel."""
