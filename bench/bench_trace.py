@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +254,35 @@ class Counting:
     def get(self, session: str) -> dict[str, Any]:
         with self.lock:
             return dict(self.sessions.get(session, {}))
+
+
+def start_openers(count: int, duration_s: float, binary: Path, stop: threading.Event, errors: list[str],
+                  on_ready: Callable[[int, int], None]) -> threading.Thread:
+    """`count` fresh processes that open the GPU device files (gpucalls, spin 0, on the work CPU),
+    spread over the window; on_ready(pid, CLOCK_BOOTTIME ns before it started) for each. Parts 4
+    and 5 time the attribution path with them."""
+    def launch() -> None:
+        gap = max(duration_s - 1.0, 0.5) / max(count, 1)
+        time.sleep(0.5)
+        for _ in range(count):
+            if stop.is_set():
+                return
+            try:
+                before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+                opts = GpuCallsOptions(driver=DRIVER, spin=0, private_dev=PRIVATE_DEV)
+                with GpuCalls(opts, prefix=pinned(WORK_CPU), binary=binary) as run:
+                    ready = run.wait_ready(10.0)
+                    on_ready(ready.pid, before)
+                    run.release()
+                    run.wait_done(10.0)
+                    run.wait_exit(10.0)
+            except Exception as exc:
+                errors.append(str(exc).splitlines()[0])
+            time.sleep(gap)
+
+    launcher = threading.Thread(target=launch, name="bench-openers", daemon=True)
+    launcher.start()
+    return launcher
 
 
 class Bench:
@@ -506,26 +535,8 @@ class Bench:
             pacer.stdin.write(b"\n")
             pacer.stdin.flush()
 
-            def launch() -> None:
-                gap = max(a.duration_s - 1.0, 0.5) / max(a.openers, 1)
-                time.sleep(0.5)
-                for _ in range(a.openers):
-                    if stop.is_set():
-                        return
-                    try:
-                        opts = GpuCallsOptions(driver=DRIVER, spin=0, private_dev=PRIVATE_DEV)
-                        with GpuCalls(opts, prefix=pinned(WORK_CPU), binary=self.gpucalls) as run:
-                            ready = run.wait_ready(10.0)
-                            openers[ready.pid] = None
-                            run.release()
-                            run.wait_done(10.0)
-                            run.wait_exit(10.0)
-                    except Exception as exc:
-                        launcher_errors.append(str(exc).splitlines()[0])
-                    time.sleep(gap)
-
-            launcher = threading.Thread(target=launch, name="bench-openers", daemon=True)
-            launcher.start()
+            launcher = start_openers(a.openers, a.duration_s, self.gpucalls, stop, launcher_errors,
+                                     lambda pid, _before_ns: openers.__setitem__(pid, None))
             # The agent's loop, reduced to the part measured: poll the attribution ring buffer.
             while pacer.poll() is None or launcher.is_alive():
                 for event in self.source.poll(50):
@@ -737,27 +748,8 @@ class ViaCollector:
             pacer.stdin.write(b"\n")
             pacer.stdin.flush()
 
-            def launch() -> None:
-                gap = max(a.duration_s - 1.0, 0.5) / max(a.openers, 1)
-                time.sleep(0.5)
-                for _ in range(a.openers):
-                    if stop.is_set():
-                        return
-                    try:
-                        before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-                        opts = GpuCallsOptions(driver=DRIVER, spin=0, private_dev=PRIVATE_DEV)
-                        with GpuCalls(opts, prefix=pinned(WORK_CPU), binary=self.gpucalls) as run:
-                            ready = run.wait_ready(10.0)
-                            openers.append((ready.pid, before))
-                            run.release()
-                            run.wait_done(10.0)
-                            run.wait_exit(10.0)
-                    except Exception as exc:
-                        launcher_errors.append(str(exc).splitlines()[0])
-                    time.sleep(gap)
-
-            launcher = threading.Thread(target=launch, name="bench-openers", daemon=True)
-            launcher.start()
+            launcher = start_openers(a.openers, a.duration_s, self.gpucalls, stop, launcher_errors,
+                                     lambda pid, before_ns: openers.append((pid, before_ns)))
             out_pacer, _ = pacer.communicate(timeout=a.duration_s + 60)
             pacer_out = json.loads(out_pacer.decode().strip().splitlines()[-1])
             window = time.monotonic() - wall0
