@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ghostgpu.tracer.call_decode import DecodedCall, DriverLayout, IoctlCapture, decode_call, layout_for
 from ghostgpu.tracer.cgroup import CgroupIdResolver
+from ghostgpu.tracer.procfs import parse_status, read_bytes
 from ghostgpu.tracer.trace_kernel import TF_STATUS, TF_XFER, TRACE_KINDS, RawTrace
 
 from ghostgpu.common.model import DeviceKind, DeviceRef
@@ -47,19 +48,9 @@ def bit_names(value: int, names: list[tuple[int, str]], none: str) -> str:
 
 def read_identity(proc_root: str, pid: int) -> tuple[int | None, str]:
     """(the PID inside the process's own namespace, comm) from /proc/PID/status; (None, "") if gone."""
-    ns_pid, comm = None, ""
-    try:
-        with open(f"{proc_root}/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Name:"):
-                    comm = line.split(":", 1)[1].strip()
-                elif line.startswith("NSpid:"):
-                    fields = line.split()
-                    ns_pid = int(fields[-1]) if len(fields) > 1 else None
-                    break
-    except (OSError, ValueError):
-        pass
-    return ns_pid, comm
+    data = read_bytes(f"{proc_root}/{pid}/status")
+    status = parse_status(data.decode("utf-8", "replace")) if data is not None else None
+    return (status.ns_pid, status.name) if status is not None else (None, "")
 
 
 class RecordMaker:

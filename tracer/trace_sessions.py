@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ghostgpu.tracer.call_decode import DriverLayout, layout_for
 from ghostgpu.tracer.cgroup import CgroupIdResolver
 from ghostgpu.tracer.events import boot_ns
+from ghostgpu.tracer.procfs import parse_stat, read_bytes
 from ghostgpu.tracer.trace_kernel import SLOTS, TraceKernel, slot_bits, unpack_trace
 from ghostgpu.tracer.trace_records import RecordMaker
 
@@ -52,14 +53,12 @@ def process_tree(proc_root: str, root: int) -> set[int]:
         for entry in it:
             if not entry.name.isdigit():
                 continue
-            try:
-                with open(f"{entry.path}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+            data = read_bytes(f"{entry.path}/stat")
+            stat = parse_stat(data.decode("utf-8", "replace")) if data is not None else None
+            if stat is None:
                 continue
-            pid = int(entry.name)
-            found = found or pid == root
-            children.setdefault(ppid, []).append(pid)
+            found = found or stat.pid == root
+            children.setdefault(stat.ppid, []).append(stat.pid)
     if not found:
         return set()
     tree, todo = set(), [root]

@@ -84,7 +84,8 @@ def device_ref(path: str) -> DeviceRef:
 def fake_proc(root: Path, parents: dict[int, int]) -> None:
     for pid, ppid in parents.items():
         (root / str(pid)).mkdir(exist_ok=True)
-        (root / str(pid) / "stat").write_text(f"{pid} (w x) S {ppid} 0 0 0\n")
+        fields = ["S", str(ppid), *["0"] * 15, "1", "0", "100"]  # fields 3..22 (20: threads, 22: start)
+        (root / str(pid) / "stat").write_text(f"{pid} (w x) {' '.join(fields)}\n")
 
 
 class Node:
