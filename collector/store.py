@@ -203,6 +203,9 @@ class Store:
             ops = [*ops, ("release", size_bytes)]
         self._queue.put(_Job(ops=ops, done=done))
 
+    def encode_blob(self, blob: bytes) -> tuple[int, bytes]:
+        return encode_blob(blob, self.compress)
+
     @property
     def pending_bytes(self) -> int:
         """Bytes of event blobs queued and not yet committed (for back-pressure on ingest)."""
@@ -300,9 +303,7 @@ class Store:
             for op in job.ops:
                 kind = op[0]
                 if kind == "events":
-                    blob, codec = op[7], CODEC_RAW
-                    if self.compress:
-                        blob, codec = zlib.compress(blob, 1), CODEC_ZLIB
+                    codec, blob = self.encode_blob(op[7])
                     events.append((*op[1:7], now_ns, codec, blob))
                 elif kind == "position":
                     positions[op[1][:3]] = op[1]  # the latest counters of each instance win
@@ -363,6 +364,11 @@ class Store:
     @property
     def event_log_count(self) -> int:
         return self._log_events
+
+
+def encode_blob(blob: bytes, compress: bool = True) -> tuple[int, bytes]:
+    """(codec, stored bytes): zlib level 1, run on the writer thread, off the event loop."""
+    return (CODEC_ZLIB, zlib.compress(blob, 1)) if compress else (CODEC_RAW, blob)
 
 
 def decode_blob(codec: int, blob: bytes) -> bytes:

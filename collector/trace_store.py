@@ -20,11 +20,10 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
-from ghostgpu.collector.store import CODEC_ZLIB, Store, decode_blob
+from ghostgpu.collector.store import Store, decode_blob, encode_blob
 
 from ghostgpu.common.convert_trace import session_from_proto, session_to_proto
 from ghostgpu.common.trace import TraceSession, TraceStatus
@@ -139,7 +138,7 @@ class TraceStore:
         def run(conn: sqlite3.Connection) -> None:
             conn.execute("INSERT INTO trace_records (session, node, first_seq, last_seq, count, codec, blob) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (session, node, first_seq, last_seq, count, CODEC_ZLIB, zlib.compress(blob, 1)))
+                         (session, node, first_seq, last_seq, count, *encode_blob(blob)))
 
         self.store.submit([Store.op_call(run)], size_bytes=len(blob))
 
