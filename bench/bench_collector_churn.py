@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, machine, print_table, status_kib, write_json
+from tests.helpers.cri_fake import exited_runtime
 
 PY = sys.executable
 MB = 1024  # KiB per MiB (VmRSS is in kB)
@@ -64,33 +65,6 @@ def spawn_collector(tmp: str) -> tuple[subprocess.Popen[str], str, str]:
             break
     proc.kill()
     raise SystemExit(f"bench: the collector did not start: {proc.stderr.read()}")
-
-
-def runtime(method: str, request: bytes) -> tuple[int, str, bytes]:
-    """A node's CRI as the tracer relays it: every container exited, its pod sandbox gone."""
-    import grpc
-
-    from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
-
-    if method == "Version":
-        version = cri.VersionResponse(runtime_name="containerd", runtime_version="1.7.2")
-        return 0, "", version.SerializeToString()
-    if method == "ListContainers":
-        cid = cri.ListContainersRequest.FromString(request).filter.id
-        c = cri.Container(id=cid, pod_sandbox_id="sb-" + cid[:12], state=cri.CONTAINER_EXITED,
-                          metadata=cri.ContainerMetadata(name="step"), image=cri.ImageSpec(image="batch:1"),
-                          labels={"io.kubernetes.pod.name": f"job-{cid[:10]}",
-                                  "io.kubernetes.pod.namespace": "batch",
-                                  "io.kubernetes.container.name": "step"})
-        return 0, "", cri.ListContainersResponse(containers=[c]).SerializeToString()
-    if method == "ContainerStatus":
-        cid = cri.ContainerStatusRequest.FromString(request).container_id
-        st = cri.ContainerStatus(id=cid, state=cri.CONTAINER_EXITED, exit_code=0, reason="Completed",
-                                 finished_at=1)
-        return 0, "", cri.ContainerStatusResponse(status=st).SerializeToString()
-    if method == "PodSandboxStatus":
-        return grpc.StatusCode.NOT_FOUND.value[0], "pod sandbox not found", b""
-    return grpc.StatusCode.UNIMPLEMENTED.value[0], method, b""
 
 
 def rounds(mode: str, consumers: int, per_batch: int) -> Any:
@@ -178,7 +152,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(1.0)  # imports and start-up settle
             idle_kib = status_kib(proc.pid, "VmRSS") or 0
             watched: list[bool] = []
-            with QueryClient(addr) as q, SimTracer(addr, "churn-node", cri=runtime) as t:
+            with QueryClient(addr) as q, SimTracer(addr, "churn-node", cri=exited_runtime) as t:
                 stream = q.watch(include_open=True)
                 threading.Thread(target=follow, args=(stream, watched), daemon=True).start()
                 t.connect()

@@ -186,3 +186,27 @@ class FakeCri:
     def to_container(self, c: FakeCriContainer) -> cri.Container:
         return cri.Container(id=c.id, pod_sandbox_id=c.sandbox_id, state=c.state, labels=c.labels,
                              metadata=cri.ContainerMetadata(name=c.name), image=cri.ImageSpec(image=c.image))
+
+
+def exited_runtime(method: str, request: bytes) -> tuple[int, str, bytes]:
+    """A node's CRI as a tracer relays it (SimTracer's `cri=`): every container exited, its pod
+    sandbox gone. What a churn of short-lived jobs leaves behind."""
+    if method == "Version":
+        version = cri.VersionResponse(runtime_name="containerd", runtime_version="1.7.2")
+        return 0, "", version.SerializeToString()
+    if method == "ListContainers":
+        cid = cri.ListContainersRequest.FromString(request).filter.id
+        c = cri.Container(id=cid, pod_sandbox_id="sb-" + cid[:12], state=cri.CONTAINER_EXITED,
+                          metadata=cri.ContainerMetadata(name="step"), image=cri.ImageSpec(image="batch:1"),
+                          labels={"io.kubernetes.pod.name": f"job-{cid[:10]}",
+                                  "io.kubernetes.pod.namespace": "batch",
+                                  "io.kubernetes.container.name": "step"})
+        return 0, "", cri.ListContainersResponse(containers=[c]).SerializeToString()
+    if method == "ContainerStatus":
+        cid = cri.ContainerStatusRequest.FromString(request).container_id
+        st = cri.ContainerStatus(id=cid, state=cri.CONTAINER_EXITED, exit_code=0, reason="Completed",
+                                 finished_at=1)
+        return 0, "", cri.ContainerStatusResponse(status=st).SerializeToString()
+    if method == "PodSandboxStatus":
+        return grpc.StatusCode.NOT_FOUND.value[0], "pod sandbox not found", b""
+    return grpc.StatusCode.UNIMPLEMENTED.value[0], method, b""

@@ -29,6 +29,7 @@ from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import node_pb2
 from tests.helpers.alertpush_env import FindingTable, k8s
 from tests.helpers.collector_env import QueryClient, running_collector
+from tests.helpers.cri_fake import exited_runtime
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer, finding, holder, make_consumer, resolved
 
@@ -38,23 +39,6 @@ EXIT = node_pb2.HolderEvent.KIND_EXIT
 
 def cid_of(i: int) -> str:
     return f"{i:064x}"
-
-
-def exited_runtime(method: str, request: bytes) -> tuple[int, str, bytes]:
-    """A node's CRI through the sim tracer's relay: every container exited, its pod sandbox gone."""
-    if method == "Version":
-        version = cri.VersionResponse(runtime_name="containerd", runtime_version="1.7.2")
-        return 0, "", version.SerializeToString()
-    if method == "ListContainers":
-        cid = cri.ListContainersRequest.FromString(request).filter.id
-        c = cri.Container(id=cid, pod_sandbox_id="sb-" + cid[:12], state=cri.CONTAINER_EXITED,
-                          metadata=cri.ContainerMetadata(name="step"))
-        return 0, "", cri.ListContainersResponse(containers=[c]).SerializeToString()
-    if method == "ContainerStatus":
-        cid = cri.ContainerStatusRequest.FromString(request).container_id
-        status = cri.ContainerStatus(id=cid, state=cri.CONTAINER_EXITED, reason="Completed", finished_at=1)
-        return 0, "", cri.ContainerStatusResponse(status=status).SerializeToString()
-    return NOT_FOUND, f"{method}: not found", b""
 
 
 class Forgotten(list[tuple[str, str]]):
