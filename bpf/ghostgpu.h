@@ -70,6 +70,7 @@ _Static_assert(GG_COMMON_LEN >= 1 && GG_COMMON_LEN <= 7, "common prefix must fit
 #define GG_EV_FORK 4
 #define GG_EV_EXEC 5
 #define GG_EV_EXIT 6
+#define GG_EV_RENAME 9 /* a holder renamed itself (prctl PR_SET_NAME, /proc/self/comm): reread its comm */
 /* Bookkeeping records, never shown: they tell user space which keys a tgid owns, so that its
  * exec and exit touch only those (tracer/kernel_tables.py) instead of walking whole maps. */
 #define GG_EV_FD 7        /* another fd on a device the tgid already holds: fd, dev_id */

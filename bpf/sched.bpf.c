@@ -1,4 +1,4 @@
-/* sched.bpf.c: lifecycle of holders: FORK (a new process, not a thread), EXEC, EXIT.
+/* sched.bpf.c: lifecycle of holders: FORK (a new process, not a thread), EXEC, RENAME, EXIT.
  *
  * "Holder" here is any tgid with a procs entry: FORK and EXEC need a device held now (count > 0);
  * EXIT is reported for every entry, including a process that has released all its devices,
@@ -69,6 +69,26 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         return 0;
     gg_set_holder(tgid, 0);
     gg_emit(GG_EV_EXEC, tgid, (u32)id, -1, 0, 0, 0);
+    return 0;
+}
+
+/* A holder's name changes without an exec, too: busybox exec's its applets through
+ * /proc/self/exe (comm "exe") and then names itself with prctl(PR_SET_NAME), and so do runtimes
+ * and worker pools. Only the leader's name is the process's (/proc/PID/stat); a thread naming
+ * itself (pthread_setname_np) is not reported. The exec's own rename (begin_new_exec) fires here
+ * too, just before sched_process_exec: one extra identity read per holder exec. A rename only
+ * ever comes from the task's own thread group (proc_pid_set_comm checks same_thread_group), so
+ * the current tgid is the renamed process. */
+TRACEPOINT_PROBE(task, task_rename)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = (u32)(id >> 32);
+    if ((u32)args->pid != tgid)
+        return 0;
+    u32 *held = procs.lookup(&tgid);
+    if (!held || *held == 0)
+        return 0;
+    gg_emit(GG_EV_RENAME, tgid, (u32)id, -1, 0, 0, 0);
     return 0;
 }
 

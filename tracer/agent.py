@@ -276,6 +276,11 @@ class Tracer:
     # --- events ---------------------------------------------------------------------------
 
     def _handle(self, ev: SourceEvent) -> None:
+        if ev.kind is EventKind.RENAME:
+            # Not a record: the new name reaches the collector with the next classification.
+            if self.state.refresh(ev.pid):
+                self._dirty = True
+            return
         before = self.state.holders.get(ev.pid)
         if ev.kind is EventKind.EXIT:
             self._exit(ev, before)

@@ -36,8 +36,8 @@ from ghostgpu.common.model import DeviceRef
 
 EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
 # ghostgpu.h GG_EV_*, GG_FLAG_* and the GG_STAT_* slot order.
-KINDS = dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, EventKind.FORK, EventKind.EXEC,
-                        EventKind.EXIT), start=1))
+KINDS = {**dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, EventKind.FORK, EventKind.EXEC,
+                           EventKind.EXIT), start=1)), 9: EventKind.RENAME}
 EV_OPEN, EV_MMAP, EV_FD, EV_IOCTL_KEY = 1, 3, 7, 8
 BOOKKEEPING_KINDS = {EV_FD: "FD", EV_IOCTL_KEY: "IOCTL_KEY"}  # keys a tgid owns: never SourceEvents
 FLAG_MAPPED, FLAG_LEADER_ONLY = 1, 2

@@ -247,9 +247,12 @@ _NUMBERS = re.compile(r"\d+(?:[.,]\d+)*")  # "12.3", "5,6,7" (an fd list) each m
 
 def _signature(c: Consumer) -> tuple[object, ...]:
     # The reason with its numbers masked: "pending for 0.4 s" and "for 1.2 s" are the same finding,
-    # "zombie" and "reparented" are not. Numbers that matter are compared as fields.
+    # "zombie" and "reparented" are not. Numbers that matter are compared as fields. The comm is
+    # one: a holder that renames itself (busybox applets, worker pools) is shown, and alerted on,
+    # by its current name.
     reason_shape = _NUMBERS.sub("#", c.reason)
-    return (c.cls, reason_shape, tuple(c.devices), c.gpu_memory_bytes, c.container_id, c.mapped, c.alive)
+    return (c.cls, reason_shape, tuple(c.devices), c.gpu_memory_bytes, c.container_id, c.mapped, c.alive,
+            c.comm)
 
 
 def diff_consumers(old: Mapping[ConsumerKey, Consumer], new: list[Consumer],

@@ -27,7 +27,11 @@ class EventKind(StrEnum):
     FORK = "fork"  # a holder forked a new process (child_pid); the child inherits its fds
     EXEC = "exec"  # a holder exec'd: close-on-exec fds are gone, rescan it
     EXIT = "exit"  # the whole thread group of a holder is dead
+    RENAME = "rename"  # a holder's leader changed its comm: re-read its identity (never a record)
 
+
+# Kinds that only steer the holder table: the agent never turns them into a HolderRecord.
+UNRECORDED_KINDS = frozenset({EventKind.RENAME})
 
 
 @dataclass(frozen=True)

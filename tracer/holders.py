@@ -98,6 +98,19 @@ class HolderTable:
             holder.process = fresh
         return []
 
+    def refresh(self, pid: int) -> bool:
+        """Re-read a holder's identity after it renamed itself; False when it is not a holder or
+        its PID now names another process (the next event or scan settles that, as for any reuse)."""
+        holder = self.holders.get(pid)
+        fresh = self._who(pid, 0) if holder is not None else None
+        if holder is None or fresh is None or not fresh.alive:
+            return False
+        old_ticks = holder.process.start_ticks
+        if old_ticks is not None and fresh.start_ticks is not None and fresh.start_ticks != old_ticks:
+            return False
+        holder.process = fresh
+        return True
+
     # --- events ---------------------------------------------------------------------------
 
     def apply(self, event: SourceEvent) -> list[Change]:

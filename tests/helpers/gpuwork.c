@@ -6,7 +6,7 @@
  * Steps run in order; every fd the script gets (open, dup, recvfd) is pushed on a table and
  * named by its index (0, 1, ...) in later steps:
  *   open PATH | ioctl IDX CMD N | mmap IDX | close IDX | dup IDX | sleep MS | ready | wait
- *   fork | thread-hold | sendfd SOCKPATH IDX | recvfd SOCKPATH | exit CODE
+ *   fork | thread-hold | sendfd SOCKPATH IDX | recvfd SOCKPATH | exit CODE | exec | rename COMM
  * A bad script prints "script-error ..." and exits 2 before any step runs. A failed
  * open/mmap/dup/sendfd/recvfd prints "step-error <step> <errno>" and the script goes on.
  */
@@ -41,7 +41,7 @@ static unsigned char ioctl_buf[4096]; /* zeroed arg; _IOC_SIZE of any ioctl fits
 static const struct { const char *name; const char *args; } STEPS[] = {
     {"open", "p"}, {"ioctl", "iii"}, {"mmap", "i"}, {"close", "i"}, {"dup", "i"}, {"sleep", "i"},
     {"ready", ""}, {"wait", ""}, {"fork", ""}, {"thread-hold", ""}, {"sendfd", "pi"},
-    {"recvfd", "p"}, {"exit", "i"}, {"exec", ""},
+    {"recvfd", "p"}, {"exit", "i"}, {"exec", ""}, {"rename", "p"},
 };
 
 static void sleep_ms(long ms) {
@@ -241,6 +241,10 @@ static int run_script(int argc, char **argv) {
         } else if (strcmp(s, "exit") == 0) {
             fflush(stdout);
             exit((int)strtol(argv[++i], NULL, 0));
+        } else if (strcmp(s, "rename") == 0) {
+            /* What busybox does after exec'ing an applet through /proc/self/exe: the comm reads
+             * "exe" until the applet names itself. */
+            if (prctl(PR_SET_NAME, argv[++i], 0, 0, 0) < 0) step_error(s, errno);
         } else if (strcmp(s, "exec") == 0) {
             /* Re-exec this program with the rest of the script: fds opened without O_CLOEXEC
              * (every `open` here) survive into the new image, but its fd table starts empty. */

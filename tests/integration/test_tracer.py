@@ -192,6 +192,24 @@ def test_exec_keeps_an_inherited_hold(tmp_path: Path, fake_nvml: FakeNvml) -> No
         assert exited["devices"] == ["/dev/nvidia0"]
 
 
+def test_a_holder_that_renames_itself_is_shown_by_its_new_name(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    # busybox runs an applet by exec'ing /proc/self/exe (comm "exe") and then names itself; the
+    # periodic scan is far away here, so only the kernel's task_rename can carry the new name.
+    args = [*FAST, "--scan-interval-s", "3600"]
+    with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer, FakeContainer() as c:
+        tracer.wait_ready()
+        p = c.run(["open", "/dev/nvidia0", "ready", "wait", "rename", "trainer", "ready", "wait"])
+        p.wait_ready()
+        host_pid = p.host_pid
+        tracer.wait_for(finding(host_pid, "hidden"), what="hidden under its first name")
+        p.release()
+        p.wait_ready()
+        renamed = tracer.wait_for(lambda r: finding(host_pid, "hidden")(r) and r.get("comm") == "trainer",
+                                  what="the finding under its new name")
+        assert renamed["ns_pid"] == 1
+        p.release()
+
+
 def test_fd_passed_over_a_unix_socket(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     sock = str(tmp_path / "pass.sock")
     args = [*FAST, "--scan-interval-s", "0.5"]

@@ -127,6 +127,22 @@ def test_identify_once_per_new_holder_and_again_on_exec() -> None:
     assert state.holders[100].process.comm == "trainer"
 
 
+def test_refresh_rereads_the_name_of_the_same_process_only() -> None:
+    host = Host(100)
+    state = host.state()
+    state.apply(OPEN5)
+    host.procs[100].comm = "sleep"  # busybox: exec'd as "exe", then prctl(PR_SET_NAME)
+    assert state.refresh(100) is True
+    assert state.holders[100].process.comm == "sleep"
+    host.procs[100] = ProcessInfo(100, start_ticks=2000, comm="other")  # the PID was reused
+    assert state.refresh(100) is False
+    assert state.holders[100].process.comm == "sleep"
+    del host.procs[100]  # gone mid-read
+    assert state.refresh(100) is False
+    assert state.refresh(999) is False  # not a holder: no identity read
+    assert host.calls == [100, 100, 100, 100]
+
+
 def test_pid_reuse_finishes_the_old_holder() -> None:
     host = Host(100)
     state = host.state()
