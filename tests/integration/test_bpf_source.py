@@ -189,7 +189,9 @@ os.execv("/bin/true", ["true"])
     proc.communicate(timeout=30)
     events = rig.wait_exit(proc.pid)
     # Not the loader's mmap/close of libc on the reused fd 3: the stale entry is muted at exec.
-    assert [e.kind for e in events] == [EventKind.OPEN, EventKind.EXEC, EventKind.EXIT]
+    # The exec names the process after its new image (begin_new_exec fires task_rename before
+    # sched_process_exec): a RENAME, then the EXEC.
+    assert [e.kind for e in events] == [EventKind.OPEN, EventKind.RENAME, EventKind.EXEC, EventKind.EXIT]
     rig.source.forget(proc.pid)
 
 
