@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any, Protocol
 
 import grpc
+from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
 from ghostgpu.collector.relay import CriRelayClient
@@ -77,6 +78,7 @@ class IngestSession:
         self.inflight = 0
         self.drained = asyncio.Event()
         self.drained.set()
+        self.who: Any = None  # the Principal that opened it (collector/authz.py), until it is audited closed
 
     def end(self, code: grpc.StatusCode | None, details: str = "") -> None:
         """Finish the stream: OK when code is None, else abort with the code."""
@@ -103,6 +105,7 @@ class Ingest:
         self.sessions: dict[str, IngestSession] = {}
         self.relay = CriRelayClient(self.sessions)
         self.traces: TraceSink | None = None  # the trace session book; the Collector sets it
+        self.audit: Any = None  # AuditLog.append (collector/audit.py); the Collector sets it
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
         self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
@@ -120,11 +123,16 @@ class Ingest:
             raw = await it.__anext__()
         except StopAsyncIteration:
             return
+        who = current_principal()
         try:
             hello = self._hello(raw)
+            self._speaks_for(hello.node, who)
             session = await self._open(hello)
         except StreamAbort as e:
             await context.abort(e.code, e.details)
+        session.who = who
+        self._audit("tracer.connect", who.subject, "ok", node=session.node, peer=who.peer, via=who.via,
+                    tracer_version=hello.tracer_version, instance_id=hello.instance_id)
         reader: asyncio.Task[None] | None = None
         try:  # from here on the session is registered: whatever happens, it is closed
             pos = session.state.position
@@ -153,6 +161,22 @@ class Ingest:
             raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT,
                               "Hello.node is empty: start the tracer with --node-name NAME")
         return hello
+
+    def _speaks_for(self, node: str, who: Any) -> None:
+        """A tracer certificate speaks for the node it names and no other: a compromised node must
+        not stream (or answer trace commands) as another. Other callers the policy let through
+        (the local root on loopback, an admin) may speak for any node."""
+        if who.kind == "node" and who.name != node:
+            self._audit("tracer.refused", who.subject, "denied", node=node, peer=who.peer,
+                        why="the certificate names another node")
+            raise StreamAbort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"permission denied: the certificate of node {who.name} cannot speak for node "
+                              f"{node}: give this tracer node {node}'s certificate (ghostgpu certs issue "
+                              f"--node {node})")
+
+    def _audit(self, action: str, subject: str, result: str, **detail: Any) -> None:
+        if self.audit is not None:
+            self.audit(action, subject, result, **detail)
 
     @staticmethod
     def _parse(raw: bytes) -> stream_pb2.TracerMessage:
@@ -203,6 +227,10 @@ class Ingest:
             del self.sessions[session.node]
             session.state.end()
             log.info("node %s disconnected", session.node)
+        who = session.who
+        if who is not None:
+            session.who = None  # _close runs more than once for a stream; the audit says it once
+            self._audit("tracer.disconnect", who.subject, "ok", node=session.node, peer=who.peer)
 
     async def _write(self, session: IngestSession, context: grpc.aio.ServicerContext) -> None:
         while True:

@@ -34,6 +34,7 @@ from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.query import QueryService
+from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, check_listen, start_server
 from ghostgpu.collector.store import Store, StoreError
 from ghostgpu.collector.trace_commands import TraceLimits, trace_options
@@ -75,7 +76,7 @@ class Collector:
                  pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None,
                  trace_limits: TraceLimits | None = None,
                  trace_store_max_records: int = DEFAULT_STORE_MAX_RECORDS,
-                 trace_retention_h: float = 24.0) -> None:
+                 trace_retention_h: float = 24.0, security: SecurityOptions | None = None) -> None:
         self.listen = [listen] if isinstance(listen, str) else list(listen)
         for addr in self.listen:
             check_listen(addr)
@@ -95,6 +96,8 @@ class Collector:
             raise ValueError(f"--trace-store-max-records {trace_store_max_records}: must be 0 or more")
         if trace_retention_h <= 0:
             raise ValueError(f"--trace-retention-h {trace_retention_h}: must be more than 0")
+        self.security_options = security or SecurityOptions()  # collector/security.py
+        self.security: Security | None = None
         self.trace_limits = trace_limits or TraceLimits()  # collector/traces.py: trace sessions
         self.trace_store_max_records = trace_store_max_records
         self.trace_retention_h = trace_retention_h
@@ -157,6 +160,8 @@ class Collector:
             except ValueError as e:  # a malformed endpoint: name the flag, as every other bad value does
                 raise ValueError(f"--collector-cri-endpoint: {e}") from None
         self.store = Store(self.db_path, self.event_log_max, self.retention_days)
+        self.security = Security(self.security_options, self.store, self.db_path)
+        self.security.check_listen(self.listen)
         self.nodes: dict[str, NodeView] = {}
         if self._resolver_factory is not None:
             self.resolver = self._resolver_factory(self.transport_for, self._on_cri_change)
@@ -170,6 +175,12 @@ class Collector:
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
         self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
         self.trace_store = TraceStore(self.store, self.trace_store_max_records, self.trace_retention_h * 3600)
+        # Trace starts, stops, expiries and refusals go to the audit log too (the trace_audit table
+        # keeps the per-session view `trace show` prints).
+        audit = self.security.audit
+        self.trace_store.on_audit = lambda sid, action, who, detail: audit(
+            f"trace.{action}", who, "ok" if action in ("start", "stop", "expire") else action,
+            session=sid, detail=detail)
         self.traces = TraceBook(self.ingest.sessions, self.trace_store, self.trace_limits,
                                 transport_for=self.transport_for, nodes=self.nodes,
                                 cluster_rows=self.cluster.rows,
@@ -177,6 +188,9 @@ class Collector:
         self.ingest.traces = self.traces
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures, traces=self.traces)
+        self.ingest.audit = self.query.audit = self.security.audit
+        policy = self.security.policy
+        self.query.trace_denial = lambda who, ns, duration_s: policy.policy.trace_denial(who, ns, duration_s)
         if self.alertmanager:
             if self._pusher_factory is not None:
                 factory = self._pusher_factory
@@ -210,7 +224,8 @@ class Collector:
         self.ingest.loop = self.relay.loop = self.loop
         self._stop_event = asyncio.Event()
         try:
-            server, self.addresses = await start_server(self.ingest.connect, self.query, self.listen)
+            server, self.addresses = await start_server(self.ingest.connect, self.query, self.listen,
+                                                        self.security)
         except (ListenError, OSError) as e:
             self._start_error = e if isinstance(e, ListenError) else ListenError(f"--listen: {e}")
             return
@@ -225,6 +240,7 @@ class Collector:
             except TimeoutError:
                 self.cluster.flush_changed()
                 self.cluster.release_unused()
+                self.security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
                 if self.heap is not None:
                     self.heap.tick()
         self.cluster.flush_changed()
@@ -261,6 +277,9 @@ class Collector:
         channel = getattr(self._direct, "channel", None)
         if channel is not None:
             channel.close()
+        security, self.security = self.security, None
+        if security is not None:
+            security.close()
         store = getattr(self, "store", None)  # absent when start() failed before opening it
         if store is not None:
             store.close()  # idempotent: after the loop's own close, only the connection is closed again
@@ -357,7 +376,8 @@ def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[
     try:
         collector = Collector(listen, db, args.retention_days, args.event_log_max,
                               getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s,
-                              **collector_options(args), **trace_options(args))
+                              **collector_options(args), **trace_options(args),
+                              security=SecurityOptions.from_args(args))
         collector.start()
     except (ListenError, StoreError, HttpListenError, ValueError) as e:
         print(f"ghostgpu: collector: {e}", file=sys.stderr)
@@ -371,6 +391,7 @@ def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[
           f"{extra}", file=sys.stderr, flush=True)
     stop = threading.Event()
     install_signals(stop.set)
+    reload_on_hangup(collector)
     rc = 0
     while not stop.wait(0.5):
         if collector.failed is not None:
@@ -382,3 +403,16 @@ def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[
             break
     collector.stop()
     return rc
+
+
+def reload_on_hangup(collector: Collector) -> None:
+    """SIGHUP re-reads the policy (on the collector's loop, where the policy is read)."""
+    import signal
+
+    def on_hup(_sig: int, _frame: Any) -> None:
+        loop, security = collector.loop, collector.security
+        if loop is not None and security is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(security.reload)
+
+    signal.signal(signal.SIGHUP, on_hup)

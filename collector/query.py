@@ -7,11 +7,9 @@ store's thread, after every write queued before the call, so a finding just open
 ListFindings. The API-version check happens before these handlers (collector/server.py).
 
 Trace sessions (StartTrace, StopTrace, ListTraces, WatchTrace) are the book's (collector/traces.py);
-here only the client's identity is taken from the transport. gRPC Python does not expose a unix
-socket's peer credentials (SO_PEERCRED: context.peer() is "unix:", the auth context holds only the
-security type, with local credentials too; grpcio 1.85), so on the unix socket `requested_by` is
-the uid the client states in the `ghostgpu-client-uid` metadata, recorded as "uid N (claimed)";
-over TCP it is the peer address, e.g. "ipv4:10.0.0.5:51234".
+here the caller (collector/authz.py, already admitted to the method's role) is checked against its
+trace-operator rules' namespaces and maximum duration, and becomes `requested_by`: "user:alice",
+"node:n1", "uid:0" or "anonymous".
 """
 
 from __future__ import annotations
@@ -19,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from ghostgpu.collector.audit import record_from_row, select_audit
+from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable, Watcher
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
@@ -30,8 +30,11 @@ from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu import __version__
+from ghostgpu.common.audit_chain import AuditRecord
 from ghostgpu.common.convert import class_from_proto, cluster_consumer_to_proto
+from ghostgpu.common.convert_audit import audit_record_to_proto
 from ghostgpu.common.convert_trace import scope_from_proto, session_to_proto
+from ghostgpu.common.principal import Principal
 from ghostgpu.common.protocol import MAX_MESSAGE_BYTES
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2, trace_pb2
 
@@ -42,16 +45,9 @@ MAX_LIMIT = 100_000
 # ghostgpu.common.protocol.channel_options), with room to spare: 1,000 holder events of processes with 10 KB
 # command lines are 10 MB. A client pages on with after_seq, so a shorter page loses nothing.
 EVENTS_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
-CLIENT_UID_METADATA = "ghostgpu-client-uid"  # the uid a client states (the CLI sends os.getuid())
-
-
-def client_identity(peer: str, metadata: Iterable[tuple[str, Any]] | None) -> str:
-    """`requested_by`: the TCP peer address, or on the unix socket the uid the client claims."""
-    if not peer.startswith("unix:"):
-        return peer or "unknown peer"
-    value = next((v for k, v in metadata or () if k == CLIENT_UID_METADATA), None)
-    text = (value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")).strip()
-    return f"uid {text} (claimed)" if text.isdigit() else "unix socket (no uid stated)"
+# The policy's word on a trace: (caller, namespace or None, duration in seconds) -> None when allowed,
+# else the line saying which limit it passes (collector/policy.py Policy.trace_denial).
+TraceDenial = Callable[[Principal, str | None, float], str | None]
 
 
 def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequence[str],
@@ -144,6 +140,8 @@ class QueryService(query_pb2_grpc.QueryServicer):
         self.store = store
         self.cri_failures = cri_failures
         self.traces = traces
+        self.trace_denial: TraceDenial | None = None  # the Collector sets it from the policy
+        self.audit: Callable[..., Any] | None = None  # AuditLog.append, for refused traces
         self._closing = False
 
     async def ListConsumers(self, request: query_pb2.ListConsumersRequest,
@@ -217,10 +215,12 @@ class QueryService(query_pb2_grpc.QueryServicer):
     async def StartTrace(self, request: trace_pb2.StartTraceRequest,
                          context: grpc.aio.ServicerContext) -> trace_pb2.StartTraceResponse:
         book = await self._book(context)
-        who = client_identity(context.peer(), context.invocation_metadata())
+        who = current_principal()
         try:
             scope = scope_from_proto(request.scope)
-            s = await book.start(scope, request.duration_ms, request.max_records, who)
+            duration_s = (request.duration_ms or book.limits.default_duration_s * 1000) / 1000
+            await self._may_trace(context, "StartTrace", who, scope.namespace, duration_s)
+            s = await book.start(scope, request.duration_ms, request.max_records, who.subject)
         except TraceError as e:
             await context.abort(e.code, e.line)
         return trace_pb2.StartTraceResponse(session=session_to_proto(s))
@@ -228,12 +228,25 @@ class QueryService(query_pb2_grpc.QueryServicer):
     async def StopTrace(self, request: trace_pb2.StopTraceRequest,
                         context: grpc.aio.ServicerContext) -> trace_pb2.StopTraceResponse:
         book = await self._book(context)
-        who = client_identity(context.peer(), context.invocation_metadata())
+        who = current_principal()
         try:
-            s = await book.stop(request.id, who)
+            await self._may_trace(context, "StopTrace", who, book.get(request.id).scope.namespace, 0.0)
+            s = await book.stop(request.id, who.subject)
         except TraceError as e:
             await context.abort(e.code, e.line)
         return trace_pb2.StopTraceResponse(session=session_to_proto(s))
+
+    async def _may_trace(self, context: grpc.aio.ServicerContext, method: str, who: Principal,
+                         namespace: str | None, duration_s: float) -> None:
+        """PERMISSION_DENIED (audited) for a trace outside the caller's namespaces or duration."""
+        why = self.trace_denial(who, namespace or None, duration_s) if self.trace_denial else None
+        if why is None:
+            return
+        if self.audit is not None:
+            self.audit("denied", who.subject, "denied", method=f"/ghostgpu.v1.Query/{method}",
+                       namespace=namespace or "", duration_s=duration_s, why=why, peer=who.peer)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"permission denied: {method}: {why}")
 
     async def ListTraces(self, request: trace_pb2.ListTracesRequest,
                          context: grpc.aio.ServicerContext) -> trace_pb2.ListTracesResponse:
@@ -248,6 +261,21 @@ class QueryService(query_pb2_grpc.QueryServicer):
                 yield msg
         except TraceError as e:
             await context.abort(e.code, e.line)
+
+    # ---- the audit trail (collector/audit.py); admin only, checked before this runs ------------------
+
+    async def ListAudit(self, request: query_pb2.ListAuditRequest,
+                        context: grpc.aio.ServicerContext) -> query_pb2.ListAuditResponse:
+        rows = await self._read(select_audit(request.since_unix_ns, request.after_seq,
+                                             _limit(request.limit)), context)
+        out = []
+        for row in rows:
+            r = record_from_row(row)
+            # A row whose detail no longer parses still goes out as stored: the client's --verify names it.
+            out.append(audit_record_to_proto(r) if isinstance(r, AuditRecord) else query_pb2.AuditRecord(
+                seq=row.seq, ts_unix_ns=row.ts_unix_ns, action=row.action, subject=row.subject,
+                result=row.result, detail_json=row.detail, prev_sha256=row.prev_sha256, sha256=row.sha256))
+        return query_pb2.ListAuditResponse(records=out)
 
     async def _read(self, read: Callable[[sqlite3.Connection], T], context: grpc.aio.ServicerContext) -> T:
         try:

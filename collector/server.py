@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from ghostgpu.common.addresses import grpc_listen, is_unix, unix_path, with_port
+from ghostgpu.common.addresses import grpc_listen, is_unix, unix_path
 from ghostgpu.common.protocol import (
     API_VERSION,
     API_VERSION_METADATA,
@@ -140,10 +140,14 @@ class ApiVersionInterceptor(grpc.aio.ServerInterceptor):
         return _checked(handler, handler_call_details.method, problem)
 
 
-async def start_server(connect: Callable[..., Any], query: Any,
-                       listen: Sequence[str]) -> tuple[grpc.aio.Server, list[str]]:
-    """Build, bind and start the server (on the running loop); (server, the bound addresses)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ApiVersionInterceptor()],
+async def start_server(connect: Callable[..., Any], query: Any, listen: Sequence[str],
+                       security: Any) -> tuple[grpc.aio.Server, list[str]]:
+    """Build, bind and start the server (on the running loop); (server, the bound addresses).
+    `security` (collector/security.py) binds each listener (mTLS, plaintext, a unix socket behind
+    SO_PEERCRED) and puts the authorization check in front of every method."""
+    # The authorizer first: a caller without the role is refused before its request is even parsed.
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[security.authorizer, ApiVersionInterceptor()],
                              maximum_concurrent_rpcs=None)
     # Connect takes raw bytes: ingest parses them itself (see collector/ingest.py).
     stream_handler = grpc.stream_stream_rpc_method_handler(
@@ -158,11 +162,13 @@ async def start_server(connect: Callable[..., Any], query: Any,
         if is_unix(addr):
             _clear_stale_socket(unix_path(addr))
         try:
-            port = server.add_insecure_port(addr)
-        except RuntimeError as e:
+            bound.append(security.bind(server, addr))
+        except (RuntimeError, OSError) as e:
             await server.stop(None)
             raise ListenError(f"--listen {addr}: cannot listen there ({e}); pick a free port or a "
                               "writable socket path") from None
-        bound.append(addr if is_unix(addr) else with_port(addr, port))
+        except ValueError as e:  # SecurityError, TlsError: their own line
+            await server.stop(None)
+            raise ListenError(str(e)) from None
     await server.start()
     return server, bound

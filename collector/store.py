@@ -13,6 +13,9 @@ paths, so they shrink about 20x), and the log is bounded by a total event count,
 The trace tables (trace_sessions, trace_records, trace_audit) are written by collector/trace_store.py
 through `op_call`: a function run on the writer thread inside the group's transaction, so its rows
 commit (or roll back) with everything else of the group, and compression stays off the event loop.
+
+The `audit` table holds the security audit trail (collector/audit.py writes it through `op_audit`
+beside its JSON lines file, and reads it): append-only, never pruned.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ CREATE INDEX IF NOT EXISTS trace_records_by_session ON trace_records (session, i
 CREATE TABLE IF NOT EXISTS trace_audit (
   id INTEGER PRIMARY KEY, ts_unix_ns INTEGER NOT NULL, session TEXT NOT NULL, action TEXT NOT NULL,
   who TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS audit (
+  seq INTEGER PRIMARY KEY, ts_unix_ns INTEGER NOT NULL, action TEXT NOT NULL, subject TEXT NOT NULL,
+  result TEXT NOT NULL, detail TEXT NOT NULL, prev_sha256 TEXT NOT NULL, sha256 TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_by_ts ON audit (ts_unix_ns);
 """
 
 
@@ -189,6 +196,11 @@ class Store:
         return ("finding", row)
 
     @staticmethod
+    def op_audit(row: Sequence[Any]) -> tuple[Any, ...]:
+        """One audit row (collector/audit.py's AuditRow), inserted with the group."""
+        return ("audit", tuple(row))
+
+    @staticmethod
     def op_call(fn: Callable[[sqlite3.Connection], None]) -> tuple[Any, ...]:
         """Run fn(connection) inside the group's transaction, after the group's other writes, in the
         order submitted; a sqlite3.Error rolls the group back and retries it as any write does."""
@@ -298,6 +310,7 @@ class Store:
         findings: dict[int, tuple[Any, ...]] = {}
         events: list[tuple[Any, ...]] = []
         calls: list[Callable[[sqlite3.Connection], None]] = []
+        audits: list[tuple[Any, ...]] = []
         now_ns = time.time_ns()
         for job in jobs:
             for op in job.ops:
@@ -311,6 +324,8 @@ class Store:
                     findings[op[1][0]] = op[1]
                 elif kind == "call":
                     calls.append(op[1])
+                elif kind == "audit":
+                    audits.append(op[1])
         conn = self._conn
         conn.execute("BEGIN")
         log_events = self._log_events
@@ -324,6 +339,10 @@ class Store:
         if findings:
             conn.executemany("INSERT OR REPLACE INTO findings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                              list(findings.values()))
+        if audits:
+            # OR IGNORE: a seq already stored (never, as collector/audit.py resumes after the newest)
+            # must not fail the group, and with it every ack, for good.
+            conn.executemany("INSERT OR IGNORE INTO audit VALUES (?, ?, ?, ?, ?, ?, ?, ?)", audits)
         for fn in calls:
             try:
                 fn(conn)

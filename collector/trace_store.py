@@ -85,6 +85,9 @@ class TraceStore:
         self.retention_s = retention_s
         self.counts: dict[str, int] = {}  # session -> records stored
         self.total = 0
+        # Also told of every audit row (the collector's audit log, collector/audit.py): session,
+        # action, who, detail.
+        self.on_audit: Callable[[str, str, str, str], None] | None = None
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -118,6 +121,8 @@ class TraceStore:
 
     def audit(self, session: str, action: str, who: str, detail: str, ts_unix_ns: int = 0) -> None:
         row = (ts_unix_ns or time.time_ns(), session, action, who, detail)
+        if self.on_audit is not None:
+            self.on_audit(session, action, who, detail)
 
         def run(conn: sqlite3.Connection) -> None:
             conn.execute("INSERT INTO trace_audit (ts_unix_ns, session, action, who, detail) "

@@ -58,6 +58,12 @@ class TracerConfig:
     trace_max_sessions: int = 4  # trace sessions at once on this node (at most 8: bpf/trace.bpf.c slots)
     trace_max_duration_s: float = 600.0
     trace_max_records: int = 100_000  # per session; calls past it are counted, not recorded
+    # mTLS to the collector (docs/SECURITY.md): this node's certificate (URI SAN
+    # spiffe://TRUST_DOMAIN/node/NODE_NAME) and key, and the CA the collector's certificate chains to.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_trust_domain: str = "ghostgpu"
 
     def __post_init__(self) -> None:
         self.validate()

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ghostgpu.tracer.agent import Tracer
+from ghostgpu.tracer.capabilities import check_capabilities
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.cri_relay import CriRelay
 from ghostgpu.tracer.podresources import PodResourcesPoller
@@ -33,6 +34,7 @@ from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
 from ghostgpu.tracer.stream import StreamOptions, StreamSink
 
 from ghostgpu.common.addresses import collector_address
+from ghostgpu.common.tls import TlsFiles, check_client
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.health import AgentHealth
@@ -63,13 +65,25 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
         return sinks, None, None
     target = collector_address(collector)
     spool_events = getattr(args, "spool_events", None)
-    options = StreamOptions() if spool_events is None else StreamOptions(spool_events=spool_events)
+    tls = tracer_tls(cfg)
+    options = StreamOptions(tls=tls) if spool_events is None else StreamOptions(spool_events=spool_events,
+                                                                                  tls=tls)
     # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.
     relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)
     stream = StreamSink(target, cfg.node_name, relay=relay,
                         capabilities=["podresources"] if poller_runs else [], options=options)
     sinks.append(stream)
     return sinks, stream, relay
+
+
+def tracer_tls(cfg: TracerConfig) -> TlsFiles | None:
+    """This node's mTLS files (tls_cert/tls_key/tls_ca, GHOSTGPU_TLS_*), checked now: a tracer needs
+    its certificate, which names its node (TlsError, one line naming the file or the mismatch)."""
+    files = TlsFiles(cfg.tls_cert or None, cfg.tls_key or None, cfg.tls_ca or None, cfg.tls_trust_domain)
+    if not files.enabled:
+        return None
+    check_client(files, require_cert=True)
+    return files
 
 
 def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) -> TraceSessions | None:
@@ -145,6 +159,8 @@ def _run(cfg: TracerConfig, args: argparse.Namespace, install_signals: Callable[
     try:
         if poller_runs:
             poller = PodResourcesPoller(pr_endpoint, sink.emit, PODRESOURCES_INTERVAL_S, node=cfg.node_name)
+        for line in check_capabilities(bpf=cfg.bpf != "off"):  # one line per missing capability
+            log.warning("%s", line)
         tracer = Tracer(cfg, sink, health=health)
         if stream is not None:
             stream.ringbuf_dropped = _ringbuf_drops(tracer)

@@ -33,6 +33,8 @@ from ghostgpu.tracer.stream_session import StreamSession
 from ghostgpu import __version__
 from ghostgpu.common import protocol
 from ghostgpu.common.records import AnyRecord, InfoRecord
+from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.tls_explain import explain_connect_failure
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")
@@ -53,6 +55,7 @@ class StreamOptions:
     ack_timeout_s: float = 30.0  # a batch unacknowledged this long means a dead connection: reconnect
     info_wait_s: float = 30.0  # wait this long for the agent's first `info` (its bpf/nvml go into Hello)
     close_deadline_s: float = 2.0  # close() flushes for at most this long
+    tls: TlsFiles | None = None  # mTLS to the collector (docs/SECURITY.md); None: plaintext
 
 
 class StreamSender:
@@ -159,7 +162,7 @@ class StreamSender:
 
     def _attempt(self) -> str:
         """One connection, from Hello to its end: "failed", "lost" or "stopped" (flushed on close)."""
-        session = StreamSession(self.target, self._on_ack, self._on_command, self._wake)
+        session = StreamSession(self.target, self._on_ack, self._on_command, self._wake, self.options.tls)
         try:
             try:
                 session.open(self._hello())
@@ -191,9 +194,9 @@ class StreamSender:
         with self._lock:
             self._connect_failures += 1
         code, details = session.error_code(), session.error_details()
-        if code is grpc.StatusCode.FAILED_PRECONDITION:
-            # Version skew: nothing changes until someone upgrades one side, so say it once and
-            # come back rarely; never crash the tracer over it.
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
+            # Version skew, or a certificate or policy that does not let this node in: nothing
+            # changes until someone acts, so say it once and come back rarely; never crash over it.
             line = (f"collector at {self.target} refused this tracer (ghostgpu {__version__}, API "
                     f"v{protocol.API_VERSION}): {details}")
             if line != self._refusal_logged:
@@ -202,8 +205,12 @@ class StreamSender:
             self._backoff_s = self.options.backoff_max_s
         elif not self._down_logged:
             what = code.name if code is not None else "no Welcome"
+            tls = self.options.tls or TlsFiles(None, None, None)
+            # A TLS mismatch (plaintext against TLS, an untrusted or refused certificate) reads as
+            # UNAVAILABLE "Socket closed": name the cause and the flag instead.
+            why = explain_connect_failure(self.target, tls, details or "") if code is not None else None
             log.warning("collector at %s not reachable (%s: %s); spooling events and retrying", self.target,
-                        what, details or f"no answer within {self.options.welcome_timeout_s:g} s")
+                        what, why or details or f"no answer within {self.options.welcome_timeout_s:g} s")
             self._down_logged = True
 
     def _on_welcome(self, welcome: stream_pb2.Welcome) -> bool:

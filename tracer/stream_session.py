@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 
 from ghostgpu.common import protocol
+from ghostgpu.common.dial import open_channel
+from ghostgpu.common.tls import TlsFiles
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")
@@ -45,7 +47,9 @@ def read_boot_id(proc_root: str = "/proc") -> str:
 
 
 class StreamSession:
-    def __init__(self, target: str, on_ack: AckFn, on_command: CommandFn, wake: threading.Event) -> None:
+    def __init__(self, target: str, on_ack: AckFn, on_command: CommandFn, wake: threading.Event,
+                 tls: TlsFiles | None = None) -> None:
+        self.tls = tls
         self.target = target
         self._on_ack = on_ack
         self._on_command = on_command
@@ -65,8 +69,9 @@ class StreamSession:
 
     def open(self, hello: bytes) -> None:
         # A fresh channel per attempt: a reused one keeps gRPC's own reconnect backoff (up to 120 s),
-        # which would override ours after a collector restart.
-        self._channel = grpc.insecure_channel(self.target, options=protocol.channel_options())
+        # which would override ours after a collector restart. It also re-reads the TLS files, so a
+        # rotated node certificate is used from the next connection on.
+        self._channel = open_channel(self.target, self.tls, protocol.channel_options())
         connect = self._channel.stream_stream(CONNECT_METHOD, request_serializer=None,
                                               response_deserializer=stream_pb2.CollectorMessage.FromString)
         self.outq.put(hello)

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from ghostgpu import __version__
+from ghostgpu.cli.tls_flags import add_server_security_flags, add_tls_flags
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR
 
 
@@ -33,6 +34,7 @@ def _add_tracer_flags(p: argparse.ArgumentParser) -> None:
                    help="longest trace session (default 10m; 30s, 10m, 1h)")
     p.add_argument("--trace-max-records", dest="trace_max_records", type=int, metavar="N",
                    help="records kept per trace session; calls past it are counted (default 100000)")
+    add_tls_flags(p)
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -88,6 +90,9 @@ def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None)
                    "make room, else records past it are counted as dropped (default 1000000)")
     p.add_argument("--trace-retention-h", dest="trace_retention_h", type=float, default=24.0, metavar="H",
                    help="hours an ended trace session and its records are kept (default 24)")
+    with contextlib.suppress(argparse.ArgumentError):  # `up` has them already, from its tracer's flags
+        add_tls_flags(p)
+    add_server_security_flags(p)
 
 
 def _add_health_flag(p: argparse.ArgumentParser) -> None:
@@ -104,6 +109,7 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--class", dest="classes", action="append", metavar="CLASS",
                    help="only this class (repeatable): hidden, ghost, orphaned, unallocated, ...")
     p.add_argument("--node", help="only this node")
+    add_tls_flags(p)
 
 
 def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], verb: bool = False) -> None:
@@ -114,6 +120,7 @@ def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], ver
 
     p.add_argument("--collector", default=default(None), help="collector address HOST:PORT or "
                    f"unix:///path (default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
+    add_tls_flags(p, verb=verb)
     p.add_argument("-o", "--output", choices=outputs, default=default("table"),
                    help="table (default), json (one document at the end) or jsonl (one record a line)")
     if "jsonl" in outputs:
@@ -156,6 +163,7 @@ def _add_trace_parser(sub: Any) -> None:
     stop.add_argument("id", help="session id (t-...)")
     stop.add_argument("--collector", default=argparse.SUPPRESS,
                       help="collector address HOST:PORT or unix:///path")
+    add_tls_flags(stop, verb=True)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -195,6 +203,12 @@ def _build_parser() -> argparse.ArgumentParser:
     findings.add_argument("--limit", type=int, default=1000)
 
     _add_trace_parser(sub)
+    from ghostgpu.cli import audit as audit_cli  # flags only; it imports grpc when it runs
+
+    audit_cli.add_parser(sub)
+    from ghostgpu.cli import certs as certs_cli  # flags only; cryptography is imported when it runs
+
+    certs_cli.add_parser(sub)
 
     up = sub.add_parser("up", help="collector and tracer on this node with a live view of the GPU consumers")
     up.add_argument("--jsonl", help="also write the tracer's JSON lines to this path")
@@ -217,7 +231,8 @@ def _config(args: argparse.Namespace) -> Any:
     from ghostgpu.tracer.config import load_config
 
     keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
-            "scan_interval_s", "bpf", "health_listen", "trace_max_sessions", "trace_max_records")
+            "scan_interval_s", "bpf", "health_listen", "trace_max_sessions", "trace_max_records",
+            "tls_cert", "tls_key", "tls_ca", "tls_trust_domain")
     overrides = {k: getattr(args, k, None) for k in keys}
     if getattr(args, "trace_max_duration", None) is not None:
         overrides["trace_max_duration_s"] = parse_duration_s(args.trace_max_duration, "--trace-max-duration")
@@ -271,6 +286,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from ghostgpu.cli import audit as audit_cli
+
+    return audit_cli.run(args)
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from ghostgpu.cli import certs as certs_cli
+
+    return certs_cli.run(args)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from ghostgpu.cli.up import run_up
 
@@ -292,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.setswitchinterval(0.0005)
         commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector,
                     "ps": cmd_query, "findings": cmd_query, "up": cmd_up,
-                    "trace": cmd_trace}
+                    "trace": cmd_trace, "audit": cmd_audit, "certs": cmd_certs}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"ghostgpu: config: {exc}", file=sys.stderr)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import threading
@@ -23,11 +22,15 @@ from typing import Any
 import grpc
 
 from ghostgpu.cli import view
+from ghostgpu.cli.tls_flags import tls_from_args
 from ghostgpu.common.addresses import collector_address
 from ghostgpu.common.convert import class_to_proto, cluster_consumer_from_proto
 from ghostgpu.common.convert_trace import record_from_proto, scope_to_proto, session_from_proto
+from ghostgpu.common.dial import open_channel
 from ghostgpu.common.model import ClusterConsumer, ConsumerClass
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, MAX_ANSWER_BYTES, channel_options
+from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.tls_explain import explain_connect_failure
 from ghostgpu.common.trace import TraceRecord, TraceScope, TraceSession
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, trace_pb2
 
@@ -50,10 +53,10 @@ TRACE_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_A
                             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
-def trace_error(exc: grpc.RpcError, address: str) -> ClientError:
+def trace_error(exc: grpc.RpcError, address: str, tls: TlsFiles | None = None) -> ClientError:
     if exc.code() in TRACE_REFUSALS and exc.details():
         return TraceRefused(exc.details().splitlines()[0])
-    return ClientError(describe_rpc_error(exc, address))
+    return ClientError(describe_rpc_error(exc, address, tls))
 
 
 def parse_since(text: str) -> float:
@@ -76,12 +79,20 @@ def parse_classes(values: list[str] | None) -> list[ConsumerClass]:
     return out
 
 
-def describe_rpc_error(exc: grpc.RpcError, address: str) -> str:
+def describe_rpc_error(exc: grpc.RpcError, address: str, tls: TlsFiles | None = None) -> str:
     code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        # A TLS mismatch reads as "Socket closed": name the cause and the flag to pass instead.
+        tls_line = explain_connect_failure(address, tls or TlsFiles(None, None, None), details)
+        if tls_line:
+            return tls_line
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         why = details.splitlines()[0] if details else code.name
         return (f"cannot reach the collector at {address} ({why}): start one with `ghostgpu collector` "
                 f"or `ghostgpu up`, or pass --collector")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        why = details.splitlines()[0] if details else "no reason given"
+        return f"the collector at {address} refused: {why} (its policy decides: docs/SECURITY.md)"
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return details or f"the collector at {address} refused this client (FAILED_PRECONDITION)"
     return f"the collector at {address} answered {code.name}: {details}"
@@ -93,17 +104,23 @@ class Query:
 
     address: str
     timeout_s: float = CALL_TIMEOUT_S
+    tls: TlsFiles | None = None  # mTLS (docs/SECURITY.md); None or no files: plaintext
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.address, options=channel_options(MAX_ANSWER_BYTES))
+        # Who we are is the collector's to find out (a certificate, SO_PEERCRED, the loopback
+        # socket's owner): nothing here claims an identity.
+        self.channel = open_channel(self.address, self.tls, channel_options(MAX_ANSWER_BYTES))
         self.stub = query_pb2_grpc.QueryStub(self.channel)
-        # The uid travels as a claim (the collector records it as such): grpcio gives the server no
-        # SO_PEERCRED of a unix-socket peer. Authentication comes with the security issue.
-        self.metadata = ((API_VERSION_METADATA, str(API_VERSION)), ("ghostgpu-client-uid", str(os.getuid())))
+        self.metadata = ((API_VERSION_METADATA, str(API_VERSION)),)
 
     @classmethod
-    def from_flag(cls, value: str | None) -> Query:
-        return cls(collector_address(value))
+    def from_flag(cls, value: str | None, tls: TlsFiles | None = None) -> Query:
+        return cls(collector_address(value), tls=tls)
+
+    @classmethod
+    def from_args(cls, args: Any) -> Query:
+        """--collector and the TLS flags (GHOSTGPU_COLLECTOR, GHOSTGPU_TLS_* where not given)."""
+        return cls.from_flag(getattr(args, "collector", None), tls_from_args(args))
 
     def close(self) -> None:
         self.channel.close()
@@ -112,7 +129,7 @@ class Query:
         try:
             return fn(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise ClientError(describe_rpc_error(exc, self.address)) from exc
+            raise ClientError(describe_rpc_error(exc, self.address, self.tls)) from exc
 
     def consumers(self, node: str = "", namespace: str = "", classes: list[ConsumerClass] | None = None,
                   ) -> list[ClusterConsumer]:
@@ -147,7 +164,7 @@ class Query:
             yield from stream
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
-                raise ClientError(describe_rpc_error(exc, self.address)) from exc
+                raise ClientError(describe_rpc_error(exc, self.address, self.tls)) from exc
         finally:
             stream.cancel()
 
@@ -156,7 +173,7 @@ class Query:
         try:
             return fn(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise trace_error(exc, self.address) from exc
+            raise trace_error(exc, self.address, self.tls) from exc
 
     def start_trace(self, scope: TraceScope, duration_ms: int = 0, max_records: int = 0) -> TraceSession:
         req = trace_pb2.StartTraceRequest(scope=scope_to_proto(scope), duration_ms=duration_ms,
@@ -185,7 +202,7 @@ class Query:
                     yield [record_from_proto(r, session.id or session_id) for r in m.records], session
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
-                    raise trace_error(exc, self.address) from exc
+                    raise trace_error(exc, self.address, self.tls) from exc
             finally:
                 call.cancel()
 
@@ -251,7 +268,7 @@ def _print_error(line: str) -> int:
 
 def cmd_ps(args: argparse.Namespace) -> int:
     filters = _filters(args)  # bad flags fail before any connection
-    query = Query.from_flag(args.collector)
+    query = Query.from_args(args)
     try:
         if not args.watch:
             print(render_ps(query, args, filters))
@@ -312,7 +329,7 @@ def cmd_findings(args: argparse.Namespace) -> int:
     since_s = parse_since(args.since)
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be 0 (the collector's default) or more")
-    query = Query.from_flag(args.collector)
+    query = Query.from_args(args)
     try:
         since_ns = int((time.time() - since_s) * 1e9)
         found = query.findings(since_ns, limit=args.limit or 0, **filters)

@@ -227,7 +227,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     check_args(args)
-    query = Query.from_flag(args.collector)
+    query = Query.from_args(args)
     output = Output(args.output, summary=args.summary, chrome_path=args.chrome_trace)
     try:
         if args.trace_command == "list":

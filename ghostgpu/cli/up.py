@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from ghostgpu.cli import view
 from ghostgpu.cli.client import ClientError, FindingWaker, Query, show
 from ghostgpu.cli.demo import Demo, DemoError
 from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
-from ghostgpu.common.addresses import DEFAULT_COLLECTOR, dial_address, port_free, unix_address
+from ghostgpu.common.addresses import DEFAULT_COLLECTOR, dial_address, is_unix, port_free, unix_address
 from ghostgpu.common.model import ConsumerClass
 from ghostgpu.v1 import query_pb2
 
@@ -107,6 +108,7 @@ def _open_db(args: argparse.Namespace) -> str:
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
     from ghostgpu.collector.main import Collector, collector_options
+    from ghostgpu.collector.security import SecurityOptions
     from ghostgpu.collector.server import ListenError
     from ghostgpu.collector.trace_commands import trace_options
     from ghostgpu.common.httpserve import HttpListenError
@@ -116,10 +118,16 @@ def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpo
         raise UpError(f"cannot listen on {listen} ({busy}): another collector or `ghostgpu up` may be "
                       f"running; pass --listen HOST:PORT (e.g. --listen 127.0.0.1:7451)")
     try:  # a bad --metrics-listen, --alertmanager, --alert-label, ... is a ValueError naming the flag
-        collector = Collector(listen=[listen], db_path=_open_db(args), retention_days=args.retention_days,
+        security = SecurityOptions.from_args(args)
+        listens = [listen]
+        if security.tls.enabled and not is_unix(listen):
+            # The TLS files are the collector's; up's own tracer and live view come in through a
+            # private unix socket instead, as the local root (SO_PEERCRED), which needs no certificate.
+            listens.append(unix_address(os.path.join(tempfile.mkdtemp(prefix="ghostgpu-up-"), "up.sock")))
+        collector = Collector(listen=listens, db_path=_open_db(args), retention_days=args.retention_days,
                               event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
                               cri_ttl_s=args.cri_ttl_s, node_name=node, **collector_options(args),
-                              **trace_options(args))
+                              **trace_options(args), security=security)
     except ValueError as e:
         raise FlagError(str(e)) from None
     try:
@@ -151,7 +159,7 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
             demo = Demo(fake_nvml=not _real_gpu_visible(), real_cri_endpoint=local_cri).start()
         cri = demo.cri_endpoint if demo else local_cri
         collector = _start_collector(args, args.listen or DEFAULT_COLLECTOR, node, cri)
-        address = dial_address(collector.addresses[0])
+        address = dial_address(collector.addresses[-1])  # the private unix socket when there is one
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
         tracer = TracerSupervisor(tracer_command(args, address, node, tracer_cri), env, max_restarts).start()

@@ -224,3 +224,39 @@ class ListEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[StoredEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[StoredEvent, _Mapping]]] = ...) -> None: ...
+
+class AuditRecord(_message.Message):
+    __slots__ = ("seq", "ts_unix_ns", "action", "subject", "result", "detail_json", "prev_sha256", "sha256")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
+    PREV_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts_unix_ns: int
+    action: str
+    subject: str
+    result: str
+    detail_json: str
+    prev_sha256: str
+    sha256: str
+    def __init__(self, seq: _Optional[int] = ..., ts_unix_ns: _Optional[int] = ..., action: _Optional[str] = ..., subject: _Optional[str] = ..., result: _Optional[str] = ..., detail_json: _Optional[str] = ..., prev_sha256: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ListAuditRequest(_message.Message):
+    __slots__ = ("since_unix_ns", "after_seq", "limit")
+    SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    since_unix_ns: int
+    after_seq: int
+    limit: int
+    def __init__(self, since_unix_ns: _Optional[int] = ..., after_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListAuditResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[AuditRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[AuditRecord, _Mapping]]] = ...) -> None: ...

@@ -80,6 +80,11 @@ class QueryStub:
                 request_serializer=ghostgpu_dot_v1_dot_trace__pb2.WatchTraceRequest.SerializeToString,
                 response_deserializer=ghostgpu_dot_v1_dot_trace__pb2.TraceWatchMessage.FromString,
                 _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/ghostgpu.v1.Query/ListAudit',
+                request_serializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditResponse.FromString,
+                _registered_method=True)
 
 
 class QueryServicer:
@@ -140,6 +145,13 @@ class QueryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAudit(self, request, context):
+        """The security audit trail (docs/SECURITY.md, "Audit"): admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +199,11 @@ def add_QueryServicer_to_server(servicer, server):
                     servicer.WatchTrace,
                     request_deserializer=ghostgpu_dot_v1_dot_trace__pb2.WatchTraceRequest.FromString,
                     response_serializer=ghostgpu_dot_v1_dot_trace__pb2.TraceWatchMessage.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -432,6 +449,33 @@ class Query:
             '/ghostgpu.v1.Query/WatchTrace',
             ghostgpu_dot_v1_dot_trace__pb2.WatchTraceRequest.SerializeToString,
             ghostgpu_dot_v1_dot_trace__pb2.TraceWatchMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/ListAudit',
+            ghostgpu_dot_v1_dot_query__pb2.ListAuditRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_query__pb2.ListAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 from ghostgpu.collector.main import Collector
 
+from ghostgpu.common.dial import open_channel
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
+from ghostgpu.common.tls import TlsFiles
 from ghostgpu.v1 import query_pb2, query_pb2_grpc
 
 
@@ -29,8 +30,9 @@ def running_collector(tmp_path: Path, db_name: str = "collector.db", unix: bool 
 class QueryClient:
     """The Query service's stub with the API-version metadata on every call."""
 
-    def __init__(self, target: str, api_version: int | None = API_VERSION) -> None:
-        self.channel = grpc.insecure_channel(target, options=channel_options())
+    def __init__(self, target: str, api_version: int | None = API_VERSION,
+                 tls: TlsFiles | None = None) -> None:
+        self.channel = open_channel(target, tls, channel_options())  # mTLS with `tls`
         self.stub = query_pb2_grpc.QueryStub(self.channel)
         self.metadata = [] if api_version is None else [(API_VERSION_METADATA, str(api_version))]
 

@@ -29,8 +29,10 @@ from ghostgpu.tracer.cri_relay import ALLOWED_METHODS
 from google.protobuf.message import Message
 
 from ghostgpu.common.convert import consumer_to_proto
+from ghostgpu.common.dial import open_channel
 from ghostgpu.common.model import Consumer, ConsumerClass
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
+from ghostgpu.common.tls import TlsFiles
 from ghostgpu.v1 import node_pb2, stream_pb2, trace_pb2
 
 METHOD = "/ghostgpu.v1.NodeStream/Connect"
@@ -138,7 +140,8 @@ class SimTracer:
     def __init__(self, target: str, node: str, *, boot_id: str = "sim-boot", instance_id: str | None = None,
                  api_version: int = API_VERSION, capabilities: Sequence[str] = ("cri-relay",),
                  cri: CriTable | CriAnswer | None = None, tracer_version: str = "sim-0.1",
-                 max_send_bytes: int | None = None) -> None:
+                 max_send_bytes: int | None = None, tls: TlsFiles | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target, self.node = target, node
         self.boot_id = boot_id
         self.instance_id = instance_id or uuid.uuid4().hex
@@ -161,7 +164,10 @@ class SimTracer:
         if max_send_bytes is not None:  # to reach the collector's own limit, send past ours
             options = [o for o in options if o[0] != "grpc.max_send_message_length"]
             options.append(("grpc.max_send_message_length", max_send_bytes))
-        self._channel = grpc.insecure_channel(target, options=options)
+        # mTLS with `tls` (tests/helpers/certs.py); `credentials` skip our own checks of the files, to
+        # show what the collector does with a certificate a real tracer would refuse to send.
+        self._channel = (grpc.secure_channel(target, credentials, options) if credentials is not None
+                         else open_channel(target, tls, options))
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._call: Any = None
         self._reader: threading.Thread | None = None

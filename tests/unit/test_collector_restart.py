@@ -130,7 +130,8 @@ def _args(tmp_path: Path, **kw: object) -> argparse.Namespace:
 @pytest.mark.parametrize(("flags", "expected"), [
     ({"listen": "localhost"}, "--listen 'localhost': use HOST:PORT"),
     ({"listen": "unix:relative.sock"}, "unix:///absolute/path"),
-    ({"listen": "203.0.113.9:7450"}, "--listen 203.0.113.9:7450: cannot listen there"),
+    ({"listen": "203.0.113.9:7450"}, "--listen 203.0.113.9:7450: plaintext on an address others can reach; "
+     "pass --tls-cert, --tls-key and --tls-ca"),
     ({"db": "/proc/version/collector.db"}, "--db /proc/version/collector.db: cannot open or write it"),
     ({"retention_days": 0.0}, "--retention-days 0.0: must be more than 0"),
     ({"collector_cri_endpoint": "containerd.sock"},
@@ -212,3 +213,14 @@ def test_ghostgpu_collector_process_serves_then_stops_on_sigterm(tmp_path: Path)
             proc.kill()
             proc.wait()
     wait_until(lambda: proc.returncode is not None, "the collector process to end")
+
+
+def test_an_insecure_listener_that_cannot_bind_says_so_after_its_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_collector(_args(tmp_path, listen="203.0.113.9:7450", insecure=True),
+                         install_signals=lambda stop: None) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("ghostgpu: collector: INSECURE: 203.0.113.9:7450 serves plaintext gRPC")
+    assert lines[-1].startswith("ghostgpu: collector: --listen 203.0.113.9:7450: cannot listen there")
+    assert len(lines) == 2
+

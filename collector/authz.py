@@ -1,0 +1,143 @@
+"""Every RPC is checked before it runs: who is calling (collector/peers.py, the TLS certificate),
+and whether the policy (collector/policy.py) gives them the method's role.
+
+A server interceptor (grpc.aio) sees only the method name and the metadata; the peer and the TLS
+auth context live on the servicer context. So the interceptor wraps each handler: the wrapper
+identifies the caller from its context, refuses with PERMISSION_DENIED (naming the method, the
+subject and the missing role, and auditing it) or runs the handler with the caller in
+`current_principal()`, a context variable the handlers read (ingest's Hello check, the trace
+start's namespace and duration limits, `requested_by`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+import grpc
+from ghostgpu.collector.peers import PEER_PREFIX, UnixGate, loopback_uid
+
+from ghostgpu.common.principal import ANONYMOUS, Principal
+from ghostgpu.common.tls import principal_from_auth_context
+
+_CURRENT: ContextVar[Principal] = ContextVar("ghostgpu_principal", default=ANONYMOUS)
+
+AuditFn = Callable[..., Any]  # AuditLog.append(action, subject, result, **detail)
+
+
+class PolicyLike(Protocol):
+    def check(self, principal: Principal, method: str) -> str | None: ...
+
+    def denial(self, principal: Principal, method: str) -> str | None: ...
+
+
+def current_principal() -> Principal:
+    """The caller of the RPC being served (anonymous outside one)."""
+    return _CURRENT.get()
+
+
+class Identify:
+    """A servicer context -> the Principal behind it (see ghostgpu/common/principal.py)."""
+
+    def __init__(self, trust_domain: str, gate: UnixGate | None = None,
+                 server_ports: set[int] | None = None) -> None:
+        self.trust_domain = trust_domain
+        self.gate = gate
+        self.server_ports = server_ports if server_ports is not None else set()
+
+    def __call__(self, context: grpc.aio.ServicerContext) -> Principal:
+        peer = context.peer() or ""
+        auth = context.auth_context() or {}
+        if auth.get("transport_security_type") == [b"ssl"]:
+            # The handshake verified the chain; a certificate without a ghostgpu identity (another
+            # trust domain) is anonymous: the policy gives it nothing unless it names `anonymous`.
+            found = principal_from_auth_context(auth, self.trust_domain, peer)
+            return found or Principal("anonymous", via="mtls", peer=peer)
+        if peer.startswith(f"unix-abstract:{PEER_PREFIX}") and self.gate is not None:
+            found = self.gate.principal(peer)
+            if found is not None:
+                return found
+        uid = loopback_uid(peer, self.server_ports)
+        if uid is not None:
+            return Principal("uid", str(uid), via="loopback", peer=peer)
+        return Principal("anonymous", via="plaintext", peer=peer)
+
+
+class Authorizer(grpc.aio.ServerInterceptor):
+    def __init__(self, identify: Callable[[grpc.aio.ServicerContext], Principal],
+                 policy: Callable[[], PolicyLike], audit: AuditFn | None = None) -> None:
+        self.identify = identify
+        self.policy = policy  # the current policy: a reload swaps what this returns
+        self.audit = audit
+        self.denied_total = 0
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return _wrap(handler, handler_call_details.method, self.admit)
+
+    async def admit(self, method: str, context: grpc.aio.ServicerContext) -> Principal:
+        principal = self.identify(context)
+        policy = self.policy()
+        line = policy.denial(principal, method)
+        if line is None:
+            return principal
+        self.denied_total += 1
+        if self.audit is not None:
+            self.audit("denied", principal.subject, "denied", method=method,
+                       missing=policy.check(principal, method), peer=principal.peer, via=principal.via)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"permission denied: {line}")
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+Admit = Callable[[str, grpc.aio.ServicerContext], Awaitable[Principal]]
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit) -> grpc.RpcMethodHandler:
+    """The same handler, behind `admit` and with the caller set for its whole run."""
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            _CURRENT.set(await admit(method, context))
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_streaming(handler.unary_stream, method, admit), **kwargs)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(_streaming(handler.stream_stream, method, admit),
+                                                     **kwargs)
+    inner_su = handler.stream_unary
+
+    async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        _CURRENT.set(await admit(method, context))
+        return await inner_su(requests, context)
+
+    return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+
+
+def _streaming(inner: Callable[..., Any], method: str, admit: Admit) -> Callable[..., Any]:
+    """A response-streaming behavior: an async generator (yields answers) or a coroutine that writes
+    with context.write (collector/ingest.py's Connect). The wrapper keeps the same shape."""
+    if inspect.isasyncgenfunction(inner):
+        async def generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            _CURRENT.set(await admit(method, context))
+            async for item in inner(request, context):
+                yield item
+
+        return generator
+
+    async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        _CURRENT.set(await admit(method, context))
+        return await inner(request, context)
+
+    return coroutine

@@ -1,0 +1,143 @@
+"""The collector's security: how each listener is served (mTLS, plaintext, a unix socket behind
+SO_PEERCRED), who may call what (the policy), and the audit log of what they did.
+
+Plaintext is served only where nobody else can connect (docs/SECURITY.md): a unix socket (the
+peer's uid comes from the kernel) or a loopback address (the peer's uid from /proc/net/tcp). A
+plaintext TCP listener on any other address refuses to start unless --insecure is given, and then
+every start says so loudly. With --tls-cert/--tls-key/--tls-ca every TCP listener is mTLS: a client
+certificate signed by the CA is required, and new handshakes pick up rotated files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from ghostgpu.collector.audit import AuditLog
+from ghostgpu.collector.authz import Authorizer, Identify
+from ghostgpu.collector.peers import UnixGate
+from ghostgpu.collector.policy import PolicyWatcher
+from ghostgpu.collector.store import Store
+
+from ghostgpu.common.addresses import is_unix, port_of, unix_path, with_port
+from ghostgpu.common.tls import TlsFiles, check_server, plaintext_allowed
+from ghostgpu.common.tls_reload import server_credentials
+
+log = logging.getLogger(__name__)
+
+
+class SecurityError(ValueError):
+    """A listener that would be open to the network in plaintext, or bad TLS files: one line."""
+
+
+@dataclass(frozen=True)
+class SecurityOptions:
+    tls: TlsFiles = field(default_factory=lambda: TlsFiles(None, None, None))
+    insecure: bool = False  # --insecure: plaintext TCP on a non-loopback address
+    policy_path: str | None = None  # --policy FILE; None: Policy.default (local root is admin)
+    audit_log: str | None = None  # --audit-log FILE; None: beside the database
+
+    @classmethod
+    def from_args(cls, args: Any) -> SecurityOptions:
+        """From `collector`/`up` flags (and GHOSTGPU_TLS_* where a flag is not given)."""
+        tls = TlsFiles.resolve(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                               getattr(args, "tls_ca", None), getattr(args, "tls_trust_domain", None))
+        return cls(tls=tls, insecure=bool(getattr(args, "insecure", False)),
+                   policy_path=getattr(args, "policy", None), audit_log=getattr(args, "audit_log", None))
+
+
+def default_audit_path(db_path: str) -> str | None:
+    """The audit log beside the database: collector.db -> collector.audit.jsonl."""
+    if db_path in ("", ":memory:"):
+        return None
+    root, _ = os.path.splitext(db_path)
+    return f"{root}.audit.jsonl"
+
+
+class Security:
+    """Built before the server binds; `tick()` runs on the collector's loop every second."""
+
+    def __init__(self, opts: SecurityOptions, store: Store, db_path: str,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.opts = opts
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        if opts.tls.enabled:
+            check_server(opts.tls)  # TlsError (a ValueError) naming the file
+        self.audit_log = AuditLog(opts.audit_log or default_audit_path(db_path), store)
+        self.audit = self.audit_log.append
+        # A bad policy at start is fatal (PolicyError, a ValueError naming the key): better no
+        # collector than one that serves a wrong policy.
+        self.policy = PolicyWatcher(opts.policy_path, on_event=self._policy_event, own_uid=os.getuid())
+        self.gates: list[UnixGate] = []
+        self.server_ports: set[int] = set()
+        self.identify = Identify(opts.tls.trust_domain, server_ports=self.server_ports)
+        self.authorizer = Authorizer(self.identify, lambda: self.policy.policy, self.audit)
+
+    def check_listen(self, listen: list[str]) -> None:
+        """SecurityError for a plaintext TCP listener off loopback without --insecure."""
+        if self.opts.tls.enabled:
+            return
+        open_to_all = [a for a in listen if not is_unix(a) and not plaintext_allowed(a)]
+        if open_to_all and not self.opts.insecure:
+            raise SecurityError(
+                f"--listen {open_to_all[0]}: plaintext on an address others can reach; pass --tls-cert, "
+                "--tls-key and --tls-ca (ghostgpu certs init/issue), listen on 127.0.0.1 or unix:///path, "
+                "or pass --insecure to serve it unauthenticated anyway")
+        for addr in open_to_all:
+            self.say(f"ghostgpu: collector: INSECURE: {addr} serves plaintext gRPC to the network: anyone "
+                     "who can reach it can stream fake events and read every pod's GPU use (--insecure)")
+
+    def bind(self, server: grpc.aio.Server, addr: str) -> str:
+        """Add one listener to the server; the address as bound (the port chosen for :0)."""
+        if is_unix(addr):
+            gate = UnixGate(unix_path(addr))
+            if not server.add_insecure_port(gate.internal_address):
+                raise SecurityError(f"--listen {addr}: cannot open the private gRPC socket beside it")
+            gate.start()  # OSError naming nothing: the caller adds the flag
+            self.gates.append(gate)
+            self.identify.gate = gate if len(self.gates) == 1 else _Gates(self.gates)
+            return addr
+        if self.opts.tls.enabled:
+            port = server.add_secure_port(addr, server_credentials(self.opts.tls, self._tls_event))
+        else:
+            port = server.add_insecure_port(addr)
+        if not port:
+            raise SecurityError(f"--listen {addr}: cannot listen there; pick a free port")
+        self.server_ports.add(port)
+        return with_port(addr, port) if port_of(addr) == 0 else addr
+
+    def tick(self) -> None:
+        self.policy.maybe_reload()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the policy now."""
+        self.policy.reload()
+
+    def close(self) -> None:
+        for gate in self.gates:
+            gate.stop()
+        self.audit_log.close()
+
+    def _policy_event(self, action: str, detail: str) -> None:
+        (log.info if action == "policy.reload" else log.error)("%s: %s", action, detail)
+        self.audit(action, "collector", "ok" if action == "policy.reload" else "error", detail=detail,
+                   path=self.opts.policy_path or "")
+
+    def _tls_event(self, action: str, detail: str) -> None:
+        (log.info if action == "tls.reload" else log.error)("%s: %s", action, detail)
+        self.audit(action, "collector", "ok" if action == "tls.reload" else "error", detail=detail)
+
+
+class _Gates:
+    """More than one unix listener: ask each gate (a peer name is unique to its gate)."""
+
+    def __init__(self, gates: list[UnixGate]) -> None:
+        self.gates = gates
+
+    def principal(self, peer: str) -> Any:
+        return next((p for g in self.gates if (p := g.principal(peer)) is not None), None)

@@ -1,0 +1,46 @@
+"""The TLS flags every command shares (docs/SECURITY.md), and the collector's security flags.
+
+--tls-cert, --tls-key, --tls-ca and --tls-trust-domain mean the same on `tracer`, `collector`,
+`up`, `ps`, `findings`, `trace` and `audit`; each falls back to GHOSTGPU_TLS_CERT, _KEY, _CA and
+_TRUST_DOMAIN (the tracer also reads them as config keys tls_cert, tls_key, tls_ca, tls_trust_domain).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ghostgpu.common.tls import TlsFiles
+
+
+def add_tls_flags(p: argparse.ArgumentParser, *, verb: bool = False) -> None:
+    """verb: on a sub-verb (`trace list`) the defaults are SUPPRESSed, so that a flag given before
+    the verb is not overwritten by the verb's default."""
+    default = argparse.SUPPRESS if verb else None
+    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE", default=default,
+                   help="this client's (or server's) certificate, PEM (env GHOSTGPU_TLS_CERT)")
+    p.add_argument("--tls-key", dest="tls_key", metavar="FILE", default=default,
+                   help="its private key, PEM (env GHOSTGPU_TLS_KEY)")
+    p.add_argument("--tls-ca", dest="tls_ca", metavar="FILE", default=default,
+                   help="the CA that signs the peers' certificates, PEM (env GHOSTGPU_TLS_CA)")
+    p.add_argument("--tls-trust-domain", dest="tls_trust_domain", metavar="NAME", default=default,
+                   help="SPIFFE trust domain of node and user identities (default ghostgpu; "
+                   "env GHOSTGPU_TLS_TRUST_DOMAIN)")
+
+
+def add_server_security_flags(p: argparse.ArgumentParser) -> None:
+    """The collector's (and `up`'s): who may connect, and the record of what they did."""
+    p.add_argument("--insecure", action="store_true",
+                   help="serve plaintext gRPC on a non-loopback address (anyone who reaches it can "
+                   "stream events and read everything); without it such a listener refuses to start")
+    p.add_argument("--policy", metavar="FILE",
+                   help="authorization policy, YAML (docs/SECURITY.md); reloaded on SIGHUP and when "
+                   "the file changes. Default: the local root user is admin, nobody else anything")
+    p.add_argument("--audit-log", dest="audit_log", metavar="FILE",
+                   help="append-only audit log, JSON lines (default: beside --db, NAME.audit.jsonl)")
+
+
+def tls_from_args(args: Any) -> TlsFiles:
+    """The TLS files of a client command's flags, else GHOSTGPU_TLS_* (TlsFiles.resolve)."""
+    return TlsFiles.resolve(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                            getattr(args, "tls_ca", None), getattr(args, "tls_trust_domain", None))

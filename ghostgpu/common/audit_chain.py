@@ -1,0 +1,153 @@
+"""The audit trail's records and their hash chain: pure functions, no I/O, shared by the collector
+(which writes them, collector/audit.py) and `ghostgpu audit --verify` (which checks them).
+
+A record is a JSON object
+
+    {"seq", "ts_unix_ns", "action", "subject", "result", "detail": {...}, "prev_sha256", "sha256"}
+
+where `sha256` is the SHA-256 (hex) of the record's canonical JSON without "sha256" (keys sorted,
+separators "," and ":", ASCII escapes). It covers `prev_sha256`, the previous record's sha256 (64
+zeros before record 1), so editing, removing or reordering any record breaks the chain at that
+record or the next, and a reader can say which. The chain is tamper-evident, not tamper-proof: whoever
+can rewrite the whole file from the edited record on can forge it; ship the file off the node (or
+keep the last sha256 elsewhere) to close that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+GENESIS_SHA256 = "0" * 64
+FIELDS = ("seq", "ts_unix_ns", "action", "subject", "result", "detail", "prev_sha256", "sha256")
+# Every action the collector audits (docs/SECURITY.md, "Audit"). An unknown one still verifies: a
+# newer collector may add actions, and the chain does not depend on their names.
+ACTIONS = ("trace.start", "trace.stop", "trace.expire", "denied", "policy.reload", "policy.reload_error",
+           "tls.reload", "tls.reload_error", "tracer.connect", "tracer.disconnect", "tracer.refused")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def normalize_detail(detail: Mapping[str, Any]) -> dict[str, Any]:
+    """The detail as it reads back from JSON (tuples become lists, other objects their str()), so a
+    record hashes the same in memory, in the file and in the store."""
+    return json.loads(json.dumps(dict(detail), default=str, allow_nan=False))
+
+
+def record_sha256(body: Mapping[str, Any]) -> str:
+    """The sha256 of a record's fields other than "sha256"."""
+    payload = {k: body[k] for k in FIELDS if k != "sha256"}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    seq: int
+    ts_unix_ns: int
+    action: str
+    subject: str
+    result: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    prev_sha256: str = GENESIS_SHA256
+    sha256: str = ""
+
+    @classmethod
+    def make(cls, seq: int, ts_unix_ns: int, action: str, subject: str, result: str,
+             detail: Mapping[str, Any], prev_sha256: str) -> AuditRecord:
+        """A new record, its sha256 computed."""
+        body = {"seq": seq, "ts_unix_ns": ts_unix_ns, "action": action, "subject": subject,
+                "result": result, "detail": normalize_detail(detail), "prev_sha256": prev_sha256}
+        return cls(**body, sha256=record_sha256(body))  # type: ignore[arg-type]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "ts_unix_ns": self.ts_unix_ns, "action": self.action,
+                "subject": self.subject, "result": self.result, "detail": self.detail,
+                "prev_sha256": self.prev_sha256, "sha256": self.sha256}
+
+    def line(self) -> str:
+        """The record as one line of the JSON lines file (canonical, without the newline)."""
+        return canonical_json(self.to_json())
+
+    @property
+    def intact(self) -> bool:
+        """Its sha256 matches its content."""
+        return self.sha256 == record_sha256(self.to_json())
+
+    @classmethod
+    def from_json(cls, obj: object) -> AuditRecord:
+        """A record from a parsed JSON object; ValueError naming the field that is missing or wrong."""
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        missing = [k for k in FIELDS if k not in obj]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        extra = sorted(set(obj) - set(FIELDS))
+        if extra:
+            raise ValueError(f"unknown field {', '.join(extra)}")
+        for name, kind in (("seq", int), ("ts_unix_ns", int), ("action", str), ("subject", str),
+                           ("result", str), ("detail", dict), ("prev_sha256", str), ("sha256", str)):
+            value = obj[name]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{name} is not a{'n' if kind is int else ''} {kind.__name__}")
+        return cls(**obj)
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A line of the JSON lines file that is no audit record (cut short, edited into bad JSON)."""
+
+    line_no: int
+    why: str
+
+
+def parse_line(text: str, line_no: int) -> AuditRecord | BadLine:
+    try:
+        return AuditRecord.from_json(json.loads(text))
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        return BadLine(line_no, f"line {line_no} is not an audit record ({str(e).splitlines()[0]})")
+
+
+def parse_lines(lines: Iterable[str]) -> list[AuditRecord | BadLine]:
+    """Every non-empty line of a JSON lines file, in order."""
+    return [parse_line(text, n) for n, text in enumerate(lines, 1) if text.strip()]
+
+
+class Verdict(NamedTuple):
+    ok: bool
+    first_bad_seq: int | None  # the first record whose chain breaks (by position when its own seq lies)
+    why: str
+
+
+def verify(records: Iterable[AuditRecord | BadLine]) -> Verdict:
+    """Check the chain. The first record may start mid-chain (a --since window, a pruned store): its
+    own prev_sha256 cannot be checked then, unless it is record 1. A broken record is named by the seq
+    its place in the chain gives it (the previous record's seq + 1), so an edit of the seq itself
+    still names the right record."""
+    prev: AuditRecord | None = None
+    count = 0
+    for item in records:
+        expected = prev.seq + 1 if prev is not None else None
+        if isinstance(item, BadLine):
+            # A bad first line: a file the collector wrote holds record N on line N.
+            seq = expected if expected is not None else item.line_no
+            return Verdict(False, seq, f"record {seq}: {item.why}")
+        seq = expected if expected is not None else item.seq
+        if not item.intact:
+            return Verdict(False, seq, f"record {seq}: its content does not match its sha256 (edited)")
+        if prev is None:
+            if item.seq == 1 and item.prev_sha256 != GENESIS_SHA256:
+                return Verdict(False, 1, "record 1: prev_sha256 is not the chain's start (64 zeros)")
+        elif item.seq != expected:
+            why = (f"records {expected}..{item.seq - 1} are missing" if item.seq > expected
+                   else f"seq {item.seq} comes again or out of order")
+            return Verdict(False, expected, f"record {expected}: {why} (after record {prev.seq})")
+        elif item.prev_sha256 != prev.sha256:
+            return Verdict(False, seq, f"record {seq}: prev_sha256 is not record {prev.seq}'s sha256 "
+                           "(a record was edited, removed or put in its place)")
+        prev, count = item, count + 1
+    return Verdict(True, None, f"audit chain intact: {count} records")
