@@ -4,7 +4,8 @@
 addresses it bound from its "listening on ..." line on stderr (port 0 picks a free port), and can
 be stopped with SIGTERM (`stop`) or SIGKILL (`kill`, a crash) and started again on the same
 database, the same TCP port and the same unix socket (`restart`), which is how a collector restart
-looks to tracers and clients.
+looks to tracers and clients. `tls_flags(files)` makes the --tls-* flags of a certificate from
+tests/helpers/certs.py, for the collector, the tracer and the CLI alike.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.helpers.polling import poll
+
+if TYPE_CHECKING:
+    from ghostgpu.common.tls import TlsFiles
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0  # Python start-up and grpc import on a loaded 2-core VM
@@ -30,13 +34,15 @@ _LISTENING = re.compile(r"listening on (.+?); database ")
 class CollectorProcess:
     """`ghostgpu collector` on 127.0.0.1:0 (and a unix socket in `workdir` when unix=True)."""
 
-    def __init__(self, workdir: Path, unix: bool = True, args: list[str] | None = None) -> None:
+    def __init__(self, workdir: Path, unix: bool = True, args: list[str] | None = None,
+                 tcp: list[str] | None = None) -> None:
+        """tcp: the TCP listen addresses (default 127.0.0.1:0), e.g. 0.0.0.0:0 with --insecure."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.db_path = workdir / "collector.db"
         self.socket_path = workdir / "collector.sock"
         self.args = list(args or [])
-        self.listen = ["127.0.0.1:0"] + ([f"unix://{self.socket_path}"] if unix else [])
+        self.listen = list(tcp or ["127.0.0.1:0"]) + ([f"unix://{self.socket_path}"] if unix else [])
         self.addresses: list[str] = []
         self.starts = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -134,10 +140,23 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FAKE_NVML_CONFIG")}
 
 
-def ghostgpu_cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run `python -m ghostgpu.cli ARGS...` to completion (as a user runs `ghostgpu ps`)."""
-    return subprocess.run([sys.executable, "-m", "ghostgpu.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=REPO, env=_clean_env(), check=False)
+def tls_flags(files: TlsFiles) -> list[str]:
+    """--tls-cert/--tls-key/--tls-ca (and --tls-trust-domain) of `files`; the ones it has."""
+    flags = {"--tls-cert": files.cert, "--tls-key": files.key, "--tls-ca": files.ca,
+             "--tls-trust-domain": files.trust_domain}
+    return [part for flag, value in flags.items() if value for part in (flag, str(value))]
+
+
+def ghostgpu_cli(*args: str, timeout_s: float = 60.0,
+                 wrapper: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m ghostgpu.cli ARGS...` to completion (as a user runs `ghostgpu ps`).
+
+    wrapper: argv run in front, e.g. setpriv to run it as another user (who cannot write
+    __pycache__ in the checkout: Python is told not to try)."""
+    env = {**_clean_env(), "PYTHONDONTWRITEBYTECODE": "1"} if wrapper else _clean_env()
+    cmd = [*(wrapper or []), sys.executable, "-m", "ghostgpu.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env,
+                          check=False)
 
 
 def ps_json(collector: str, *args: str) -> list[dict[str, Any]]:

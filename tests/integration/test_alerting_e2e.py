@@ -1,8 +1,9 @@
 """Alerting end to end, real parts only: a GPU pod's hidden consumer pages through Alertmanager.
 
 A real containerd (CRI) runs the pod; the real tracer (BPF, a fake NVML that lists no process)
-streams to a real `ghostgpu collector` process, which names the pod through the tracer's CRI
-relay, serves /metrics and pushes findings to Alertmanager. Debian's Prometheus 2.42 scrapes the
+streams over mTLS (its node certificate; the collector's from the same test CA, tests/helpers/certs.py)
+to a real `ghostgpu collector` process, which names the pod through the tracer's CRI relay, serves
+/metrics and pushes findings to Alertmanager. Debian's Prometheus 2.42 scrapes the
 collector every second and evaluates the shipped rules file (deploy/prometheus/ghostgpu-rules.yaml;
 the findings alerts' `for:` shortened to 0 s, their only change), sending to Debian's Alertmanager
 0.25. Both paths are read back where a user would see them, Alertmanager's /api/v2/alerts:
@@ -15,13 +16,16 @@ Removing the pod resolves both. Nothing sleeps: every wait polls with a deadline
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.collector_proc import CollectorProcess
+from tests.helpers.certs import Pki
+from tests.helpers.collector_proc import CollectorProcess, tls_flags
 from tests.helpers.containerd import Containerd, Pod
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 from tests.helpers.polling import poll
@@ -59,6 +63,11 @@ class Stack:
     tracer: TracerProcess
     metrics_address: str
     pods: list[Pod]
+    audit_log: Path  # the collector's, beside its database
+
+    def audit(self, action: str) -> list[dict[str, Any]]:
+        lines = self.audit_log.read_text().splitlines() if self.audit_log.exists() else []
+        return [r for r in map(json.loads, filter(None, lines)) if r["action"] == action]
 
     def gpu_pod(self, name: str) -> tuple[Pod, str, int]:
         """A pod with container `cuda` holding host /dev/null as its /dev/nvidia0; (pod, id, init PID)."""
@@ -79,21 +88,27 @@ def stack(containerd_session: Containerd, tmp_path_factory: pytest.TempPathFacto
     nvml = FakeNvml(work / "nvml.conf", gpus=[FakeGpu(index=0, uuid=GPU0_UUID, minor=0)])
     nvml.write()
     (work / "tracer").mkdir()
+    pki = Pki(work / "pki")
+    server_tls = tls_flags(pki.write("collector", pki.collector()))
+    node_tls = tls_flags(pki.write(f"node-{NODE}", pki.node(NODE)))
     pods: list[Pod] = []
     with Alertmanager(work / "am") as am:
         metrics = f"127.0.0.1:{free_port()}"
+        # No --policy: the built-in one lets a node certificate stream for its own node.
         collector = CollectorProcess(work / "collector", args=[
-            "--metrics-listen", metrics, "--alertmanager", am.url, "--alertmanager-resend-s", "5"])
+            "--metrics-listen", metrics, "--alertmanager", am.url, "--alertmanager-resend-s", "5",
+            *server_tls])
         tracer = None
         try:
             rules = findings_rules_firing_at_once(work / "rules.yaml")
             with Prometheus(work / "prom", scrape_targets={"ghostgpu-collector": metrics}, rule_files=[rules],
                             alertmanagers=[am.address], interval_s=1) as prom:
-                tracer = TracerProcess(work / "tracer", ["--grace-s", "0.5", "--cri-endpoint", ctd.endpoint],
-                                       nvml.env(), NODE, collector.address)
+                tracer = TracerProcess(work / "tracer", ["--grace-s", "0.5", "--cri-endpoint", ctd.endpoint,
+                                                         *node_tls], nvml.env(), NODE, collector.address)
                 tracer.wait_ready(DEADLINE_S)
                 prom.wait_target_up("ghostgpu-collector", DEADLINE_S)
-                yield Stack(ctd, am, prom, collector, tracer, metrics, pods)
+                yield Stack(ctd, am, prom, collector, tracer, metrics, pods,
+                            collector.db_path.with_suffix(".audit.jsonl"))
         finally:
             if tracer is not None:
                 tracer.stop()
@@ -101,6 +116,16 @@ def stack(containerd_session: Containerd, tmp_path_factory: pytest.TempPathFacto
             ctd.start()
             for pod in pods:
                 ctd.remove_pod(pod.id)
+
+
+def test_the_tracer_streams_over_mtls_as_its_node(stack: Stack) -> None:
+    """The stack below runs with TLS on: the collector saw the tracer's node certificate."""
+    if not poll(lambda: stack.audit("tracer.connect"), DEADLINE_S):
+        raise AssertionError(f"no tracer.connect in {stack.audit_log}: {stack.collector.stderr()}")
+    connect = stack.audit("tracer.connect")[0]
+    assert (connect["subject"], connect["result"], connect["detail"]["node"], connect["detail"]["via"]) == (
+        f"node:{NODE}", "ok", NODE, "mtls")
+    assert stack.audit("tracer.refused") == []
 
 
 def hidden_alerts(am: Alertmanager, pushed: bool, **labels: str) -> list[dict[str, Any]]:
