@@ -109,8 +109,12 @@ class StreamSender:
                 outcome = self._attempt()
                 if outcome != "stopped" and not self._stopping.is_set():
                     self._backoff()
-            if outcome != "stopped" and len(self._spool) and time.monotonic() < self._deadline_s:
-                self._attempt()  # one last try to hand over what is spooled
+            # One last try to hand over what is spooled, unless the collector refused this tracer
+            # (a version it does not speak, a certificate or policy that keeps it out): the answer
+            # would be the same, and the collector would audit one more refusal.
+            if (outcome != "stopped" and len(self._spool) and time.monotonic() < self._deadline_s
+                    and not self._refusal_logged):
+                self._attempt()
         except Exception:
             log.exception("stream to the collector at %s stopped unexpectedly", self.target)
 
