@@ -101,10 +101,24 @@ class Holder:
     process: ProcessInfo
     holds: dict[str, DeviceHold] = field(default_factory=dict)  # by device path
     ioctl_counts: dict[int, int] = field(default_factory=dict)  # ioctl request word -> count
+    gpu_work: GpuWork | None = None  # what it asked the driver for; None: no call history at all
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+
+@dataclass(frozen=True)
+class GpuWork:
+    """What a holder asked the driver to do, from the kernel's always-on capture of the rare
+    allocation calls (RM_ALLOC's hClass, ALLOC_MEMORY): what tells a GPU job from a monitoring client
+    (nvidia-smi, dcgm-exporter), which only reads state. tracer/classify.py judges it."""
+
+    allocated: bool  # it allocated memory, a channel or a compute/copy engine class
+    what: str = ""  # the first such call, decoded, for the reason: "RM_ALLOC AMPERE_COMPUTE_A (0xc6c0)"
+    # The kernel watched the process since its first open (BPF on, the open seen): a False
+    # `allocated` is then evidence. A holder found by the /proc scan has no history (gpu_work None).
+    complete: bool = True
 
 
 @dataclass(frozen=True)

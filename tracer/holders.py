@@ -43,7 +43,8 @@ def copy_holder(holder: Holder) -> Holder:
     holds = {
         path: replace(hold, fds=set(hold.fds)) for path, hold in holder.holds.items()
     }
-    return Holder(process=replace(holder.process), holds=holds, ioctl_counts=dict(holder.ioctl_counts))
+    return Holder(process=replace(holder.process), holds=holds, ioctl_counts=dict(holder.ioctl_counts),
+                  gpu_work=holder.gpu_work)
 
 
 def _proc_exists(pid: int) -> bool:

@@ -159,6 +159,9 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
             demo = Demo(fake_nvml=not _real_gpu_visible(), real_cri_endpoint=local_cri).start()
         cri = demo.cri_endpoint if demo else local_cri
         collector = _start_collector(args, args.listen or DEFAULT_COLLECTOR, node, cri)
+        from ghostgpu.collector.main import reload_on_hangup
+
+        reload_on_hangup(collector)  # SIGHUP re-reads --policy, as for `ghostgpu collector`
         address = dial_address(collector.addresses[-1])  # the private unix socket when there is one
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
