@@ -93,12 +93,24 @@ def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None)
     with contextlib.suppress(argparse.ArgumentError):  # `up` has them already, from its tracer's flags
         add_tls_flags(p)
     add_server_security_flags(p)
+    _add_web_config_flag(p)
 
 
 def _add_health_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-listen", dest="health_listen", metavar="HOST:PORT",
                    help="the tracer serves /healthz, /readyz and /metrics here (default off; "
                    "env GHOSTGPU_HEALTH_LISTEN)")
+    _add_web_config_flag(p)
+
+
+def _add_web_config_flag(p: argparse.ArgumentParser) -> None:
+    """--web-config-file: TLS and basic auth of /metrics and the health port (exporter-toolkit format)."""
+    import contextlib
+
+    with contextlib.suppress(argparse.ArgumentError):  # `up`: one file for the tracer's and the collector's
+        p.add_argument("--web-config-file", dest="web_config_file", metavar="FILE",
+                       help="Prometheus web config (tls_server_config, basic_auth_users) for /metrics and "
+                       "the health port (docs/SECURITY-ops.md; env GHOSTGPU_WEB_CONFIG_FILE for the tracer)")
 
 
 def _add_query_flags(p: argparse.ArgumentParser) -> None:
@@ -215,7 +227,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--bpf", choices=("auto", "on", "off"))
     up.add_argument("--once", action="store_true", help="print one view after start-up and exit")
     up.add_argument("--demo", action="store_true",
-                    help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit")
+                    help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit with "
+                    "the store they were recorded in (unless --db names one)")
     up.add_argument("--tracer-max-restarts", dest="tracer_max_restarts", type=int, default=5, metavar="N",
                     help="restart a tracer that dies (backoff 0.5 s doubling to 30 s); exit 1 after N failed "
                     "restarts in a row (default 5; a run of 60 s resets the count; 0 never restarts)")
@@ -232,7 +245,7 @@ def _config(args: argparse.Namespace) -> Any:
 
     keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
             "scan_interval_s", "bpf", "health_listen", "trace_max_sessions", "trace_max_records",
-            "tls_cert", "tls_key", "tls_ca", "tls_trust_domain")
+            "tls_cert", "tls_key", "tls_ca", "tls_trust_domain", "web_config_file")
     overrides = {k: getattr(args, k, None) for k in keys}
     if getattr(args, "trace_max_duration", None) is not None:
         overrides["trace_max_duration_s"] = parse_duration_s(args.trace_max_duration, "--trace-max-duration")

@@ -17,7 +17,9 @@ Without a real NVIDIA driver, NVML cannot say whether it lists a process, so "hi
 "unknown". The demo then builds a demo NVML (ghostgpu/cli/demo_nvml.c) reporting one demo GPU with no
 processes, and the view labels it as such. A demo CRI runtime (ghostgpu/cli/demo_cri.py) names the
 pods. Everything lives in one temporary directory and is removed by close(), which runs on exit,
-on SIGINT/SIGTERM (through `up`) and when planting fails half-way.
+on SIGINT/SIGTERM (through `up`) and when planting fails half-way. That includes the collector's store
+(db_path, unless `up --db` names one): the planted consumers' findings and events are the demo's, and
+must not reach the node's real history, where the next `ghostgpu up` would list them as findings.
 """
 
 from __future__ import annotations
@@ -252,6 +254,11 @@ class Demo:
             self._stop.wait(self.short_lived_every_s)
 
     # ---- what up needs ----------------------------------------------------------------------
+
+    @property
+    def db_path(self) -> str:
+        """The demo's own collector store (SQLite, with its WAL and audit log beside it)."""
+        return str(self.workdir / "collector.db")
 
     @property
     def cri_endpoint(self) -> str:

@@ -5,7 +5,12 @@ The collector runs in this process (collector.main.Collector); the tracer is `gh
 talks to the collector over the same gRPC stream. The view is drawn from the query service,
 exactly as `ghostgpu ps` draws it, with the node's BPF/NVML status above the table and the
 latest events and findings under it, so a short-lived consumer gone before the next redraw is
-still seen. See ghostgpu/cli/demo.py for `--demo`.
+still seen. See ghostgpu/cli/demo.py for `--demo`; a demo keeps its records in a store of its own
+(store_path), so none of its planted findings reaches the node's real history.
+
+Until this run's tracer first connects, the node line says "tracer starting" (the collector may know
+the node only from the store, from a run that ended: not a disconnection) and what `up`'s own NVML
+probe found, so the first frame on a machine without a GPU already says so.
 
 A tracer that dies is restarted by ghostgpu/cli/supervise.py (jittered backoff; `up` exits 1 with the
 reason after --tracer-max-restarts failed restarts in a row); the view's loop drives it, and
@@ -32,7 +37,7 @@ from ghostgpu.cli.demo import Demo, DemoError
 from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR, dial_address, is_unix, port_free, unix_address
 from ghostgpu.common.model import ConsumerClass
-from ghostgpu.v1 import query_pb2
+from ghostgpu.v1 import query_pb2, stream_pb2
 
 DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
 CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
@@ -49,20 +54,44 @@ class FlagError(UpError):
     """A bad flag value, named in the line: exit 2."""
 
 
-def _real_gpu_visible() -> bool:
-    """Whether this host's NVML (a real driver) sees a GPU; quiet either way."""
+def probe_nvml(node: str) -> stream_pb2.NodeInfo:
+    """What this host's NVML says, as the tracer will report it (same library, same environment), read
+    once before the tracer starts; quiet (the tracer logs its own). Closed at once: `up` holds no GPU."""
+    from ghostgpu.common.convert import info_to_proto
     from ghostgpu.tracer.nvml import NvmlSource
+    from ghostgpu.tracer.records import info_record
 
     nvml_log = logging.getLogger("ghostgpu.nvml")
     level = nvml_log.level
     nvml_log.setLevel(logging.CRITICAL)
     source = NvmlSource()
     try:
-        seen = source.read()
-        return seen.available and bool(seen.gpus)
+        return info_to_proto(info_record(node, False, source.read()))
     finally:
         source.close()
         nvml_log.setLevel(level)
+
+
+def gpu_visible(info: stream_pb2.NodeInfo) -> bool:
+    return info.nvml and bool(info.gpus)
+
+
+def first_nvml_text(info: stream_pb2.NodeInfo, demo_gpu: bool) -> str:
+    """The NVML part of the node line until the tracer's own snapshot arrives."""
+    text = view.nvml_text(info)
+    return f"{text}; --demo plants a demo GPU for its tracer" if demo_gpu else text
+
+
+def store_path(db_flag: str | None, demo: Demo | None) -> str:
+    """--db when given (kept, whatever runs); else a demo's own store, in the demo's temporary directory
+    so Demo.close() removes it with the demo's processes; else the node's store, DEFAULT_DB."""
+    if db_flag:
+        return db_flag
+    return demo.db_path if demo is not None else DEFAULT_DB
+
+
+def store_label(db: str, demo: Demo | None) -> str:
+    return f"{db}, the demo's own, removed on exit" if demo is not None and db == demo.db_path else db
 
 
 def _local_cri_endpoint() -> str | None:
@@ -95,8 +124,7 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
     return cmd
 
 
-def _open_db(args: argparse.Namespace) -> str:
-    db = args.db or DEFAULT_DB
+def _open_db(db: str) -> str:
     if db != ":memory:":
         try:
             os.makedirs(os.path.dirname(os.path.abspath(db)), exist_ok=True)
@@ -106,7 +134,8 @@ def _open_db(args: argparse.Namespace) -> str:
     return db
 
 
-def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None) -> Any:
+def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None,
+                     db: str) -> Any:
     from ghostgpu.collector.main import Collector, collector_options
     from ghostgpu.collector.security import SecurityOptions
     from ghostgpu.collector.server import ListenError
@@ -124,7 +153,7 @@ def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpo
             # The TLS files are the collector's; up's own tracer and live view come in through a
             # private unix socket instead, as the local root (SO_PEERCRED), which needs no certificate.
             listens.append(unix_address(os.path.join(tempfile.mkdtemp(prefix="ghostgpu-up-"), "up.sock")))
-        collector = Collector(listen=listens, db_path=_open_db(args), retention_days=args.retention_days,
+        collector = Collector(listen=listens, db_path=_open_db(db), retention_days=args.retention_days,
                               event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
                               cri_ttl_s=args.cri_ttl_s, node_name=node, **collector_options(args),
                               **trace_options(args), security=security)
@@ -155,10 +184,12 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         if max_restarts < 0:
             raise FlagError(f"--tracer-max-restarts {max_restarts}: must be 0 (never restart) or more")
         local_cri = args.collector_cri_endpoint or args.cri_endpoint or _local_cri_endpoint()
+        nvml_info = probe_nvml(node)
         if args.demo:
-            demo = Demo(fake_nvml=not _real_gpu_visible(), real_cri_endpoint=local_cri).start()
+            demo = Demo(fake_nvml=not gpu_visible(nvml_info), real_cri_endpoint=local_cri).start()
         cri = demo.cri_endpoint if demo else local_cri
-        collector = _start_collector(args, args.listen or DEFAULT_COLLECTOR, node, cri)
+        db = store_path(args.db, demo)
+        collector = _start_collector(args, args.listen or DEFAULT_COLLECTOR, node, cri, db)
         from ghostgpu.collector.main import reload_on_hangup
 
         reload_on_hangup(collector)  # SIGHUP re-reads --policy, as for `ghostgpu collector`
@@ -166,7 +197,8 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         env = {**os.environ, **(demo.tracer_env() if demo else {})}
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
         tracer = TracerSupervisor(tracer_command(args, address, node, tracer_cri), env, max_restarts).start()
-        live = LiveView(Query(address), node, tracer, stop, demo, args)
+        live = LiveView(Query(address), node, tracer, stop, demo, args, db=store_label(db, demo),
+                        nvml_text=first_nvml_text(nvml_info, bool(demo and demo.fake_nvml)))
         live.metrics_address = collector.metrics_address
         return live.run()
     except FlagError as e:
@@ -181,17 +213,21 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         if collector is not None:
             collector.stop()
         if demo is not None:
-            demo.close()
+            demo.close()  # after the collector has closed the demo's store: close() deletes it
 
 
 class LiveView:
     """Redraws the view on findings and every REDRAW_S until stopped (or once, for --once)."""
 
     def __init__(self, query: Query, node: str, tracer: TracerSupervisor, stop: threading.Event,
-                 demo: Demo | None, args: argparse.Namespace) -> None:
+                 demo: Demo | None, args: argparse.Namespace, db: str = DEFAULT_DB,
+                 nvml_text: str = "") -> None:
+        """`db`: the store as the top line names it; `nvml_text`: up's own NVML probe (first_nvml_text)."""
         self.query, self.node, self.tracer, self.stop, self.demo = query, node, tracer, stop, demo
         self.once = bool(args.once)
-        self.db = args.db or DEFAULT_DB
+        self.db = db
+        self.nvml_text = nvml_text
+        self.tracer_connected = False  # this run's tracer has connected at least once
         self.address = query.address
         self.metrics_address: str | None = None  # run_up sets it when --metrics-listen serves
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
@@ -273,11 +309,7 @@ class LiveView:
         top = (f"ghostgpu up: collector {self.address} (db {self.db}){metrics}, "
                f"{self.tracer.describe()}"
                f"{'' if self.once else '; Ctrl-C stops both'}")
-        lines = [top]
-        if status is None:
-            lines.append(f"node {self.node} | waiting for the tracer to connect")
-        else:
-            lines.append(view.node_header(status, demo_gpu=bool(self.demo and self.demo.fake_nvml)))
+        lines = [top, self._node_line(status)]
         if self.demo:
             lines.append(self.demo.legend())
             latest = f"; {self.short_lived_last}" if self.short_lived_last else ""
@@ -294,6 +326,18 @@ class LiveView:
             self.demo.start_short_lived()
             ready = self._demo_seen(consumers)
         return "\n".join(lines), ready
+
+    def _node_line(self, status: query_pb2.TracerStatus | None) -> str:
+        self.tracer_connected = self.tracer_connected or bool(status is not None and status.connected)
+        if status is not None and self.tracer_connected:
+            line = view.node_header(status, demo_gpu=bool(self.demo and self.demo.fake_nvml))
+        else:
+            # Before this run's tracer first connects, a status can only come from the store (a run
+            # that ended, which node_header would call DISCONNECTED): say what is known instead.
+            line = f"node {self.node} | tracer starting"
+        if (status is None or not status.HasField("info") or not self.tracer_connected) and self.nvml_text:
+            line += f" | {self.nvml_text}"
+        return line
 
     def _demo_seen(self, consumers: list[Any]) -> bool:
         assert self.demo is not None

@@ -1,8 +1,8 @@
 """`ghostgpu up` end to end: the embedded collector, the real tracer subprocess, the live view.
 
 Each run listens on a unix socket in the test's temp dir (no port to race for) and keeps its
-SQLite file there. The no-GPU test gives the tracer a fake NVML whose driver is "not loaded", so
-it reads the same on a machine with a real GPU.
+SQLite file there (test_up_demo_store.py runs it without --db). The no-GPU test gives the tracer a
+fake NVML whose driver is "not loaded", so it reads the same on a machine with a real GPU.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ def needs_bpf(fn: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.root(pytest.mark.bpf(pytest.mark.netns(fn)))
 
 
-def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:
+def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None, store: bool = True) -> list[str]:
+    """`store`: --db in tmp_path; False: no --db (test_up_demo_store.py)."""
+    db = ["--db", str(tmp_path / "collector.db")] if store else []
     return [sys.executable, "-m", "ghostgpu.cli", "up", "--listen", f"unix://{tmp_path}/collector.sock",
-            "--db", str(tmp_path / "collector.db"), "--node-name", "up-node", *args]
+            *db, "--node-name", "up-node", *args]
 
 
 def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -92,8 +94,11 @@ def _demo_workdirs() -> set[str]:
     return {str(p) for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("ghostgpu-demo-*")}
 
 
+NO_GPU = "no NVIDIA GPU visible here (NVML: nvmlInit: NVIDIA kernel driver not loaded"
+
+
 @needs_bpf
-def test_up_once_says_plainly_there_is_no_gpu(tmp_path: Path, root_bpf: None) -> None:
+def test_up_says_plainly_there_is_no_gpu_from_its_first_frame(tmp_path: Path, root_bpf: None) -> None:
     nvml = FakeNvml(tmp_path / "nvml.conf", fail_init="NVML_ERROR_DRIVER_NOT_LOADED")
     done = subprocess.run(_up(tmp_path, "--once"), env=_environment(nvml.env()), capture_output=True,
                           text=True, timeout=120, cwd=REPO)
@@ -102,10 +107,38 @@ def test_up_once_says_plainly_there_is_no_gpu(tmp_path: Path, root_bpf: None) ->
     assert f"collector unix://{tmp_path}/collector.sock" in out
     header = next(line for line in out.splitlines() if line.startswith("node up-node |"))
     assert "tracer connected" in header and "BPF tracepoints attached" in header
-    assert "no NVIDIA GPU visible here (NVML: nvmlInit: NVIDIA kernel driver not loaded" in header
+    assert NO_GPU in header
     assert header.endswith("still watching device files")
     assert re.search(r"^NODE +GPU +PID +CPID +NAMESPACE/POD/CONTAINER +CLASS +GPU-MEM +SINCE$", out, re.M)
     assert _processes_with(str(tmp_path)) == []  # the tracer went with it
+
+    # Again, live, on the same store (which now knows up-node from the run that ended): the first frame
+    # says the tracer is starting (not DISCONNECTED) and that there is no GPU, before the tracer is up.
+    proc = subprocess.Popen(_up(tmp_path), env=_environment(nvml.env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+
+    def node_lines() -> list[str]:
+        return [x for x in list(lines) if x.startswith("node up-node |")]
+
+    try:
+        wait_until(lambda: proc.poll() is not None or bool(node_lines()), "the first frame", timeout_s=60)
+        first = node_lines()[0]
+        assert "DISCONNECTED" not in first and NO_GPU in first, first
+        # The tracer takes seconds to compile its BPF programs: the first frame is drawn long before.
+        assert first.startswith("node up-node | tracer starting | "), first
+        wait_until(lambda: proc.poll() is not None or any("tracer connected" in x and "BPF tracepoints"
+                                                          in x for x in node_lines()),
+                   "the tracer's own snapshot in the view", timeout_s=90)
+        assert proc.poll() is None, proc.communicate()[1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        reader.join(timeout=5)
+    assert proc.returncode == 0, err
+    assert _processes_with(str(tmp_path)) == []
 
 
 @pytest.fixture
