@@ -19,11 +19,9 @@ live on the loop too, their tables in the same SQLite file.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -36,12 +34,11 @@ from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, check_listen, start_server
-from ghostgpu.collector.store import Store, StoreError
-from ghostgpu.collector.trace_commands import TraceLimits, trace_options
+from ghostgpu.collector.store import Store
+from ghostgpu.collector.trace_commands import TraceLimits
 from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS, TraceStore
 from ghostgpu.collector.traces import TraceBook
 
-from ghostgpu import __version__
 from ghostgpu.common.addresses import dial_address, is_unix, parse_listen, port_of
 from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable
 from ghostgpu.common.model import K8sInfo
@@ -76,7 +73,8 @@ class Collector:
                  pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None,
                  trace_limits: TraceLimits | None = None,
                  trace_store_max_records: int = DEFAULT_STORE_MAX_RECORDS,
-                 trace_retention_h: float = 24.0, security: SecurityOptions | None = None) -> None:
+                 trace_retention_h: float = 24.0, security: SecurityOptions | None = None,
+                 web_config_file: str | None = None) -> None:
         self.listen = [listen] if isinstance(listen, str) else list(listen)
         for addr in self.listen:
             check_listen(addr)
@@ -102,6 +100,7 @@ class Collector:
         self.trace_store_max_records = trace_store_max_records
         self.trace_retention_h = trace_retention_h
         self.metrics_listen = metrics_listen
+        self.web_config_file = web_config_file  # TLS and basic auth of /metrics (common/webconfig.py)
         self.metrics_max_process_series = metrics_max_process_series
         self.alertmanager = list(alertmanager)
         self.alert_resend_s = alert_resend_s
@@ -210,7 +209,8 @@ class Collector:
             # Bound before the loop runs (a taken port fails start() at once); a scrape that comes
             # before the loop is up is answered 503 by _call_for_scrape.
             self._metrics_server = HttpServer(self.metrics_listen, {"/metrics": self.metrics.handle},
-                                              flag="--metrics-listen", name="metrics").start()
+                                              flag="--metrics-listen", name="metrics",
+                                              web_config=self.web_config_file).start()
 
     def _run(self) -> None:
         try:
@@ -299,6 +299,11 @@ class Collector:
         return self._metrics_server.address if self._metrics_server is not None else None
 
     @property
+    def metrics_url(self) -> str | None:
+        """http(s)://HOST:PORT/metrics (https when the web config sets TLS); None without metrics_listen."""
+        return f"{self._metrics_server.url}/metrics" if self._metrics_server is not None else None
+
+    @property
     def port(self) -> int | None:
         """The TCP port of the first TCP address (the chosen one for HOST:0), None if only unix."""
         return next((port_of(addr) for addr in self.addresses if not is_unix(addr)), None)
@@ -346,73 +351,3 @@ class Collector:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # stopping: nobody reads the table any more
                 loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
-
-
-def collector_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The metrics, Alertmanager and heap keyword arguments of Collector from `collector`/`up` flags."""
-    urls: list[str] = list(getattr(args, "alertmanager", None) or ())
-    labels: Any = list(getattr(args, "alert_labels", None) or ())
-    if labels and not urls:
-        raise ValueError("--alert-label: labels go on alerts pushed to Alertmanager; add --alertmanager URL "
-                         "(alerts from Prometheus rules take labels from its external_labels)")
-    if urls:
-        from ghostgpu.collector.alertpush import parse_alert_labels, parse_alertmanager_urls
-
-        urls, labels = parse_alertmanager_urls(urls), parse_alert_labels(labels)
-    return {
-        "metrics_listen": getattr(args, "metrics_listen", None),
-        "metrics_max_process_series": getattr(args, "metrics_max_process_series", 1000),
-        "alertmanager": urls,
-        "alert_resend_s": getattr(args, "alertmanager_resend_s", 60.0),
-        "alert_labels": dict(labels),
-        "heap": HeapPolicy(),  # the long-running commands only: gc state is process-wide
-    }
-
-
-def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
-    """The body of `ghostgpu collector`: exit 0 on SIGTERM/SIGINT, 2 on a bad flag, 1 if storage fails."""
-    listen = [a.strip() for a in (args.listen or DEFAULT_LISTEN).split(",") if a.strip()]
-    db = args.db or DEFAULT_DB
-    try:
-        collector = Collector(listen, db, args.retention_days, args.event_log_max,
-                              getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s,
-                              **collector_options(args), **trace_options(args),
-                              security=SecurityOptions.from_args(args))
-        collector.start()
-    except (ListenError, StoreError, HttpListenError, ValueError) as e:
-        print(f"ghostgpu: collector: {e}", file=sys.stderr)
-        return 2
-    extra = ""
-    if collector.metrics_address:
-        extra += f"; metrics http://{collector.metrics_address}/metrics"
-    if collector.pusher is not None:  # its URLs without a user:password@ the flag may carry
-        extra += f"; alerts to {', '.join(collector.pusher.urls)}"
-    print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database {db}"
-          f"{extra}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    install_signals(stop.set)
-    reload_on_hangup(collector)
-    rc = 0
-    while not stop.wait(0.5):
-        if collector.failed is not None:
-            print(f"ghostgpu: collector: {collector.failed}", file=sys.stderr)
-            rc = 1
-            break
-        if collector.wait(0):
-            rc = 1
-            break
-    collector.stop()
-    return rc
-
-
-def reload_on_hangup(collector: Collector) -> None:
-    """SIGHUP re-reads the policy (on the collector's loop, where the policy is read)."""
-    import signal
-
-    def on_hup(_sig: int, _frame: Any) -> None:
-        loop, security = collector.loop, collector.security
-        if loop is not None and security is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(security.reload)
-
-    signal.signal(signal.SIGHUP, on_hup)

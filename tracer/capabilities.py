@@ -3,12 +3,13 @@
 The set is measured, not guessed: bench/caps_probe.py starts the real `ghostgpu tracer` as root
 with its bounding set cut (setpriv), first dropping each capability of the full set one at a time,
 then running with exactly NEEDED and with NEEDED less one, and records what broke
-(bench/results/caps.json; docs/SECURITY-ops.md, "Least privilege"). On Linux 6.18:
+(bench/results/caps.json; docs/SECURITY.md, "Least privilege"). On Linux 6.18:
 
-- CAP_BPF: without it bpf(BPF_PROG_LOAD) is refused ("Failed to load program: Operation not
-  permitted"), the tracer falls back to /proc scans.
-- CAP_PERFMON: without it the tracing programs' maps and the tracepoint attach are refused (bcc: "could
-  not open bpf map: ... Operation not permitted"); same fallback.
+- CAP_BPF: without it creating the BPF maps is refused (bcc: "could not open bpf map: trace_events,
+  error: Operation not permitted"); the tracer falls back to /proc scans.
+- CAP_PERFMON: without it loading the tracepoint programs is refused (bcc: "Failed to load program:
+  Operation not permitted": tracing programs need it, and it is what perf_event_open's tracepoint
+  attach checks with perf_event_paranoid > -1); same fallback.
 - CAP_SYS_PTRACE: without it readlink(/proc/PID/fd/N) and /proc/PID/exe fail for processes of other
   uids and for root processes holding capabilities the tracer lacks (the kernel's ptrace access
   check): GPU holders that predate the tracer go unseen by the /proc scan.
@@ -59,11 +60,11 @@ class Need:
 
 _FALLBACK = "the tracer runs on /proc scans only (short-lived holders and ioctl counts go unseen)"
 NEEDED: tuple[Need, ...] = (
-    Need("CAP_BPF", "load the BPF programs and create their maps (bpf())",
-         f"the BPF programs cannot be loaded (bpf(BPF_PROG_LOAD) is refused); {_FALLBACK}",
+    Need("CAP_BPF", "create the BPF maps and load the programs (bpf())",
+         f"the kernel refuses to create the BPF maps; {_FALLBACK}",
          covered_by=("CAP_SYS_ADMIN",), bpf_only=True),
-    Need("CAP_PERFMON", "tracing programs and their tracepoint attach (perf_event_open)",
-         f"the tracing programs' maps and tracepoints are refused; {_FALLBACK}",
+    Need("CAP_PERFMON", "load tracing programs and attach them to tracepoints (perf_event_open)",
+         f"the kernel refuses to load the tracepoint programs; {_FALLBACK}",
          covered_by=("CAP_SYS_ADMIN",), bpf_only=True),
     Need("CAP_SYS_PTRACE", "readlink /proc/PID/fd/N and /proc/PID/exe of every process (ptrace access check)",
          "/proc/PID/fd of processes of other users, or holding capabilities the tracer lacks (containers "

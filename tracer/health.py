@@ -52,6 +52,7 @@ LIVE_WINDOW_S = 30.0  # a loop step is at most ~0.25 s plus a scan; 30 s without
 START_DEADLINE_S = 180.0  # start() compiles BPF with bcc: 1.3 s to ready measured here (bcc 0.26, 2 cores)
 SCAN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FLAG = "--health-listen"
+PROBE_PATHS = ("/healthz", "/readyz")  # kubelet probes: no credentials needed (TLS still applies)
 
 TRACER_METRICS: dict[str, tuple[str, str]] = {
     "ghostgpu_agent_ready": ("gauge", "1 once the tracer finished starting (BPF attached or off, first /proc "
@@ -278,6 +279,10 @@ def health_routes(health: AgentHealth, registry: CollectorRegistry | None = None
     return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
 
 
-def start_health_server(listen: str, health: AgentHealth, flag: str = FLAG) -> HttpServer:
-    """Bind and serve at once; HttpListenError (a ValueError, one line naming `flag`) when it cannot."""
-    return HttpServer(listen, health_routes(health), flag=flag, name="health").start()
+def start_health_server(listen: str, health: AgentHealth, flag: str = FLAG,
+                        web_config: str | None = None) -> HttpServer:
+    """Bind and serve at once; HttpListenError (a ValueError, one line naming `flag`) when it cannot,
+    WebConfigError (one line naming the web config file) when that is wrong. With a web config, basic
+    auth guards /metrics only: kubelet's probes cannot send credentials (docs/SECURITY.md)."""
+    return HttpServer(listen, health_routes(health), flag=flag, name="health", web_config=web_config,
+                      open_paths=PROBE_PATHS).start()

@@ -128,8 +128,10 @@ def start_health(cfg: TracerConfig, args: argparse.Namespace,
     from ghostgpu.tracer.health import AgentHealth, start_health_server  # prometheus_client: only when asked
 
     health = AgentHealth()
-    server = start_health_server(listen, health)  # HttpListenError names --health-listen: exit 2
-    print(f"ghostgpu: health: serving on {server.address} (/healthz, /readyz, /metrics)",
+    # HttpListenError names --health-listen, WebConfigError the web config file: exit 2
+    server = start_health_server(listen, health, web_config=cfg.web_config_file or None)
+    tls = " over TLS" if server.tls else ""
+    print(f"ghostgpu: health: serving on {server.address}{tls} (/healthz, /readyz, /metrics)",
           file=sys.stderr, flush=True)
     return health, server
 

@@ -110,7 +110,7 @@ def _add_web_config_flag(p: argparse.ArgumentParser) -> None:
     with contextlib.suppress(argparse.ArgumentError):  # `up`: one file for the tracer's and the collector's
         p.add_argument("--web-config-file", dest="web_config_file", metavar="FILE",
                        help="Prometheus web config (tls_server_config, basic_auth_users) for /metrics and "
-                       "the health port (docs/SECURITY-ops.md; env GHOSTGPU_WEB_CONFIG_FILE for the tracer)")
+                       "the health port (docs/SECURITY.md; env GHOSTGPU_WEB_CONFIG_FILE for the tracer)")
 
 
 def _add_query_flags(p: argparse.ArgumentParser) -> None:
@@ -227,8 +227,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--bpf", choices=("auto", "on", "off"))
     up.add_argument("--once", action="store_true", help="print one view after start-up and exit")
     up.add_argument("--demo", action="store_true",
-                    help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit with "
-                    "the store they were recorded in (unless --db names one)")
+                    help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit "
+                    "with the store they were recorded in (unless --db names one)")
     up.add_argument("--tracer-max-restarts", dest="tracer_max_restarts", type=int, default=5, metavar="N",
                     help="restart a tracer that dies (backoff 0.5 s doubling to 30 s); exit 1 after N failed "
                     "restarts in a row (default 5; a run of 60 s resets the count; 0 never restarts)")
@@ -280,7 +280,7 @@ def cmd_tracer(args: argparse.Namespace) -> int:
 
 
 def cmd_collector(args: argparse.Namespace) -> int:
-    from ghostgpu.collector.main import run_collector
+    from ghostgpu.collector.run import run_collector
 
     return run_collector(args, install_signals=_install_signals)
 

@@ -112,7 +112,8 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
                        ("--podresources-endpoint", "podresources_endpoint"),
                        ("--health-listen", "health_listen"), ("--trace-max-sessions", "trace_max_sessions"),
                        ("--trace-max-duration", "trace_max_duration"),
-                       ("--trace-max-records", "trace_max_records")):
+                       ("--trace-max-records", "trace_max_records"),
+                       ("--web-config-file", "web_config_file")):
         value = getattr(args, dest, None)
         if value is not None:
             cmd += [flag, str(value)]
@@ -136,7 +137,8 @@ def _open_db(db: str) -> str:
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None,
                      db: str) -> Any:
-    from ghostgpu.collector.main import Collector, collector_options
+    from ghostgpu.collector.main import Collector
+    from ghostgpu.collector.run import collector_options
     from ghostgpu.collector.security import SecurityOptions
     from ghostgpu.collector.server import ListenError
     from ghostgpu.collector.trace_commands import trace_options
@@ -190,7 +192,7 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         cri = demo.cri_endpoint if demo else local_cri
         db = store_path(args.db, demo)
         collector = _start_collector(args, args.listen or DEFAULT_COLLECTOR, node, cri, db)
-        from ghostgpu.collector.main import reload_on_hangup
+        from ghostgpu.collector.run import reload_on_hangup
 
         reload_on_hangup(collector)  # SIGHUP re-reads --policy, as for `ghostgpu collector`
         address = dial_address(collector.addresses[-1])  # the private unix socket when there is one

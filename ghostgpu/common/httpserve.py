@@ -10,6 +10,11 @@ connection, so a slow scraper never holds up a probe); a handler that raises ans
 one line, logged once per distinct message; one that raises Unavailable (not ready yet, or
 shutting down) answers 503 with its line and logs nothing. Bodies over 1 KiB are gzipped when the client
 accepts it, as Prometheus does: a 1,000-node /metrics page shrinks about twentyfold.
+
+With web_config (`--web-config-file`, the exporter-toolkit format: ghostgpu/common/webconfig.py) the
+port speaks HTTPS and asks for basic auth as that file says, re-read when it or its certificate files
+change (ghostgpu/common/webguard.py). The TLS handshake runs on the connection's own thread, so a
+client that stalls mid-handshake holds up nobody; `open_paths` (the probes) need no credentials.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import gzip
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from ghostgpu.common.addresses import dial_address, host_port, parse_listen
+from ghostgpu.common.webguard import WebGuard
 
 log = logging.getLogger("ghostgpu.http")
 
@@ -68,19 +75,46 @@ Handler = Callable[[Request], Response]
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    guard: WebGuard | None = None
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        sock, addr = self.socket.accept()
+        context = self.guard.context() if self.guard is not None else None
+        if context is not None:  # the handshake runs on the connection's thread (finish_request)
+            sock = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def finish_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        if isinstance(request, ssl.SSLSocket):
+            request.settimeout(SOCKET_TIMEOUT_S)
+            try:
+                request.do_handshake()
+            except (ssl.SSLError, OSError) as e:  # a plain-HTTP client, an untrusted certificate: its problem
+                log.debug("TLS handshake with %s failed: %s", client_address, e)
+                return
+            why = self.guard.peer_refused(request) if self.guard is not None else None
+            if why is not None:
+                log.debug("TLS client %s refused: %s", client_address, why)
+                return
+        super().finish_request(request, client_address)
 
 
 class HttpServer:
     def __init__(self, listen: str, routes: Mapping[str, Handler], flag: str = "--listen",
-                 name: str = "http") -> None:
+                 name: str = "http", web_config: str | None = None, open_paths: tuple[str, ...] = ()) -> None:
         self.host, self.port = parse_listen(listen, flag, HttpListenError)
         self.listen, self.flag, self.name = listen, flag, name
         self.routes = dict(routes)
+        self.web_config, self.open_paths = web_config, open_paths
+        self.guard: WebGuard | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._logged: set[str] = set()
 
     def start(self) -> HttpServer:
+        """Bind and serve; HttpListenError naming the flag, or WebConfigError naming the web config."""
+        if self.web_config:
+            self.guard = WebGuard(self.web_config, self.open_paths)  # before binding: nothing half-up
         handler = _make_handler(self)
         try:
             if ":" in self.host:
@@ -92,6 +126,7 @@ class HttpServer:
             raise HttpListenError(f"{self.flag} {self.listen}: cannot bind: {e.strerror or e}; "
                                   "pick a free port or another address") from None
         self.port = self._server.server_address[1]
+        self._server.guard = self.guard
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"{self.name}-http", daemon=True)
         self._thread.start()
@@ -103,8 +138,12 @@ class HttpServer:
         return dial_address(host_port(self.host, self.port))
 
     @property
+    def tls(self) -> bool:
+        return self.guard is not None and self.guard.tls
+
+    @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{'https' if self.tls else 'http'}://{self.address}"
 
     def stop(self) -> None:
         server, self._server = self._server, None
@@ -116,6 +155,10 @@ class HttpServer:
             self._thread.join(5.0)
 
     def handle(self, request: Request) -> Response:
+        if self.guard is not None:
+            refused = self.guard.refuse(request.path, request.headers.get("authorization"))
+            if refused is not None:
+                return Response(refused[0], refused[1], headers=refused[2])
         route = self.routes.get(request.path)
         if route is None:
             known = ", ".join(sorted(self.routes))
@@ -163,6 +206,9 @@ def _make_handler(server: HttpServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Encoding", encoding)
             for k, v in response.headers.items():
                 self.send_header(k, v)
+            if server.guard is not None:
+                for k, v in server.guard.headers().items():
+                    self.send_header(k, v)
             self.end_headers()
             if not head:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):

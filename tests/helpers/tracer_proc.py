@@ -27,11 +27,14 @@ class TracerProcess:
         env: dict[str, str] | None = None,
         node_name: str = "test-node",
         collector: str | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
+        """wrapper: argv run in front of the tracer's, e.g. setpriv with a reduced capability set."""
         self.node_name = node_name
         self.path = workdir / "tracer.jsonl"
         self.stderr_path = workdir / "tracer.stderr"
         cmd = [
+            *(wrapper or []),
             sys.executable,
             "-m",
             "ghostgpu.cli",

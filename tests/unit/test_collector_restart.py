@@ -14,7 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ghostgpu.collector.main import Collector, run_collector
+from ghostgpu.collector.main import Collector
+from ghostgpu.collector.run import run_collector
 from ghostgpu.collector.server import ListenError
 from ghostgpu.collector.store import FindingRow, Store, StoreError
 

@@ -109,9 +109,11 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
             "t.T", {"Who": grpc.unary_unary_rpc_method_handler(who)}),))
         server.add_insecure_port(gate.internal_address)
         await server.start()
-        held.update(server=server, loop=asyncio.get_running_loop())
+        done = asyncio.Event()
+        held.update(done=done, loop=asyncio.get_running_loop())
         started.set()
-        await server.wait_for_termination()
+        await done.wait()
+        await server.stop(None)
 
     thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
@@ -126,7 +128,6 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
         assert gate.principal(f"unix-abstract:{PEER_PREFIX}forged-1") is None
     finally:
         gate.stop()
-        server, loop = held["server"], held["loop"]
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)  # type: ignore[attr-defined,arg-type]
+        held["loop"].call_soon_threadsafe(held["done"].set)  # type: ignore[attr-defined]
         thread.join(10)
     assert not (tmp_path / "public.sock").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ghostgpu.collector.main import run_collector
+from ghostgpu.collector.run import run_collector
 from ghostgpu.collector.trace_commands import TraceLimits, trace_options
 from ghostgpu.collector.trace_store import RESTARTED
 from ghostgpu.collector.traces import STOPPED

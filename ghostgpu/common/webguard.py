@@ -1,0 +1,212 @@
+"""What a web config (ghostgpu/common/webconfig.py) asks of each connection and request, kept current.
+
+    guard = WebGuard("/etc/ghostgpu/web.yml", open_paths=("/healthz", "/readyz"))  # WebConfigError
+    ctx = guard.context()                  # per accepted connection: the SSLContext, None for HTTP
+    guard.peer_refused(tls_socket)         # after the handshake: client_allowed_sans
+    guard.refuse(path, authorization)      # per request: (429 | 401, body, headers) or None
+    guard.headers()                        # http_server_config.headers for every response
+
+Reload, as exporter-toolkit does per request and per handshake: every call stats the config file
+and the files it names (mtime, size, inode: a mounted Secret's symlink swap changes the inode) and
+re-reads them only when one changed. A good new set serves the next connection; open connections
+keep theirs. A bad one (half-written cert, key of another cert) keeps the old set and logs one line
+per change. Whether the port speaks TLS is decided at start: a reload cannot turn it on or off.
+
+Basic auth: bcrypt is slow on purpose (~50 ms at cost 10), and Prometheus sends the same credentials
+every scrape, so results are cached by SHA-256 of (user, hash, password), as exporter-toolkit does;
+an unknown user is checked against a fixed hash so that it takes as long as a known one.
+/healthz and /readyz (open_paths) need no credentials: kubelet's probes cannot send them (see
+docs/SECURITY.md); TLS still applies to them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import ipaddress
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ghostgpu.common.webconfig import WebConfig, WebConfigError, load_web_config, server_context
+
+log = logging.getLogger("ghostgpu.http")
+
+AUTH_CACHE_MAX = 100  # distinct (user, password) pairs remembered; a scraper uses one
+# bcrypt of "ghostgpu: no such user" at cost 10: what an unknown user's password is checked against.
+_NO_USER_HASH = b"$2b$10$A0xTZaiBgu17k1.wZ1wW5Okv9RoZKhTpFzXmnzxoV/ANa5kAeaAUK"
+Signature = tuple[tuple[str, int, int, int] | tuple[str], ...]
+
+
+def file_signature(paths: Iterable[str]) -> Signature:
+    out: list[tuple[str, int, int, int] | tuple[str]] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append((path, st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append((path,))
+    return tuple(out)
+
+
+class BasicAuth:
+    """bcrypt basic auth with exporter-toolkit's cache; thread-safe."""
+
+    def __init__(self, users: Mapping[str, bytes]) -> None:
+        self.users = dict(users)
+        self._cache: dict[bytes, bool] = {}
+        self._lock = threading.Lock()
+
+    def check(self, authorization: str | None) -> bool:
+        if not authorization or not authorization.lower().startswith("basic "):
+            return False
+        try:
+            decoded = base64.b64decode(authorization[6:].strip(), validate=True).decode()
+            user, sep, password = decoded.partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        if not sep:
+            return False
+        users = self.users
+        known = user in users
+        hashed = users[user] if known else _NO_USER_HASH
+        key = hashlib.sha256(b"\0".join((user.encode(), hashed, password.encode()))).digest()
+        with self._lock:
+            ok = self._cache.get(key)
+        if ok is None:
+            import bcrypt  # only where basic_auth_users is set
+
+            ok = bcrypt.checkpw(password.encode(), hashed)
+            with self._lock:
+                if len(self._cache) >= AUTH_CACHE_MAX:
+                    self._cache.pop(next(iter(self._cache)))  # the oldest pair
+                self._cache[key] = ok
+        return ok and known
+
+
+class RateLimiter:
+    """A token bucket: `burst` requests at once, one more every `interval_s` (exporter-toolkit's)."""
+
+    def __init__(self, interval_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.burst, self._clock = interval_s, burst, clock
+        self._tokens = float(burst)
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        if self.interval_s <= 0:
+            return True
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(float(self.burst), self._tokens + (now - self._last) / self.interval_s)
+            self._last = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return True
+            return False
+
+
+class WebGuard:
+    def __init__(self, path: str, open_paths: Iterable[str] = ()) -> None:
+        self.path = path
+        self.open_paths = frozenset(open_paths)
+        self._lock = threading.Lock()
+        config = load_web_config(path)  # WebConfigError: the caller says it and exits 2
+        self._check_bcrypt(config)
+        self.tls = config.tls is not None
+        self._config = config
+        self._context = self._build_context(config)
+        self._signature = file_signature(config.files)
+        self._bad_signature: Signature | None = None
+        self.auth = BasicAuth(config.users)
+        self.limiter = RateLimiter(config.rate_interval_s, config.rate_burst)
+        self.reloads = 0
+        self.reload_errors = 0
+
+    @property
+    def where(self) -> str:
+        return f"web config {self.path}"
+
+    @staticmethod
+    def _check_bcrypt(config: WebConfig) -> None:
+        if config.users:
+            try:
+                import bcrypt  # noqa: F401
+            except ImportError:
+                raise WebConfigError(f"web config {config.path}: basic_auth_users needs the bcrypt package; "
+                                     "pip install bcrypt") from None
+
+    def _build_context(self, config: WebConfig) -> ssl.SSLContext | None:
+        return server_context(config.tls, f"web config {config.path}") if config.tls is not None else None
+
+    def _refresh(self) -> None:
+        """Re-read the config and its files when one of them changed since the last look."""
+        signature = file_signature(self._config.files)
+        if signature == self._signature:
+            return
+        with self._lock:
+            if signature == self._signature or signature == self._bad_signature:
+                return
+            try:
+                config = load_web_config(self.path)
+                self._check_bcrypt(config)
+                if (config.tls is not None) != self.tls:
+                    raise WebConfigError(f"{self.where}: tls_server_config was "
+                                         f"{'removed' if self.tls else 'added'}; restart to change whether "
+                                         "this port speaks TLS")
+                context = self._build_context(config)
+            except Exception as e:  # never let a reload take the server down: keep the old set
+                self._bad_signature = signature
+                self.reload_errors += 1
+                log.warning("%s; keeping the previous web config", e)
+                return
+            self._config, self._context = config, context
+            self._signature = file_signature(config.files)
+            self._bad_signature = None
+            self.auth.users = dict(config.users)
+            self.limiter = RateLimiter(config.rate_interval_s, config.rate_burst)
+            self.reloads += 1
+            log.info("%s: reloaded", self.where)
+
+    def context(self) -> ssl.SSLContext | None:
+        """The SSLContext a new connection is wrapped with (None: plain HTTP)."""
+        self._refresh()
+        return self._context
+
+    def peer_refused(self, sock: Any) -> str | None:
+        """After the handshake: why the client's certificate is refused (client_allowed_sans), or None."""
+        tls = self._config.tls
+        if tls is None or tls.client_allowed_sans is None:
+            return None
+        cert = sock.getpeercert() or {}
+        for kind, value in cert.get("subjectAltName", ()):
+            for allowed in tls.client_allowed_sans:
+                if value == allowed or (kind == "IP Address" and _same_ip(value, allowed)):
+                    return None
+        return "no subject alternative name of the client certificate is in client_allowed_sans"
+
+    def refuse(self, path: str, authorization: str | None) -> tuple[int, bytes, dict[str, str]] | None:
+        """(status, body, headers) when this request is not to be served, else None."""
+        self._refresh()
+        if not self.limiter.allow():
+            return 429, b"Too Many Requests\n", {}
+        if path in self.open_paths or not self.auth.users:
+            return None
+        if self.auth.check(authorization):
+            return None
+        return 401, b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="ghostgpu"'}
+
+    def headers(self) -> Mapping[str, str]:
+        return self._config.headers
+
+
+def _same_ip(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a.strip()) == ipaddress.ip_address(b.strip())
+    except ValueError:
+        return False
