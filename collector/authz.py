@@ -12,6 +12,7 @@ start's namespace and duration limits, `requested_by`).
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ from ghostgpu.collector.peers import PEER_PREFIX, UnixGate, loopback_uid
 from ghostgpu.common.principal import ANONYMOUS, Principal
 from ghostgpu.common.tls import principal_from_auth_context
 
+DENIED_WINDOW_S = 10.0  # one `denied` audit record per (subject, method) per window
+DENIED_KEYS_MAX = 10_000
 _CURRENT: ContextVar[Principal] = ContextVar("ghostgpu_principal", default=ANONYMOUS)
 
 AuditFn = Callable[..., Any]  # AuditLog.append(action, subject, result, **detail)
@@ -72,6 +75,9 @@ class Authorizer(grpc.aio.ServerInterceptor):
         self.policy = policy  # the current policy: a reload swaps what this returns
         self.audit = audit
         self.denied_total = 0
+        # A client retrying a refused call must not grow the audit log without bound: one record per
+        # (subject, method) per window, the next one saying how many were folded into it.
+        self._denied_seen: dict[tuple[str, str], tuple[float, int]] = {}
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -89,11 +95,28 @@ class Authorizer(grpc.aio.ServerInterceptor):
         if line is None:
             return principal
         self.denied_total += 1
-        if self.audit is not None:
+        repeats = self._fold(principal.subject, method)
+        if self.audit is not None and repeats is not None:
             self.audit("denied", principal.subject, "denied", method=method,
-                       missing=policy.check(principal, method), peer=principal.peer, via=principal.via)
+                       missing=policy.check(principal, method), peer=principal.peer, via=principal.via,
+                       repeats_folded=repeats)
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"permission denied: {line}")
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+    def _fold(self, subject: str, method: str) -> int | None:
+        """None when this denial is folded into the window's record; else how many were folded
+        since the last record of (subject, method)."""
+        now_s = time.monotonic()
+        key = (subject, method)
+        last_s, folded = self._denied_seen.get(key, (-DENIED_WINDOW_S, 0))
+        if now_s - last_s < DENIED_WINDOW_S:
+            self._denied_seen[key] = (last_s, folded + 1)
+            return None
+        if len(self._denied_seen) >= DENIED_KEYS_MAX:  # many subjects: forget the old windows
+            self._denied_seen = {k: v for k, v in self._denied_seen.items() if now_s - v[0] < DENIED_WINDOW_S}
+        self._denied_seen[key] = (now_s, 0)
+        return folded
 
 
 Admit = Callable[[str, grpc.aio.ServicerContext], Awaitable[Principal]]

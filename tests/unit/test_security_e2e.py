@@ -222,3 +222,15 @@ def test_the_audit_chain_verifies(secure: Secure, capsys: pytest.CaptureFixture[
     wait_until(lambda: secure.audit_records("tracer.disconnect"), "the disconnect audited")
     assert cli.main(["audit", "--db", str(Path(secure.audit).with_name("c.db")), "--verify"]) == 0
     assert "intact" in capsys.readouterr().out
+
+
+def test_repeated_denials_fold_into_one_audit_record(secure: Secure) -> None:
+    with secure.client(secure.pki.write("user-eve", secure.pki.user("eve"))) as eve:
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError) as e:
+                eve.consumers()
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    denied = secure.audit_records("denied")
+    assert [(r["subject"], r["detail"]["method"]) for r in denied] == [
+        ("user:eve", "/ghostgpu.v1.Query/ListConsumers")]
+    assert secure.collector.security.authorizer.denied_total == 20
