@@ -4,7 +4,8 @@
 Run as root:  .venv/bin/python bench/bench_alert_latency.py [--trials 10] [--slow-trials 3]
 
 Everything is real but the GPU: a fake container (its own PID namespace and kubepods cgroups)
-starts gpuwork, which opens /dev/nvidia0 (a character device node); the real tracer (BPF, a fake
+starts gpuwork, which opens /dev/nvidia0 (a character device node) and allocates a compute class on
+it (a GPU job: one that only opened it would be a `monitor`, which pages no one); the real tracer (BPF, a fake
 NVML that lists no process, --grace-s 0 so the consumer is hidden at once) streams to a real
 `ghostgpu collector` process serving /metrics and posting findings to Alertmanager. Debian's
 Prometheus 2.42 scrapes the collector and evaluates the shipped rules (findings alerts' `for:` at
@@ -48,6 +49,7 @@ from tests.helpers.promstack import (
     free_port,
 )
 from tests.helpers.tracer_proc import TracerProcess
+from tests.helpers.workload import allocates
 
 GOAL_PUSH_S = 1.0
 ALERT = "GhostGPUHiddenConsumer"
@@ -105,7 +107,7 @@ def run_phase(am: Alertmanager, prom_dir: Path, metrics: str, rules: Path, inter
             time.sleep(random.uniform(0.0, interval_s))
             with FakeContainer() as box:
                 start = time.perf_counter()
-                proc = box.run(["open", "/dev/nvidia0", "ready", "wait"])
+                proc = box.run(["open", "/dev/nvidia0", *allocates(), "ready", "wait"])
                 proc.wait_ready()
                 pid = proc.host_pid
                 fired = wait_times(lambda pid=pid: firing_paths(am, pid), {"push", "scrape"}, start, poll_s,

@@ -1,7 +1,8 @@
 /* ghostgpu kernel side: shared event struct, map keys, maps, constants and the prefix matcher.
  *
- * Compiled by bcc as ONE program together with trace.bpf.c, open.bpf.c, fd.bpf.c, ioctl.bpf.c and
- * sched.bpf.c (in that order: trace.bpf.c's helpers are called by the others).
+ * Compiled by bcc as ONE program together with trace.bpf.c, alloc.bpf.c, open.bpf.c, fd.bpf.c,
+ * ioctl.bpf.c and sched.bpf.c (in that order: trace.bpf.c's and alloc.bpf.c's helpers are called
+ * by the others).
  * tracer/bpf_source.py concatenates the files (with #line markers) instead of #include-ing them:
  * bcc 0.26 rewrites map calls (m.lookup()) and TRACEPOINT_PROBE argument structs only in its main
  * file, so an #include'd program fails to load ("unknown opcode 8d").
@@ -100,7 +101,8 @@ _Static_assert(GG_COMMON_LEN >= 1 && GG_COMMON_LEN <= 7, "common prefix must fit
 #define GG_STAT_DEV_IDS_FULL 5
 #define GG_STAT_PENDING_FULL 6
 #define GG_STAT_FORKING_FULL 7
-#define GG_STAT_MAX 8
+#define GG_STAT_ALLOCS_FULL 8 /* alloc.bpf.c: a tgid's allocation record could not be kept */
+#define GG_STAT_MAX 9
 
 #define GG_CLONE_THREAD 0x00010000ULL /* include/uapi/linux/sched.h, stable ABI */
 #define GG_MAP_ANONYMOUS 0x20UL       /* x86_64 and arm64 value (asm-generic/mman-common.h) */

@@ -1,5 +1,6 @@
 /* ioctl.bpf.c: count ioctls on GPU fds (no event) and notice the first mapping of a device; hand
- * both to a trace session when one covers the caller (trace.bpf.c).
+ * both to a trace session when one covers the caller (trace.bpf.c), and the allocation calls to
+ * the always-on capture (alloc.bpf.c).
  *
  * Hot path: ioctl and mmap are among the busiest syscalls of a node (terminals, sockets, malloc's
  * large blocks). A process that holds no GPU device pays one inlined array load and a byte test
@@ -16,11 +17,15 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
     struct gg_fd_val *fv = fds.lookup(&fk);
     if (!fv) {
-        if ((fv = gg_trace_inherited_fd(tgid, fd)))
+        if ((fv = gg_trace_inherited_fd(tgid, fd))) {
             gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
+            gg_alloc_ioctl(tgid, (u32)args->cmd, (u64)args->arg);
+        }
         return 0;
     }
     gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
+    /* After the GPU-fd check, so a non-GPU call pays nothing for it. */
+    gg_alloc_ioctl(tgid, (u32)args->cmd, (u64)args->arg);
     /* The request word is 32 bits in the ioctl ABI; the tracepoint widens it to 64. */
     struct gg_ioctl_key ik = {.tgid = tgid, .fd = fd, .dev_id = fv->dev_id, .cmd = (u32)args->cmd};
     u64 *count = ioctls.lookup(&ik);

@@ -47,6 +47,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
         gg_stat(GG_STAT_PROCS_FULL);
     else
         gg_set_holder(child, 1);
+    gg_alloc_fork(parent_tgid, child);
     gg_emit(GG_EV_FORK, parent_tgid, (u32)id, -1, 0, child, 0);
     return 0;
 }

@@ -37,6 +37,9 @@ FINDING_ALERTS: dict[str, tuple[str, str]] = {
 # alertname -> annotations. Plain str.format fields only, each one a label: {x} here is
 # {{ $labels.x }} in the rules file (a test compares the two), so both paths say the same words.
 _WHERE = "node {node} GPU {gpu} ({gpu_uuid}), pod {namespace}/{pod}, PID {pid} ({comm})"
+# Hidden, orphaned and unattributed consumers may hold node-wide devices only; their gpu label is empty.
+_NODE_WIDE = (" An empty GPU means it holds only node-wide NVIDIA devices (nvidiactl, nvidia-uvm): no GPU "
+              "memory, but the driver cannot be reloaded or upgraded while it does.")
 ALERT_ANNOTATIONS: dict[str, dict[str, str]] = {
     "GhostGPUHiddenConsumer": {
         "summary": "Hidden GPU consumer on " + _WHERE,
@@ -45,7 +48,7 @@ ALERT_ANNOTATIONS: dict[str, dict[str, str]] = {
             "({gpu_uuid}) on node {node}, but the NVIDIA driver does not list it: nvidia-smi, NVML and "
             "dcgm-exporter cannot see it or its memory. Check that the pod requested this GPU "
             "(ghostgpu ps --node {node} -o wide shows its devices and allocation); stop the process if "
-            "it should not have the GPU."),
+            "it should not have the GPU." + _NODE_WIDE),
     },
     "GhostGPUOrphanedConsumer": {
         "summary": "Orphaned GPU consumer on " + _WHERE,
@@ -53,7 +56,8 @@ ALERT_ANNOTATIONS: dict[str, dict[str, str]] = {
             "PID {pid} ({comm}) still holds GPU {gpu} ({gpu_uuid}) on node {node} although its owner is "
             "gone: container {container} of pod {namespace}/{pod} exited or was removed, or its parent "
             "died. The GPU and its memory stay taken until it ends: kill PID {pid} on node {node} (drain "
-            "and reboot the node if it cannot be killed) and find why the runtime left it behind."),
+            "and reboot the node if it cannot be killed) and find why the runtime left it behind."
+            + _NODE_WIDE),
     },
     "GhostGPUGhostMemory": {
         "summary": "Ghost GPU memory on " + _WHERE,
@@ -78,7 +82,7 @@ ALERT_ANNOTATIONS: dict[str, dict[str, str]] = {
             "PID {pid} ({comm}) holds GPU {gpu} ({gpu_uuid}) on node {node} from outside any container, "
             "and the NVIDIA driver does not list it. Find what started it (ps -o pid,user,args -p {pid} "
             "on the node); if it is a node daemon that holds GPUs by design, add it to the tracer's "
-            "system_allowlist, else stop it."),
+            "system_allowlist, else stop it." + _NODE_WIDE),
     },
 }
 PLACEHOLDERS = ("node", "gpu", "gpu_uuid", "namespace", "pod", "container", "pid", "comm")

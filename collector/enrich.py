@@ -1,11 +1,15 @@
 """What the collector adds to a node's consumer: names from CRI, allocation from PodResources.
 
 `enrich()` is the collector's part of classification, a pure function. The node tracer already
-decided system, ghost, orphaned (zombie, reparented), visible, hidden, pending, ...; the collector
-knows two more facts a node cannot judge alone:
+decided system, ghost, orphaned (zombie, reparented), visible, monitor, hidden, pending, ...; the
+collector knows facts a node cannot judge alone:
 
 - CRI says the holder's container exited, is unknown, or its pod sandbox is gone: `orphaned`.
-- PodResources says the container was never given this GPU: `unallocated`.
+- CRI places an allowlisted daemon the node found in a container (the consumer's `allowlisted`) in a
+  namespace or NAMESPACE/CONTAINER its `system_places` (the tracer's config) name: `system`. A pod
+  picks its own process and container names, never its namespace, so only CRI's names count.
+- PodResources says the container was never given this GPU: `unallocated`. A consumer with no GPU
+  (node-wide devices only) cannot be judged so: allocations name GPUs.
 
 Which of these and the node's class wins is ghostgpu.common.classes' precedence, the one classify()
 applies on the node: the node's system and ghost (and its own orphaned verdict) stand, CRI's and
@@ -59,13 +63,26 @@ def allocations_from(entries: Sequence[tuple[str, str, str, Sequence[str]]], ava
     return Allocations(available, error, {k: frozenset(v) for k, v in merged.items()})
 
 
+def system_place(consumer: Consumer, k8s: K8sInfo) -> str | None:
+    """The place (of the consumer's system_places) CRI puts its container in, or None."""
+    if not consumer.allowlisted or not consumer.system_places or k8s.resolution != "resolved":
+        return None
+    for place in consumer.system_places:
+        if place in (k8s.namespace, f"{k8s.namespace}/{k8s.container}"):
+            return place
+    return None
+
+
 def enrich(consumer: Consumer, k8s: K8sInfo, allocations: Allocations) -> tuple[Consumer, bool | None]:
     """(consumer with its final class and reason, allocated): the node's view plus CRI and PodResources."""
     if not consumer.container_id:
         return consumer, None
     allocated = allocations.allocated(k8s, consumer.gpu_uuid) if consumer.gpu is not None else None
     orphan = k8s.orphan_reason
+    place = system_place(consumer, k8s)
     applicable = [consumer.cls]  # the node's class stands unless a rule that outranks it holds
+    if place is not None:
+        applicable.append(ConsumerClass.SYSTEM)
     if orphan is not None:
         applicable.append(ConsumerClass.ORPHANED)
     if allocated is False:
@@ -76,7 +93,11 @@ def enrich(consumer: Consumer, k8s: K8sInfo, allocations: Allocations) -> tuple[
     in_container = f" (pid {consumer.ns_pid} in its container)" if consumer.ns_pid else ""
     pid_text = f"pid {consumer.pid}{in_container}"
     devices = ", ".join(consumer.devices) or "a GPU device"
-    if cls is ConsumerClass.ORPHANED:
+    if cls is ConsumerClass.SYSTEM:
+        reason = (f"allowlisted node daemon {consumer.allowlisted} ({consumer.comm}) in container "
+                  f"{k8s.container} of pod {k8s.namespace}/{k8s.pod}, a place the tracer's config names "
+                  f"({place}); {pid_text} holds {devices}")
+    elif cls is ConsumerClass.ORPHANED:
         reason = f"{orphan}, yet {pid_text} still holds {devices}"
     else:
         gpu = f"GPU {consumer.gpu} ({consumer.gpu_uuid})" if consumer.gpu_uuid else f"GPU {consumer.gpu}"

@@ -61,6 +61,7 @@ class Tracer:
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
+        self._full_scan_ns = 0  # boot ns when the last full /proc scan began (classify: holders_complete_ns)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -157,6 +158,11 @@ class Tracer:
         if self.state.holders:  # an idle node has no counters to read
             self._read_ioctls()
         self._report_bpf_stats()
+        # An allocation makes no event: a monitor that starts allocating is re-judged within one
+        # poll, not at the next change (one map lookup per monitor).
+        monitors = [c.pid for c in self.consumers.values() if c.cls is ConsumerClass.MONITOR]
+        if monitors and self.bpf.any_allocated(monitors):
+            self._dirty = True
 
     # --- sources --------------------------------------------------------------------------
 
@@ -188,6 +194,8 @@ class Tracer:
             # does not race the ring buffer for the same close or exit.
             self._drain(0)
         ts_ns = boot_ns()
+        if pids is None:
+            self._full_scan_ns = ts_ns
         holders = self.state.holders
         before = dict(holders) if pids is None else {p: holders[p] for p in pids if p in holders}
         scan_start_s = time.monotonic()
@@ -372,15 +380,20 @@ class Tracer:
         return ClassifyConfig(
             grace_ns=int(self.cfg.grace_s * 1e9),
             system_allowlist=tuple(self.cfg.system_allowlist),
+            system_places=(*self.cfg.system_namespaces, *self.cfg.system_containers),
             reaper_comms=tuple(self.cfg.reaper_comms),
             own_pids=frozenset(self.own_pids),
             nvml_first_listed=dict(self.nvml_first_listed),
             boot_ns_of_ticks=ticks_to_boot_ns,
+            # The kernel reports every open; without it, a holder is known once a full scan found it.
+            holders_complete_ns=None if self.bpf is not None else self._full_scan_ns,
         )
 
     def current_consumers(self) -> list[Consumer]:
         # A holder dead and waiting for its kernel EXIT is not classified: it holds nothing now.
         holders = [h for h in self.state.holders_snapshot() if h.process.pid not in self._exit_due]
+        if self.bpf is not None:  # what each asked the driver for: None (no history) without BPF
+            self.bpf.fill_gpu_work(holders)
         return classify(holders, self.nvml, boot_ns(), self.classify_config(),
                         self.cfg.node_name, self.identities.start_ticks)
 

@@ -11,7 +11,8 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-BPF_FILES = ("ghostgpu.h", "trace.bpf.c", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c", "sched.bpf.c")
+BPF_FILES = ("ghostgpu.h", "trace.bpf.c", "alloc.bpf.c", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c",
+             "sched.bpf.c")
 
 
 def find_bpf_dir(source_root: Path | None = None, data_root: Path | None = None) -> Path:
@@ -62,9 +63,11 @@ def prefix_word(prefix: str) -> tuple[int, int]:
 
 def map_sizes(max_fds: int) -> dict[str, int]:
     """Every map is bounded by the one fd budget: a CUDA process holds ~4 devices with ~30 fds."""
+    # GG_MAX_ALLOCS: one record per tgid that made an allocation call, kept (like its ioctl
+    # counters) until user space forgets it after its EXIT: twice procs, for the dead not yet swept.
     return {"GG_MAX_FDS": max_fds, "GG_MAX_HOLDS": max(256, max_fds // 4),
             "GG_MAX_PROCS": max(128, max_fds // 8), "GG_MAX_IOCTLS": max(1024, max_fds * 2),
-            "GG_MAX_DEVS": 4096, "GG_MAX_PENDING": 4096}
+            "GG_MAX_DEVS": 4096, "GG_MAX_PENDING": 4096, "GG_MAX_ALLOCS": max(256, max_fds // 4)}
 
 
 def build_cflags(

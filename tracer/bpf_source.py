@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ghostgpu.tracer import gpu_work
 from ghostgpu.tracer.bpf_build import (
     BPF_DIR,
     OPTIONAL_SYSCALLS,
@@ -27,7 +28,7 @@ from ghostgpu.tracer.bpf_build import (
     has_caps,
     program_text,
 )
-from ghostgpu.tracer.events import EventKind, ProcView, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, Holder, ProcView, SourceEvent, boot_ns
 from ghostgpu.tracer.identity import group_dead
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
@@ -41,9 +42,9 @@ KINDS = {**dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, Even
 EV_OPEN, EV_MMAP, EV_FD, EV_IOCTL_KEY = 1, 3, 7, 8
 BOOKKEEPING_KINDS = {EV_FD: "FD", EV_IOCTL_KEY: "IOCTL_KEY"}  # keys a tgid owns: never SourceEvents
 FLAG_MAPPED, FLAG_LEADER_ONLY = 1, 2
-TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids")
+TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids", "alloc_work")
 STAT_NAMES = ("ringbuf_drops", "fds_full", "holds_full", "procs_full", "ioctls_full", "dev_ids_full",
-              "pending_full", "forking_full")
+              "pending_full", "forking_full", "allocs_full")
 SLOW_PATHS = (b"gg_settle", b"gg_open_match")
 KHEADERS = "/sys/kernel/kheaders.tar.xz"
 
@@ -167,6 +168,7 @@ class BpfSource:
             ops = LibbccOps()
             self.tables = HolderTables({name: KernelMap.of(self._bpf, name, ops) for name in TABLES},
                                        self._holder_map)
+            self._write_alloc_classes()
         except Exception as exc:
             self.close()
             raise BpfUnavailable(f"setting up the ghostgpu BPF maps failed: {exc}") from None
@@ -198,6 +200,14 @@ class BpfSource:
             self._bpf.cleanup()
             self._bpf = None
         self.programs_attached = 0
+
+    def _write_alloc_classes(self) -> None:
+        """The category of every RM class id, for bpf/alloc.bpf.c (written once, 256 pages)."""
+        table, data = self._bpf[b"alloc_classes"], gpu_work.category_table()
+        for page in range(len(data) // 256):
+            leaf = table.Leaf()
+            ctypes.memmove(ctypes.addressof(leaf), data[page * 256:(page + 1) * 256], 256)
+            table[table.Key(page)] = leaf
 
     def _on_record(self, _ctx: Any, data: Any, size: int) -> int:  # bcc's ring buffer callback
         self._records.append(ctypes.string_at(data, size))
@@ -287,6 +297,19 @@ class BpfSource:
     def ioctl_counts(self, pid: int | None = None) -> dict[int, dict[tuple[str, int], int]]:
         """pid -> (device path, ioctl request word) -> count, summed over the pid's fds."""
         return self.tables.ioctl_counts(pid) if self.tables is not None else {}
+
+    def fill_gpu_work(self, holders: Iterable[Holder]) -> None:
+        """Set each holder's gpu_work from the kernel's allocation record (tracer/gpu_work.py)."""
+        tables = self.tables
+        if tables is None or tables.alloc_work is None:
+            return
+        gpu_work.fill(holders, tables.alloc_record, lambda: self.stats().get("allocs_full", 0) > 0)
+
+    def any_allocated(self, pids: Iterable[int]) -> bool:
+        """Whether any of these tgids has made a work allocation call (one lookup each)."""
+        tables = self.tables
+        return tables is not None and any(
+            (record := tables.alloc_record(pid)) is not None and record.allocated for pid in pids)
 
     def forget(self, pid: int) -> None:
         """Drop every kernel entry of tgid `pid` (after its EXIT and a last ioctl_counts())."""

@@ -27,9 +27,9 @@ from ghostgpu.tracer.ioctl_decode import (
 from ghostgpu.tracer.nvabi import BASELINE, NO_STATUS, XFER_NR, Field, Layout
 from ghostgpu.tracer.nvabi_names import CONTROL_CLASS_NAMES, NV_STATUS_NAMES, RM_CLASS_NAMES, RM_CONTROLS
 
-__all__ = ["ARRAY_MAX_N", "CAPTURE_MAX", "NO_STATUS", "BlockAt", "DecodedCall", "DriverLayout",
-           "IoctlCapture", "decode_call", "effective_request", "iowr", "layout_for", "parse_driver_version",
-           "read_driver_version"]
+__all__ = ["ARRAY_MAX_N", "CAPTURE_MAX", "HEAP_FUNCTIONS", "NO_STATUS", "BlockAt", "DecodedCall",
+           "DriverLayout", "IoctlCapture", "decode_call", "effective_request", "iowr", "layout_for",
+           "parse_driver_version", "read_driver_version"]
 
 CAPTURE_MAX = 56  # bytes of a parameter block the kernel reads at entry (bpf/trace.bpf.c GG_TRACE_CAPTURE)
 # Array escapes (CARD_INFO, ATTACH_GPUS_TO_FD) take any multiple of their element; the kernel table
@@ -39,7 +39,7 @@ EINVAL = 22
 _CLASS_FROM = ("NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_OBJECT", "NV_ESC_RM_ALLOC_MEMORY",
                "NV_ESC_RM_ALLOC_CONTEXT_DMA2")  # escapes whose hClass@12 names an RM class
 _VERSION_MODES = {0: "STRICT", 0x31: "RELAXED", 0x32: "QUERY"}  # CHECK_VERSION_STR cmd (osapi.c)
-_HEAP_FUNCTIONS = {2: "ALLOC_SIZE", 3: "FREE", 27: "ALLOC_OS_DESCRIPTOR"}  # NVOS32 function
+HEAP_FUNCTIONS = {2: "ALLOC_SIZE", 3: "FREE", 27: "ALLOC_OS_DESCRIPTOR"}  # NVOS32 function (nvos.h)
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ def _extras(escape: str, at: BlockAt, size: int, block: bytes, args: dict[str, s
     if escape == "NV_ESC_CHECK_VERSION_STR" and "cmd" in args:
         args["mode"] = _VERSION_MODES.get(int(args["cmd"], 16), "")
     if escape == "NV_ESC_RM_VID_HEAP_CONTROL" and "function" in args:
-        args["functionName"] = _HEAP_FUNCTIONS.get(int(args["function"]), "")
+        args["functionName"] = HEAP_FUNCTIONS.get(int(args["function"]), "")
 
 
 def _raw(request: int) -> str:

@@ -1,32 +1,40 @@
 """Classification: one pure function from holders + the NVML view to consumers (process x GPU).
 
-Every node-side rule lives here: each gathers the evidence for its class alone (the allowlist,
-NVML's listing, the process tree, the grace period, the container), and ghostgpu.common.classes
-decides which of the classes that hold wins, with the same table the collector's enrich() uses.
-The grace period holds for host and container processes alike: NVML lists a new CUDA context only
-once it exists, a moment after the device file is opened.
+Every node-side rule lives here: each gathers the evidence for its class alone (the allowlist and
+where the daemon runs, NVML's listing, the process tree, the grace period, the calls the holder made,
+the container), and ghostgpu.common.classes decides which of the classes that hold wins, with the
+same table the collector's enrich() uses. The grace period holds for host and container processes
+alike, and for every class below it (unknown too): NVML lists a new CUDA context only once it exists,
+a moment after the device file is opened.
+
+A process holding only node-wide devices (nvidiactl, nvidia-uvm, nvidia-modeset, nvidia-caps/*) is
+one consumer with no GPU: it keeps the driver's modules busy (a left-over one blocks a driver reload),
+so it goes through the same rules, and NVML, which lists processes per GPU, never lists it.
 
 Reasons are one human line naming the evidence; numbers that move between refreshes (ages, MiB,
-fds) appear only in the text, and diff_consumers() compares the reason with its numbers masked,
-so an age ticking up is not a change.
+fds) appear only in the text, and diff_consumers() (tracer/consumer_diff.py) compares the reason
+with its numbers masked, so an age ticking up is not a change.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ghostgpu.tracer.config import DEFAULT_SYSTEM_ALLOWLIST
+from ghostgpu.tracer.consumer_diff import by_gpu_then_pid
+from ghostgpu.tracer.consumer_diff import diff_consumers as diff_consumers  # where the agent imports it
 from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
 from ghostgpu.common import classes
 from ghostgpu.common.display import mib_phrase, short_id
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind
 
-ConsumerKey = tuple[int, int | None, str]
 COMM_LEN = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to 15 bytes
+# The MPS server holds the GPU for its clients; NVML lists the clients' PIDs (CUDA 11+, Volta+).
+MPS_SERVER = "nvidia-cuda-mps-server"
+Holds = Sequence[tuple[str, DeviceHold]]
 
 
 def _ticks_to_ns(ticks: int) -> int:
@@ -36,12 +44,22 @@ def _ticks_to_ns(ticks: int) -> int:
 @dataclass(frozen=True)
 class ClassifyConfig:
     grace_ns: int = 2_000_000_000
+    # Entries with a "/" match the executable path exactly; others the comm or the exe's file name.
     system_allowlist: tuple[str, ...] = DEFAULT_SYSTEM_ALLOWLIST
+    # Where, besides the host, an allowlisted daemon counts as system: Kubernetes namespaces and
+    # NAMESPACE/CONTAINER pairs (tracer config system_namespaces, system_containers). Only CRI names
+    # them, so they travel on the consumer for the collector's enrich() to check.
+    system_places: tuple[str, ...] = ()
     reaper_comms: tuple[str, ...] = ("systemd", "init")
     own_pids: frozenset[int] = frozenset()
     # (gpu uuid, pid) -> boot ns when the tracer first saw NVML list that pid on that GPU
     nvml_first_listed: Mapping[tuple[str, int], int] = field(default_factory=dict)
     boot_ns_of_ticks: Callable[[int], int] = _ticks_to_ns
+    # Every process that held a GPU device file at this boot time is among the holders: None when the
+    # kernel reports every open (BPF), else when the last full /proc scan began. A PID NVML listed
+    # before it and that holds no GPU device file was reused; one listed later may be a holder not
+    # scanned yet.
+    holders_complete_ns: int | None = None
 
 
 def _s(ns: int) -> str:
@@ -52,7 +70,7 @@ def _gpu_text(gpu: int | None, uuid: str, minor: int | None) -> str:
     return f"GPU {gpu} ({uuid})" if uuid else f"GPU minor {minor}"
 
 
-def _holds_text(holds: Sequence[tuple[str, DeviceHold]]) -> str:
+def _holds_text(holds: Holds) -> str:
     parts: list[str] = []
     for path, hold in holds:
         fds = sorted(hold.fds)
@@ -76,14 +94,52 @@ def _merge_listed(gpu: NvmlGpu) -> dict[int, NvmlProcess]:
     return out
 
 
-def _system_name(info: ProcessInfo, cfg: ClassifyConfig) -> str | None:
+# ---- the evidence, one function per rule -------------------------------------------------------
+
+def _named(info: ProcessInfo, name: str) -> bool:
+    """Whether a process is called `name`: its comm (cut to 15 bytes) or its executable's file name."""
+    exe = os.path.basename(info.exe.removesuffix(" (deleted)"))
+    return bool((info.comm and info.comm == name[:COMM_LEN]) or (exe and exe == name))
+
+
+def _allowlisted(info: ProcessInfo, allowlist: Sequence[str]) -> str:
+    """The allowlist entry the process matches ("" none): a path its executable, a name its name."""
+    exe = info.exe.removesuffix(" (deleted)")  # a daemon whose binary an upgrade replaced
+    for entry in allowlist:
+        if (exe == entry) if "/" in entry else _named(info, entry):
+            return entry
+    return ""
+
+
+def _away_from_host(info: ProcessInfo) -> str:
+    """Where a process runs if not on the host itself ("" on the host): in a container, or in a PID
+    namespace of its own (NSpid shows a second number)."""
+    if info.container_id:
+        return f"runs in container {short_id(info.container_id)}"
+    if info.ns_pid is not None and info.ns_pid != info.pid:
+        return f"runs in a PID namespace of its own (PID {info.ns_pid} there)"
+    return ""
+
+
+def _system_reason(info: ProcessInfo, entry: str, cfg: ClassifyConfig) -> str | None:
     if info.pid in cfg.own_pids:
         return "the tracer itself"
-    exe = os.path.basename(info.exe.removesuffix(" (deleted)"))
-    for name in cfg.system_allowlist:
-        if (info.comm and info.comm == name[:COMM_LEN]) or (exe and exe == name):
-            return f"allowlisted node daemon {name}"
+    if entry and not _away_from_host(info):
+        return f"allowlisted node daemon {entry} ({info.comm or info.exe}) on the host"
     return None
+
+
+def _impersonation(info: ProcessInfo, entry: str, cfg: ClassifyConfig) -> str:
+    """What the reason says of a process named like an allowlisted daemon away from the host."""
+    away = _away_from_host(info)
+    if not entry or not away:
+        return ""
+    if cfg.system_places and info.container_id:
+        return (f"it is named like allowlisted node daemon {entry} but {away}: such a daemon is system on "
+                f"the host, or where CRI places it in {', '.join(cfg.system_places)} (collector), and "
+                f"elsewhere it impersonates {entry}")
+    return (f"it impersonates allowlisted node daemon {entry}: it {away}, and such daemons are system "
+            "only on the host")
 
 
 def _ghost_reason(pid: int, uuid: str, gpu_text: str, listed: NvmlProcess, cfg: ClassifyConfig,
@@ -118,11 +174,13 @@ def _orphan_reason(info: ProcessInfo, cfg: ClassifyConfig) -> str | None:
     return None
 
 
-def _unknown_reason(nvml: NvmlView, nv_gpu: NvmlGpu | None, minor: int, gpu_text: str) -> str | None:
-    """Why NVML cannot say whether it lists a holder of this GPU, or None when it can."""
+def _unknown_reason(nvml: NvmlView, nv_gpu: NvmlGpu | None, minor: int | None, gpu_text: str) -> str | None:
+    """Why NVML cannot say whether it lists a holder of this GPU (minor None: of no GPU), or None."""
     if not nvml.available:
         why = nvml.error or "no reason given"
         return f"NVML is unavailable ({why}), so whether it lists the PID is unknown"
+    if minor is None:
+        return None  # NVML answers: it lists processes per GPU, and this holder holds none
     if nv_gpu is None:
         return f"NVML reports no GPU with device minor {minor}, so visibility is unknown"
     if not getattr(nv_gpu, "processes_known", True):
@@ -130,136 +188,206 @@ def _unknown_reason(nvml: NvmlView, nv_gpu: NvmlGpu | None, minor: int, gpu_text
     return None
 
 
-def _holder_consumers(holder: Holder, nvml: NvmlView, now_ns: int, cfg: ClassifyConfig, node: str,
-                      pid_exists: Callable[[int], int | None],
-                      listed_by_uuid: Mapping[str, Mapping[int, NvmlProcess]]) -> list[Consumer]:
-    info = holder.process
-    held = sorted((path, hold) for path, hold in holder.holds.items() if hold.held)
-    per_gpu: dict[int, list[tuple[str, DeviceHold]]] = {}
-    for path, hold in held:
-        if hold.device.is_gpu and hold.device.gpu_minor is not None:
-            per_gpu.setdefault(hold.device.gpu_minor, []).append((path, hold))
-    control = [path for path, hold in held if not hold.device.is_gpu]
-    system = _system_name(info, cfg)
-    orphan = _orphan_reason(info, cfg)
-    cid = info.container_id
-    where = f"in container {short_id(cid)}" if cid else "on the host, outside any container"
-    out: list[Consumer] = []
-    for minor, holds in sorted(per_gpu.items()):
-        nv_gpu = nvml.gpu_by_minor(minor) if nvml.available else None
-        gpu, uuid = (nv_gpu.index, nv_gpu.uuid) if nv_gpu is not None else (minor, "")
-        gpu_text = _gpu_text(gpu, uuid, minor)
-        first_ns = min(hold.first_seen_ns for _, hold in holds)
-        age_ns = now_ns - first_ns
-        what = f"holds {_holds_text(holds)} for {_s(age_ns)}"
-        listed = listed_by_uuid.get(uuid, {}).get(info.pid) if nv_gpu is not None else None
-        ghost = _ghost_reason(info.pid, uuid, gpu_text, listed, cfg, pid_exists) if listed else None
-        memory = listed.used_gpu_memory_bytes if listed is not None else None
-        # Every class whose rule holds, with its reason; the shared precedence picks one.
-        found: dict[ConsumerClass, str] = {}
-        if system:
-            found[ConsumerClass.SYSTEM] = f"{system} ({info.comm or info.exe}) {what}"
-        if ghost:
-            found[ConsumerClass.GHOST] = f"{ghost}; the PID {what}"
-        if orphan:
-            found[ConsumerClass.ORPHANED] = f"{orphan} and still {what}"
-        if (unknown := _unknown_reason(nvml, nv_gpu, minor, gpu_text)) is not None:
-            found[ConsumerClass.UNKNOWN] = f"{what}; {unknown}"
-        if listed is not None:
-            found[ConsumerClass.VISIBLE] = (f"NVML lists PID {info.pid} on {gpu_text} using "
-                                            f"{mib_phrase(memory)}; {what}")
-        if age_ns < cfg.grace_ns:
-            found[ConsumerClass.PENDING] = (f"{what} {where}, within the {_s(cfg.grace_ns)} grace period; "
-                                            f"NVML does not list it on {gpu_text} yet")
-        unlisted = f"{what} {where}; NVML lists no such process on {gpu_text}"
-        if info.container_id:
-            found[ConsumerClass.HIDDEN] = unlisted
-        else:
-            found[ConsumerClass.UNATTRIBUTED] = unlisted
-        cls = classes.highest(found)
-        reason = found[cls]
-        out.append(Consumer(
-            node=node, pid=info.pid, ns_pid=info.ns_pid, comm=info.comm, gpu=gpu, gpu_uuid=uuid,
-            gpu_minor=minor, devices=sorted([path for path, _ in holds] + control),
-            container_id=info.container_id, pod_uid=info.pod_uid, runtime=info.runtime, cls=cls,
-            reason=reason, gpu_memory_bytes=memory, exe=info.exe, cmdline=info.cmdline, uid=info.uid,
-            ppid=info.ppid, state=info.state,
-            start_time_ns=cfg.boot_ns_of_ticks(info.start_ticks) if info.start_ticks is not None else None,
-            first_seen_ns=first_ns, mapped=any(hold.mapped for _, hold in holds),
-            fds=sorted({fd for _, hold in holds for fd in hold.fds}), cgroup_path=info.cgroup_path,
-            alive=info.alive,
-        ))
+def _work(holder: Holder) -> tuple[bool, str]:
+    """(monitor, why): whether the holder's call history shows it only reads the GPU's state, and the
+    evidence either way. A monitoring client (nvidia-smi, nvitop, gpustat, dcgm-exporter) issues
+    control calls only; a GPU job allocates memory, a channel or a compute class, or maps device memory.
+    Without a whole history (opened before the tracer started, or BPF off) nothing proves a monitor."""
+    work = holder.gpu_work
+    if work is not None and work.allocated:
+        return False, f"it allocated GPU resources ({work.what or 'an RM_ALLOC or ALLOC_MEMORY call'})"
+    if any(h.held and h.mapped and h.device.kind in (DeviceKind.GPU, DeviceKind.MIG)
+           for h in holder.holds.values()):
+        return False, "it maps GPU device memory"
+    if work is None or not work.complete:
+        return False, ("whether it allocated GPU resources is unknown: the evidence is incomplete (it opened "
+                       "the device before the tracer watched it, or BPF is off)")
+    return True, ("since its first open it allocated no memory, channel or compute class and mapped no "
+                  "device memory: it only reads the GPU's state")
+
+
+def _mps_servers(holders: Sequence[Holder]) -> dict[int, ProcessInfo]:
+    """GPU minor -> an MPS server holding that GPU's device file."""
+    out: dict[int, ProcessInfo] = {}
+    for holder in holders:
+        if _named(holder.process, MPS_SERVER):
+            for hold in holder.holds.values():
+                if hold.held and hold.device.is_gpu and hold.device.gpu_minor is not None:
+                    out.setdefault(hold.device.gpu_minor, holder.process)
     return out
 
 
-def _listed_consumer(gpu: NvmlGpu, listed: NvmlProcess, holder: Holder | None, cfg: ClassifyConfig,
-                     node: str, pid_exists: Callable[[int], int | None]) -> Consumer:
-    """A (GPU, pid) NVML lists but no holder covers: a ghost, or a process whose fds we cannot see."""
+def _holds_gpu(holder: Holder | None) -> bool:
+    return holder is not None and any(h.held and h.device.is_gpu for h in holder.holds.values())
+
+
+# ---- consumers ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Scope:
+    """One consumer's GPU (minor None: node-wide devices only) and what NVML says of it."""
+
+    minor: int | None
+    gpu: int | None
+    uuid: str
+    nv_gpu: NvmlGpu | None
+    text: str
+    unlisted: str  # what NVML's silence means for it
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every consumer of one classification is judged against."""
+
+    nvml: NvmlView
+    now_ns: int
+    cfg: ClassifyConfig
+    node: str
+    pid_exists: Callable[[int], int | None]
+    listed_by_uuid: Mapping[str, Mapping[int, NvmlProcess]]
+    mps: Mapping[int, ProcessInfo]  # GPU minor -> an MPS server holding it
+
+
+def _scope(minor: int | None, nvml: NvmlView) -> _Scope:
+    if minor is None:
+        return _Scope(None, None, "", None, "no GPU (node-wide devices only)",
+                      "no GPU device file, so NVML lists it nowhere; it keeps the driver in use")
+    nv_gpu = nvml.gpu_by_minor(minor) if nvml.available else None
+    gpu, uuid = (nv_gpu.index, nv_gpu.uuid) if nv_gpu is not None else (minor, "")
+    text = _gpu_text(gpu, uuid, minor)
+    return _Scope(minor, gpu, uuid, nv_gpu, text, f"NVML lists no such process on {text}")
+
+
+def _holder_consumer(holder: Holder, holds: Holds, control: Sequence[str], scope: _Scope, ctx: _Ctx,
+                     ) -> Consumer:
+    info, cfg = holder.process, ctx.cfg
+    entry = _allowlisted(info, cfg.system_allowlist)
+    where = f"in container {short_id(info.container_id)}" if info.container_id else \
+        "on the host, outside any container"
+    first_ns = min(hold.first_seen_ns for _, hold in holds)
+    age_ns = ctx.now_ns - first_ns
+    only = "only node-wide devices " if scope.minor is None else ""
+    what = f"holds {only}{_holds_text(holds)} for {_s(age_ns)}"
+    listed = ctx.listed_by_uuid.get(scope.uuid, {}).get(info.pid) if scope.nv_gpu is not None else None
+    ghost = _ghost_reason(info.pid, scope.uuid, scope.text, listed, cfg, ctx.pid_exists) if listed else None
+    memory = listed.used_gpu_memory_bytes if listed is not None else None
+    monitor, work = _work(holder)
+    # Every class whose rule holds, with its reason; the shared precedence picks one.
+    found: dict[ConsumerClass, str] = {}
+    if system := _system_reason(info, entry, cfg):
+        found[ConsumerClass.SYSTEM] = f"{system} {what}"
+    if ghost:
+        found[ConsumerClass.GHOST] = f"{ghost}; the PID {what}"
+    if orphan := _orphan_reason(info, cfg):
+        found[ConsumerClass.ORPHANED] = f"{orphan} and still {what}"
+    if (unknown := _unknown_reason(ctx.nvml, scope.nv_gpu, scope.minor, scope.text)) is not None:
+        found[ConsumerClass.UNKNOWN] = f"{what}; {unknown}"
+    if listed is not None:
+        found[ConsumerClass.VISIBLE] = (f"NVML lists PID {info.pid} on {scope.text} using "
+                                        f"{mib_phrase(memory)}; {what}")
+    if age_ns < cfg.grace_ns:
+        found[ConsumerClass.PENDING] = f"{what} {where}, within the {_s(cfg.grace_ns)} grace period" + (
+            f"; NVML does not list it on {scope.text} yet" if scope.minor is not None else "")
+    if monitor:
+        found[ConsumerClass.MONITOR] = f"{what} {where}; {work}"
+    unlisted = ConsumerClass.HIDDEN if info.container_id else ConsumerClass.UNATTRIBUTED
+    found[unlisted] = f"{what} {where}; {scope.unlisted}; {work}"
+    cls = classes.highest(found)
+    reason = found[cls]
+    if cls is not ConsumerClass.SYSTEM and (note := _impersonation(info, entry, cfg)):
+        reason = f"{reason}; {note}"
+    candidate = entry and info.container_id and cls is not ConsumerClass.SYSTEM
+    return Consumer(
+        node=ctx.node, pid=info.pid, ns_pid=info.ns_pid, comm=info.comm, gpu=scope.gpu, gpu_uuid=scope.uuid,
+        gpu_minor=scope.minor, devices=sorted([path for path, _ in holds] + list(control)),
+        container_id=info.container_id, pod_uid=info.pod_uid, runtime=info.runtime, cls=cls,
+        reason=reason, gpu_memory_bytes=memory, exe=info.exe, cmdline=info.cmdline, uid=info.uid,
+        ppid=info.ppid, state=info.state,
+        start_time_ns=cfg.boot_ns_of_ticks(info.start_ticks) if info.start_ticks is not None else None,
+        first_seen_ns=first_ns, mapped=any(hold.mapped for _, hold in holds),
+        fds=sorted({fd for _, hold in holds for fd in hold.fds}), cgroup_path=info.cgroup_path,
+        alive=info.alive, allowlisted=entry, system_places=list(cfg.system_places) if candidate else [],
+    )
+
+
+def _listed_consumer(gpu: NvmlGpu, listed: NvmlProcess, holder: Holder | None, ctx: _Ctx) -> Consumer:
+    """A (GPU, pid) NVML lists but no holder of that GPU covers: a ghost (the PID is gone, or reused:
+    it holds no GPU device file, and a CUDA process keeps its own open for life), an MPS client, or
+    a holder of another GPU."""
     gpu_text = _gpu_text(gpu.index, gpu.uuid, gpu.minor)
-    ghost = _ghost_reason(listed.pid, gpu.uuid, gpu_text, listed, cfg, pid_exists)
-    # A holder of another GPU under this PID is who NVML means, unless the PID was reused.
-    known = holder is not None and ghost is None
-    info = holder.process if holder is not None and known else ProcessInfo(listed.pid, alive=ghost is None)
-    found = {ConsumerClass.VISIBLE: (f"NVML lists PID {listed.pid} on {gpu_text} using "
-                                     f"{mib_phrase(listed.used_gpu_memory_bytes)}; "
-                                     f"no fd of it on the GPU's device file was seen")}
+    lists = f"NVML lists PID {listed.pid} on {gpu_text} using {mib_phrase(listed.used_gpu_memory_bytes)}"
+    cfg = ctx.cfg
+    ghost = _ghost_reason(listed.pid, gpu.uuid, gpu_text, listed, cfg, ctx.pid_exists)
+    found = {ConsumerClass.VISIBLE: f"{lists}; no fd of it on the GPU's device file was seen"}
+    listed_ns = cfg.nvml_first_listed.get((gpu.uuid, listed.pid))
+    if ghost is None and not _holds_gpu(holder):
+        server = ctx.mps.get(gpu.minor) if gpu.minor is not None else None
+        complete_ns = cfg.holders_complete_ns
+        judged = complete_ns is None or (ctx.now_ns if listed_ns is None else listed_ns) <= complete_ns
+        if server is not None:
+            found[ConsumerClass.VISIBLE] = (f"{lists} through MPS: the MPS server {server.comm} (PID "
+                                            f"{server.pid}) holds the GPU's device file for its clients")
+        elif judged:
+            ghost = (f"{lists}, but PID {listed.pid} holds no GPU device file: a CUDA process keeps its "
+                     "device files open for life, so the PID was reused by another process and the "
+                     "memory is held by the dead")
+        else:
+            found[ConsumerClass.VISIBLE] += " yet (a /proc scan has not looked since NVML listed it)"
     if listed.pid in cfg.own_pids:
         found[ConsumerClass.SYSTEM] = f"the tracer itself is listed by NVML on {gpu_text}"
     if ghost:
         found[ConsumerClass.GHOST] = f"{ghost}; no process holds the GPU's device file"
     cls = classes.highest(found)
-    reason = found[cls]
-    start_ticks = info.start_ticks if known else None
+    # A holder under this PID is who NVML means (another GPU's, or an MPS client's), unless the PID was
+    # reused; then the control devices it holds are reported here, not as a node-wide consumer.
+    known = holder if holder is not None and ghost is None else None
+    info = known.process if known is not None else ProcessInfo(listed.pid, alive=ghost is None)
+    control = [] if known is None or _holds_gpu(known) else \
+        sorted(path for path, hold in known.holds.items() if hold.held)
+    start_ticks = info.start_ticks if known is not None else None
     return Consumer(
-        node=node, pid=listed.pid, ns_pid=info.ns_pid, comm=info.comm, gpu=gpu.index, gpu_uuid=gpu.uuid,
-        gpu_minor=gpu.minor, devices=[], container_id=info.container_id, pod_uid=info.pod_uid,
-        runtime=info.runtime, cls=cls, reason=reason, gpu_memory_bytes=listed.used_gpu_memory_bytes,
+        node=ctx.node, pid=listed.pid, ns_pid=info.ns_pid, comm=info.comm, gpu=gpu.index, gpu_uuid=gpu.uuid,
+        gpu_minor=gpu.minor, devices=control, container_id=info.container_id, pod_uid=info.pod_uid,
+        runtime=info.runtime, cls=cls, reason=found[cls], gpu_memory_bytes=listed.used_gpu_memory_bytes,
         exe=info.exe, cmdline=info.cmdline, uid=info.uid, ppid=info.ppid, state=info.state,
         start_time_ns=cfg.boot_ns_of_ticks(start_ticks) if start_ticks is not None else None,
-        first_seen_ns=cfg.nvml_first_listed.get((gpu.uuid, listed.pid)), cgroup_path=info.cgroup_path,
-        alive=info.alive and ghost is None,
+        first_seen_ns=listed_ns, cgroup_path=info.cgroup_path, alive=info.alive and ghost is None,
     )
 
 
 def classify(holders: Sequence[Holder], nvml: NvmlView, now_ns: int, cfg: ClassifyConfig, node: str,
              pid_exists: Callable[[int], int | None]) -> list[Consumer]:
-    """One consumer per (process x GPU) held or NVML-listed, sorted by (gpu, pid).
+    """One consumer per (process x GPU) held or NVML-listed, and one per process that holds only
+    node-wide devices, sorted by (gpu, pid) with node-wide ones first.
 
     pid_exists(pid) is the PID's start_ticks when it exists on the host, else None.
     """
     listed_by_uuid = {gpu.uuid: _merge_listed(gpu) for gpu in nvml.gpus} if nvml.available else {}
+    ctx = _Ctx(nvml, now_ns, cfg, node, pid_exists, listed_by_uuid, _mps_servers(holders))
     out: list[Consumer] = []
+    node_wide: list[tuple[Holder, list[tuple[str, DeviceHold]]]] = []
     for holder in sorted(holders, key=lambda h: h.pid):
-        out += _holder_consumers(holder, nvml, now_ns, cfg, node, pid_exists, listed_by_uuid)
+        held = sorted((path, hold) for path, hold in holder.holds.items() if hold.held)
+        per_gpu: dict[int, list[tuple[str, DeviceHold]]] = {}
+        for path, hold in held:
+            if hold.device.is_gpu and hold.device.gpu_minor is not None:
+                per_gpu.setdefault(hold.device.gpu_minor, []).append((path, hold))
+        control = [(path, hold) for path, hold in held if not hold.device.is_gpu]
+        if not per_gpu and control:
+            node_wide.append((holder, control))
+        for minor, holds in sorted(per_gpu.items()):
+            out.append(_holder_consumer(holder, holds, [p for p, _ in control], _scope(minor, nvml), ctx))
     if nvml.available:
         covered = {(c.gpu_uuid, c.pid) for c in out if c.gpu_uuid}
         by_pid = {h.pid: h for h in holders}
         for gpu in nvml.gpus:
             for pid, listed in sorted(listed_by_uuid[gpu.uuid].items()):
                 if (gpu.uuid, pid) not in covered:
-                    out.append(_listed_consumer(gpu, listed, by_pid.get(pid), cfg, node, pid_exists))
-    out.sort(key=lambda c: (c.gpu if c.gpu is not None else -1, c.pid, c.gpu_uuid))
+                    out.append(_listed_consumer(gpu, listed, by_pid.get(pid), ctx))
+    # A holder NVML lists (an MPS client) is reported on that GPU, with its control devices.
+    reported = {c.pid for c in out if c.cls is not ConsumerClass.GHOST and c.devices}
+    for holder, control in node_wide:
+        if holder.pid not in reported:
+            out.append(_holder_consumer(holder, control, [], _scope(None, nvml), ctx))
+    out.sort(key=by_gpu_then_pid)
     return out
-
-
-_NUMBERS = re.compile(r"\d+(?:[.,]\d+)*")  # "12.3", "5,6,7" (an fd list) each mask to one "#"
-
-
-def _signature(c: Consumer) -> tuple[object, ...]:
-    # The reason with its numbers masked: "pending for 0.4 s" and "for 1.2 s" are the same finding,
-    # "zombie" and "reparented" are not. Numbers that matter are compared as fields. The comm is
-    # one: a holder that renames itself (busybox applets, worker pools) is shown, and alerted on,
-    # by its current name.
-    reason_shape = _NUMBERS.sub("#", c.reason)
-    return (c.cls, reason_shape, tuple(c.devices), c.gpu_memory_bytes, c.container_id, c.mapped, c.alive,
-            c.comm)
-
-
-def diff_consumers(old: Mapping[ConsumerKey, Consumer], new: list[Consumer],
-                   ) -> tuple[list[Consumer], list[Consumer]]:
-    """(opened or changed, resolved) between the last consumers by key and a new classification."""
-    new_keys = {c.key for c in new}
-    changed = [c for c in new if c.key not in old or _signature(old[c.key]) != _signature(c)]
-    resolved = [c for key, c in old.items() if key not in new_keys]
-    resolved.sort(key=lambda c: (c.gpu if c.gpu is not None else -1, c.pid, c.gpu_uuid))
-    return changed, resolved

@@ -7,6 +7,7 @@ A bad value raises ConfigError with one line naming the key and what to do.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -22,6 +23,9 @@ VENDOR_PREFIXES: dict[str, tuple[str, ...]] = {
     "ascend": ("/dev/davinci",),
 }
 
+# Node daemons that hold GPU devices by design: `system` where they run on the host itself (or in a
+# place system_namespaces / system_containers name). An entry with a "/" is an executable path, matched
+# exactly; any other a name, matched against the comm (cut to 15 bytes) or the executable's file name.
 DEFAULT_SYSTEM_ALLOWLIST = (
     "nvidia-persistenced",
     "nv-hostengine",
@@ -31,6 +35,9 @@ DEFAULT_SYSTEM_ALLOWLIST = (
     "nvidia-smi",
     "ghostgpu",
 )
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123: namespace and container names
 
 
 class ConfigError(ValueError):
@@ -49,12 +56,20 @@ class TracerConfig:
     nvml_interval_s: float = 1.0
     grace_s: float = 2.0
     system_allowlist: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEM_ALLOWLIST))
+    # Where else allowlisted daemons are system: Kubernetes namespaces (e.g. gpu-operator), and
+    # NAMESPACE/CONTAINER pairs. A pod chooses its process and container names but not its namespace,
+    # so only CRI's names count: the collector checks them (collector/enrich.py). Default: the host only.
+    system_namespaces: list[str] = field(default_factory=list)
+    system_containers: list[str] = field(default_factory=list)
     reaper_comms: list[str] = field(default_factory=lambda: ["systemd", "init"])
     bpf: str = "auto"  # auto | on | off
     bpf_max_fds: int = 65536
     bpf_ringbuf_pages: int = 64
     ioctl_poll_interval_s: float = 1.0
     health_listen: str = ""  # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
+    # TLS and basic auth of the health port: a Prometheus exporter-toolkit web config file
+    # (ghostgpu/common/webconfig.py); /healthz and /readyz stay open to kubelet's probes.
+    web_config_file: str = ""
     trace_max_sessions: int = 4  # trace sessions at once on this node (at most 8: bpf/trace.bpf.c slots)
     trace_max_duration_s: float = 600.0
     trace_max_records: int = 100_000  # per session; calls past it are counted, not recorded
@@ -89,6 +104,18 @@ class TracerConfig:
         for name in ("scan_interval_s", "nvml_interval_s", "ioctl_poll_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
+        for entry in self.system_allowlist:
+            if not entry.strip() or ("/" in entry and not entry.startswith("/")):
+                raise ConfigError(f"system_allowlist: {entry!r} must be a process name or an absolute "
+                                  "executable path")
+        for ns in self.system_namespaces:
+            if not _DNS_LABEL.fullmatch(ns):
+                raise ConfigError(f"system_namespaces: {ns!r} is not a Kubernetes namespace name")
+        for place in self.system_containers:
+            ns, _, container = place.partition("/")
+            if not (_DNS_LABEL.fullmatch(ns) and _DNS_LABEL.fullmatch(container)):
+                raise ConfigError(f"system_containers: {place!r} must be NAMESPACE/CONTAINER, e.g. "
+                                  "gpu-operator/nvidia-dcgm-exporter")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s: must be >= 0 seconds, got {self.grace_s}")
         if self.bpf not in ("auto", "on", "off"):

@@ -1,8 +1,9 @@
 """The user-space half of the kernel side's tables: seed, resync on exec, read and forget holders.
 
 The kernel keeps, per tgid, fd entries (fds), per-device hold counts (holds), a holder count
-(procs, whose presence is what makes the kernel report the tgid's EXIT) and ioctl counters
-(ioctls). User space must clean them up after an EXIT and resync them after an EXEC. Walking a
+(procs, whose presence is what makes the kernel report the tgid's EXIT), ioctl counters (ioctls)
+and what its allocation calls named (alloc_work, bpf/alloc.bpf.c). User space must clean them up
+after an EXIT and resync them after an EXEC. Walking a
 whole map for that (a batch lookup visits every bucket of a 128k-entry map whatever its fill)
 made each exec and exit of a holder cost O(the node); under churn that was most of the tracer.
 
@@ -24,6 +25,7 @@ import mmap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ghostgpu.tracer.gpu_work import AllocRecord, unpack_alloc
 from ghostgpu.tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, KernelMap, Update
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,13 @@ class Owned:
 
 
 class HolderTables:
-    """fds, holds, procs, ioctls and dev_ids of a loaded kernel side, plus the holder bytes."""
+    """fds, holds, procs, ioctls, dev_ids and alloc_work of a loaded kernel side, plus the holder
+    bytes. alloc_work is optional (None: no allocation records, every gpu_work stays None)."""
 
     def __init__(self, maps: Mapping[str, KernelMap], holder_bytes: mmap.mmap | bytearray | None) -> None:
         self.fds, self.holds, self.procs = maps["fds"], maps["holds"], maps["procs"]
         self.ioctls, self.dev_ids = maps["ioctls"], maps["dev_ids"]
+        self.alloc_work: KernelMap | None = maps.get("alloc_work")
         self.holder_bytes = holder_bytes
         self.owned: dict[int, Owned] = {}
         self.dev_paths: dict[int, str] = {}  # device id -> path, refreshed from dev_ids on a miss
@@ -183,6 +187,8 @@ class HolderTables:
         """Drop every kernel entry of `tgid` (after its EXIT and a last ioctl_counts())."""
         self.set_holder_byte(tgid, False)
         self.procs.delete(self.procs.Key(tgid))
+        if self.alloc_work is not None:  # keyed by tgid alone: no index needed
+            self.alloc_work.delete(self.alloc_work.Key(tgid))
         owned = self.owned.pop(tgid, None)
         if owned is None:
             return
@@ -211,6 +217,13 @@ class HolderTables:
             per_pid[slot] = per_pid.get(slot, 0) + count
         return out
 
+    def alloc_record(self, tgid: int) -> AllocRecord | None:
+        """What tgid's allocation calls named (bpf/alloc.bpf.c); None: it made none, or no map."""
+        if self.alloc_work is None:
+            return None
+        leaf = self.alloc_work.lookup(self.alloc_work.Key(tgid))
+        return unpack_alloc(bytes(leaf)) if leaf is not None else None
+
     # --- garbage collection ---------------------------------------------------------------
 
     def sweep(self, alive: Callable[[int], bool]) -> int:
@@ -220,6 +233,8 @@ class HolderTables:
         # Each map walked once: the keys seen here are the ones deleted below.
         keyed = [(table, [key for key, _ in table.items()]) for table in (self.fds, self.holds, self.ioctls)]
         tgids = set(self.owned) | {int(key.value) for key, _ in self.procs.items()}
+        if self.alloc_work is not None:  # forget() below drops these
+            tgids |= {int(key.value) for key, _ in self.alloc_work.items()}
         tgids |= {int(key.tgid) for _, keys in keyed for key in keys}
         dead = {tgid for tgid in tgids if not alive(tgid)}
         doomed = dead & self._dead_last_sweep

@@ -4,12 +4,17 @@ A consumer (one process x one GPU) has exactly one class. Evidence is gathered i
 both settle it with `highest()` over the one table below, so a class outranks another only by its
 place in RULES:
 
-- on the node, tracer/classify.py `classify()`: the allowlist, NVML's process lists, the process
-  tree (a zombie leader, a container process reparented out of its container), the grace period,
-  and whether the holder is in a container;
-- at the collector, collector/enrich.py `enrich()`: two facts a node cannot judge alone, CRI's (the
-  container exited or is unknown, or its pod sandbox is gone: orphaned) and PodResources' (the
-  container was never given this GPU: unallocated), weighed against the class the node sent.
+- on the node, tracer/classify.py `classify()`: the allowlist and where the daemon runs, NVML's
+  process lists, the process tree (a zombie leader, a container process reparented out of its
+  container), the grace period, the calls the holder made (monitor), and whether it is in a container;
+- at the collector, collector/enrich.py `enrich()`: facts a node cannot judge alone, CRI's (the
+  container exited or is unknown, or its pod sandbox is gone: orphaned; an allowlisted daemon runs in a
+  namespace or container the node's config names: system) and PodResources' (the container was never
+  given this GPU: unallocated), weighed against the class the node sent.
+
+A consumer with no GPU (a process holding only node-wide devices: nvidiactl, nvidia-uvm,
+nvidia-modeset, nvidia-caps/*) goes through the same rules; NVML lists processes per GPU and so never
+lists it, and PodResources cannot say it was allocated.
 
 A rule is the evidence for its class alone ("holds the GPU for less than the grace period"), never
 "... and no rule above holds": precedence does that, once, here. Two rules that cannot hold at once
@@ -50,11 +55,16 @@ _NODE, _COLLECTOR = (Decider.NODE,), (Decider.COLLECTOR,)
 # Highest precedence first.
 RULES: tuple[ClassRule, ...] = (
     ClassRule(ConsumerClass.SYSTEM,
-              "an allowlisted node daemon (or the tracer itself) that holds GPU devices by design",
-              _NODE, finding=False),
+              "an allowlisted node daemon (matched by executable path or name) that holds GPU devices by "
+              "design, running on the host itself (node) or in a Kubernetes namespace or container the "
+              "tracer's system_namespaces or system_containers name (collector, by CRI's names); or the "
+              "tracer itself. A same-named process elsewhere keeps its real class, its reason noting the "
+              "name it impersonates",
+              (Decider.NODE, Decider.COLLECTOR), finding=False),
     ClassRule(ConsumerClass.GHOST,
-              "NVML lists a PID that does not exist on the host, or whose start time shows it was "
-              "reused: GPU memory held by the dead",
+              "NVML lists a PID that does not exist on the host, whose start time shows it was reused, or "
+              "that holds no GPU device file (a CUDA process keeps its own open for life, so the PID now "
+              "belongs to another process), and no MPS server holds that GPU: GPU memory held by the dead",
               _NODE, finding=True),
     ClassRule(ConsumerClass.ORPHANED,
               "a holder whose owner is gone: a zombie thread-group leader whose threads still hold the "
@@ -64,22 +74,29 @@ RULES: tuple[ClassRule, ...] = (
     ClassRule(ConsumerClass.UNALLOCATED,
               "a container holding a GPU that PodResources never allocated to it",
               _COLLECTOR, finding=True),
+    ClassRule(ConsumerClass.VISIBLE,
+              "NVML lists it on that GPU (an MPS client: while an MPS server holds that GPU)",
+              _NODE, finding=False),
+    ClassRule(ConsumerClass.PENDING,
+              "holding for less than the grace period, which every class below waits out: NVML lists a "
+              "new CUDA context only a moment after the device file is opened",
+              _NODE, finding=False),
+    ClassRule(ConsumerClass.MONITOR,
+              "a holder that, watched since its first open, allocated no memory, channel or compute class "
+              "and mapped no device memory: it only reads the GPU's state (nvidia-smi, nvitop, gpustat, "
+              "dcgm-exporter); counted and shown, no alert by default",
+              _NODE, finding=False),
     ClassRule(ConsumerClass.UNKNOWN,
               "NVML cannot say whether it lists the process (no driver or library, no GPU with that "
               "device minor, or its process list failed): never a false alarm",
               _NODE, finding=False),
-    ClassRule(ConsumerClass.VISIBLE,
-              "NVML lists it on that GPU",
-              _NODE, finding=False),
-    ClassRule(ConsumerClass.PENDING,
-              "holding for less than the grace period: NVML lists a new CUDA context only a moment "
-              "after the device file is opened",
-              _NODE, finding=False),
     ClassRule(ConsumerClass.UNATTRIBUTED,
-              "a holder outside any container that NVML does not list",
+              "a holder of a GPU, or of node-wide devices only, outside any container that NVML does not "
+              "list (and that allocated, mapped device memory, or was not watched since its first open)",
               _NODE, finding=True),
     ClassRule(ConsumerClass.HIDDEN,
-              "a container process holding the GPU that NVML does not list",
+              "a container process holding a GPU, or node-wide devices only, that NVML does not list (and "
+              "that allocated, mapped device memory, or was not watched since its first open)",
               _NODE, finding=True),
 )
 

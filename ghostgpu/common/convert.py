@@ -102,6 +102,8 @@ def consumer_into(msg: node_pb2.Consumer, c: Consumer) -> None:
     msg.first_seen_ns, msg.mapped = opt_to_pb(c.first_seen_ns, 0), c.mapped
     msg.devices.extend(c.devices)
     msg.fds.extend(c.fds)
+    msg.allowlisted = c.allowlisted
+    msg.system_places.extend(c.system_places)
     setattr(msg, "class", _CLASS_TO_PB[c.cls])  # `class` is a Python keyword
     if c.gpu_memory_bytes is not None:
         msg.gpu_memory_bytes = c.gpu_memory_bytes
@@ -124,6 +126,7 @@ def consumer_from_proto(msg: node_pb2.Consumer) -> Consumer:
         exe=p.exe, cmdline=p.cmdline, uid=opt_from_pb(p.uid, -1), ppid=opt_from_pb(p.ppid, 0), state=p.state,
         start_time_ns=opt_from_pb(p.start_time_ns, 0), first_seen_ns=opt_from_pb(msg.first_seen_ns, 0),
         mapped=msg.mapped, fds=list(msg.fds), cgroup_path=p.cgroup_path, alive=p.alive,
+        allowlisted=msg.allowlisted, system_places=list(msg.system_places),
     )
 
 

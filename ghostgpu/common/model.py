@@ -26,7 +26,7 @@ class ConsumerClass(StrEnum):
     HIDDEN = "hidden"  # a container process holding the GPU that NVML does not list, past the grace period
     PENDING = "pending"  # holding for less than the grace period: NVML may not list it yet
     UNKNOWN = "unknown"  # the rule needs NVML and NVML is not available
-
+    MONITOR = "monitor"  # opened the GPU only to read its state (nvidia-smi, dcgm-exporter): never allocated
 
 
 class DeviceKind(StrEnum):
@@ -35,7 +35,6 @@ class DeviceKind(StrEnum):
     CONTROL = "control"  # node-wide control: nvidiactl, nvidia-modeset, nvidia-caps (config/monitor), kfd
     UVM = "uvm"  # unified memory: nvidia-uvm, nvidia-uvm-tools
     OTHER = "other"  # matched a prefix but no known role (nvlink, nvswitch, imex channels, ...)
-
 
 
 @dataclass(frozen=True, order=True)
@@ -73,13 +72,16 @@ def consumer_key(pid: int, gpu_minor: int | None, gpu: int | None, gpu_uuid: str
 
 @dataclass
 class Consumer:
-    """One process x one GPU, classified. The JSON keys are a contract: extend, never rename."""
+    """One process x one GPU, classified. The JSON keys are a contract: extend, never rename.
+
+    A process that holds only node-wide devices (nvidiactl, nvidia-uvm, nvidia-modeset, nvidia-caps/*)
+    is one consumer with no GPU: `gpu`, `gpu_minor` None and `gpu_uuid` "" (shown `-`)."""
 
     node: str
     pid: int  # host PID
     ns_pid: int | None  # PID inside the process's own PID namespace
     comm: str
-    gpu: int | None  # NVML index when NVML maps the device minor, else the device minor
+    gpu: int | None  # NVML index when NVML maps the device minor, else the device minor; None: node-wide
     gpu_uuid: str
     gpu_minor: int | None
     devices: list[str]  # device paths held for this GPU (and the control devices the process holds)
@@ -100,6 +102,11 @@ class Consumer:
     fds: list[int] = field(default_factory=list)
     cgroup_path: str = ""
     alive: bool = True
+    # The system_allowlist entry its name or executable matches ("" none). Outside the host, the
+    # places the node's config admits such a daemon in (Kubernetes namespaces, NAMESPACE/CONTAINER):
+    # only the collector's CRI names can place it there (collector/enrich.py).
+    allowlisted: str = ""
+    system_places: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> ConsumerKey:
@@ -116,6 +123,7 @@ class Consumer:
             "cmdline": self.cmdline, "uid": self.uid, "ppid": self.ppid, "state": self.state,
             "start_time_ns": self.start_time_ns, "first_seen_ns": self.first_seen_ns, "mapped": self.mapped,
             "fds": list(self.fds), "cgroup_path": self.cgroup_path, "alive": self.alive,
+            "allowlisted": self.allowlisted, "system_places": list(self.system_places),
             "class": str(self.cls),
         }
 
@@ -134,7 +142,7 @@ class Consumer:
             values["cls"] = ConsumerClass(values["cls"])
         except ValueError:
             raise ValueError(f"consumer record: unknown class {values['cls']!r}") from None
-        for name in ("devices", "fds"):
+        for name in ("devices", "fds", "system_places"):
             if name in values:
                 values[name] = list(values[name])
         return cls(**values)

@@ -41,9 +41,15 @@ class PathKey(ctypes.Structure):
     _fields_ = (("path", ctypes.c_char * 48),)
 
 
+class AllocVal(ctypes.Structure):  # bpf/alloc.bpf.c struct gg_alloc_val
+    _fields_ = (("first", ctypes.c_uint64), ("calls", ctypes.c_uint32), ("from_tgid", ctypes.c_uint32),
+                ("seen", ctypes.c_uint8 * 8))
+
+
 TYPES: dict[str, tuple[Any, Any]] = {
     "fds": (FdKey, FdVal), "holds": (HoldKey, HoldVal), "procs": (ctypes.c_uint32, ctypes.c_uint32),
     "ioctls": (IoctlKey, ctypes.c_uint64), "dev_ids": (PathKey, ctypes.c_uint32),
+    "alloc_work": (ctypes.c_uint32, AllocVal),
 }
 
 

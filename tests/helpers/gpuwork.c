@@ -7,6 +7,13 @@
  * named by its index (0, 1, ...) in later steps:
  *   open PATH | ioctl IDX CMD N | mmap IDX | close IDX | dup IDX | sleep MS | ready | wait
  *   fork | thread-hold | sendfd SOCKPATH IDX | recvfd SOCKPATH | exit CODE | exec | rename COMM
+ *   rmalloc IDX HOW CLASS
+ * rmalloc issues one NVIDIA allocation call with RM class CLASS at hClass@12 of a real parameter
+ * block (docs/reference/nvidia-ioctl-abi.md §2-§4); HOW picks the escape and block: alloc
+ * (NV_ESC_RM_ALLOC, 32-byte NVOS21), alloc64 (48-byte NVOS64), xfer (NVOS21 carried by
+ * NV_ESC_IOCTL_XFER_CMD), object (NV_ESC_RM_ALLOC_OBJECT), memory (NV_ESC_RM_ALLOC_MEMORY), heap
+ * (NV_ESC_RM_VID_HEAP_CONTROL, CLASS is the NVOS32 function@8). Its result (ENOTTY on a fake
+ * node) is ignored, like ioctl's.
  * A bad script prints "script-error ..." and exits 2 before any step runs. A failed
  * open/mmap/dup/sendfd/recvfd prints "step-error <step> <errno>" and the script goes on.
  */
@@ -26,6 +33,7 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/un.h>
+#include <stdint.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -41,8 +49,36 @@ static unsigned char ioctl_buf[4096]; /* zeroed arg; _IOC_SIZE of any ioctl fits
 static const struct { const char *name; const char *args; } STEPS[] = {
     {"open", "p"}, {"ioctl", "iii"}, {"mmap", "i"}, {"close", "i"}, {"dup", "i"}, {"sleep", "i"},
     {"ready", ""}, {"wait", ""}, {"fork", ""}, {"thread-hold", ""}, {"sendfd", "pi"},
-    {"recvfd", "p"}, {"exit", "i"}, {"exec", ""}, {"rename", "p"},
+    {"recvfd", "p"}, {"exit", "i"}, {"exec", ""}, {"rename", "p"}, {"rmalloc", "ipi"},
 };
+
+#define NV_IOWR(nr, size) ((3u << 30) | ((uint32_t)(size) << 16) | (0x46u << 8) | (uint32_t)(nr))
+/* rmalloc's HOW: escape nr (nv_escape.h, nv-ioctl-numbers.h) and block size (sheet §2) */
+static const struct { const char *how; uint32_t nr, size; int xfer; } RM_ALLOCS[] = {
+    {"alloc", 0x2B, 32, 0}, {"alloc64", 0x2B, 48, 0}, {"xfer", 0x2B, 32, 1}, {"object", 0x28, 20, 0},
+    {"memory", 0x27, 56, 0}, {"heap", 0x4A, 184, 0},
+};
+#define NRM_ALLOCS (sizeof(RM_ALLOCS) / sizeof(RM_ALLOCS[0]))
+
+static int rm_alloc_kind(const char *how) {
+    for (size_t k = 0; k < NRM_ALLOCS; k++)
+        if (strcmp(RM_ALLOCS[k].how, how) == 0) return (int)k;
+    return -1;
+}
+
+static void rm_alloc(int fd, const char *how, uint32_t cls) {
+    int k = rm_alloc_kind(how);
+    uint32_t blk[46] = {0}; /* 184 bytes, the largest block here */
+    blk[0] = 0xc1d00001, blk[1] = 0xc1d00001, blk[2] = 0xc1d00009; /* hRoot, hObjectParent, hObjectNew */
+    if (RM_ALLOCS[k].nr == 0x4A) blk[2] = cls; /* NVOS32: function@8 */
+    else blk[3] = cls;                         /* hClass@12 */
+    if (!RM_ALLOCS[k].xfer) {
+        (void)ioctl(fd, NV_IOWR(RM_ALLOCS[k].nr, RM_ALLOCS[k].size), blk);
+        return;
+    }
+    struct { uint32_t cmd, size; uint64_t ptr; } x = {RM_ALLOCS[k].nr, RM_ALLOCS[k].size, (uintptr_t)blk};
+    (void)ioctl(fd, NV_IOWR(0xD3, sizeof(x)), &x);
+}
 
 static void sleep_ms(long ms) {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
@@ -174,6 +210,10 @@ static void check_script(int argc, char **argv) {
                 exit(2);
             }
         }
+        if (strcmp(STEPS[k].name, "rmalloc") == 0 && rm_alloc_kind(argv[i + 2]) < 0) {
+            printf("script-error rmalloc: unknown HOW '%s'\n", argv[i + 2]);
+            exit(2);
+        }
         i += 1 + nargs;
         if (strcmp(STEPS[k].name, "thread-hold") == 0 && i < argc) {
             printf("script-error thread-hold must be the last step\n");
@@ -193,6 +233,9 @@ static int run_script(int argc, char **argv) {
             unsigned long cmd = strtoul(argv[i + 2], NULL, 0);
             long n = strtol(argv[i + 3], NULL, 0);
             for (long k = 0; k < n; k++) (void)ioctl(fd, cmd, ioctl_buf); /* ENOTTY is fine */
+            i += 3;
+        } else if (strcmp(s, "rmalloc") == 0) {
+            rm_alloc(fd_at(argv[i + 1]), argv[i + 2], (uint32_t)strtoul(argv[i + 3], NULL, 0));
             i += 3;
         } else if (strcmp(s, "mmap") == 0) {
             void *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd_at(argv[++i]), 0);

@@ -21,10 +21,40 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from tests.helpers.containerd_image import ImageVariant
+
 HELPERS_DIR = Path(__file__).resolve().parent
 SOURCE = HELPERS_DIR / "gpuwork.c"
 BUILD_DIR = HELPERS_DIR / "build"  # ignored by git (.gitignore has `build/`)
 CFLAGS = ("-O2", "-Wall", "-Wextra", "-pthread")
+
+
+# One RM_ALLOC of HOPPER_COMPUTE_A (0xcbc0) through a 48-byte NVOS64 block on the script's fd 0:
+# what makes a holder a GPU job (class `hidden` when NVML does not list it) rather than a
+# `monitor`, which only reads the GPU's state (tracer/gpu_work.py; gpuwork.c `rmalloc`).
+ALLOC = ("rmalloc", "0", "alloc64", "0xcbc0")
+
+
+def allocates(idx: int = 0) -> list[str]:
+    """gpuwork steps: the ALLOC call on the script's fd `idx` (an open GPU or control node)."""
+    return [ALLOC[0], str(idx), *ALLOC[2:]]
+
+
+# A pod's GPU job for the real containerd: the busybox image plus a static gpuwork (GPUWORK_IMAGE,
+# `import_variant(gpuwork_image())`) whose command is `job_command()`. A pod whose shell only ran
+# `exec 3</dev/nvidia0` would be a `monitor`: it allocates nothing.
+GPUWORK_IMAGE = "docker.io/local/gpuwork:test"
+GPUWORK_IN_IMAGE = "/bin/gpuwork"
+
+
+def gpuwork_image() -> ImageVariant:
+    """The image variant with the static gpuwork at /bin/gpuwork (comm `gpuwork`)."""
+    return ImageVariant(GPUWORK_IMAGE, ((GPUWORK_IN_IMAGE.lstrip("/"), str(build_gpuwork(static=True))),))
+
+
+def job_command(device: str = "/dev/nvidia0", hold_s: int = 300) -> list[str]:
+    """A container's command: open `device`, allocate (ALLOC) on it, hold it `hold_s` s, exit 0."""
+    return [GPUWORK_IN_IMAGE, "open", device, *allocates(), "sleep", str(hold_s * 1000)]
 
 
 class GpuworkError(RuntimeError):
@@ -50,12 +80,13 @@ class ReadyLine:
             return None
 
 
-def build_gpuwork() -> Path:
-    """Compile gpuwork.c once per content (and flags): build/<hash>/gpuwork.
+def build_gpuwork(static: bool = False) -> Path:
+    """Compile gpuwork.c once per content (and flags): build/<hash>/gpuwork. `static` links with
+    -static (libc and pthreads only), for a container image with no libc (containerd_image.py).
 
     The binary keeps the plain name `gpuwork` so that /proc/PID/comm reads `gpuwork`.
     """
-    return build_program(SOURCE, "gpuwork")
+    return build_program(SOURCE, "gpuwork", (*CFLAGS, "-static") if static else CFLAGS)
 
 
 def build_program(source: Path, name: str, cflags: tuple[str, ...] = CFLAGS) -> Path:

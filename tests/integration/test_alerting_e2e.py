@@ -39,6 +39,7 @@ from tests.helpers.promstack import (
     require_binary,
 )
 from tests.helpers.tracer_proc import TracerProcess
+from tests.helpers.workload import gpuwork_image, job_command
 from tests.integration.conftest import GPU0_UUID, require_bpf
 from tests.unit.test_dashboard import _VARIABLE as VARIABLE
 from tests.unit.test_dashboard import _targets as all_dashboard_targets
@@ -51,7 +52,6 @@ NS = "ghost-alerts"
 ALERT = "GhostGPUHiddenConsumer"
 PUSHED = "ghostgpu-collector"  # the `source` label of alerts the collector posts itself
 DEADLINE_S = 45.0  # scrape (1 s) + evaluation (1 s) + CRI names, on a 2-core VM shared with other tests
-HOLD_NVIDIA0 = ["/bin/sh", "-c", "exec 3</dev/nvidia0; sleep 300"]
 
 
 @dataclass
@@ -70,11 +70,14 @@ class Stack:
         return [r for r in map(json.loads, filter(None, lines)) if r["action"] == action]
 
     def gpu_pod(self, name: str) -> tuple[Pod, str, int]:
-        """A pod with container `cuda` holding host /dev/null as its /dev/nvidia0; (pod, id, init PID)."""
+        """A pod with container `cuda` holding host /dev/null as its /dev/nvidia0, a GPU job (gpuwork
+        allocates on it; one that only opened it would be a `monitor`, which pages no one);
+        (pod, id, init PID)."""
         pod = self.containerd.run_pod(name, NS)
         self.pods.append(pod)
-        cid = self.containerd.create_container(pod, "cuda", HOLD_NVIDIA0,
-                                               devices=[("/dev/null", "/dev/nvidia0")])
+        cid = self.containerd.create_container(pod, "cuda", job_command(),
+                                               devices=[("/dev/null", "/dev/nvidia0")],
+                                               image=self.containerd.import_variant(gpuwork_image()))
         return pod, cid, self.containerd.container_host_pid(cid)
 
 
@@ -150,12 +153,9 @@ def wait_alert(am: Alertmanager, pushed: bool, what: str, **labels: str) -> dict
 
 
 def expected_labels(pod: str, pid: int) -> dict[str, str]:
-    # comm "sleep" is waited for, not asserted on the first alert: busybox's sh runs `sleep` by
-    # exec'ing /proc/self/exe (comm "exe") and the applet renames itself a moment later, so the
-    # tracer may read "exe" at the exec event and correct it only at its next full /proc scan
-    # (30 s). The label set then changes and the first alert resolves in favour of this one.
+    # comm is waited for with the other labels: the container's command is gpuwork itself.
     return {"node": NODE, "namespace": NS, "pod": pod, "container": "cuda", "pid": str(pid), "gpu": "0",
-            "gpu_uuid": GPU0_UUID, "class": "hidden", "severity": "critical", "comm": "sleep"}
+            "gpu_uuid": GPU0_UUID, "class": "hidden", "severity": "critical", "comm": "gpuwork"}
 
 
 def check_annotations(alert: dict[str, Any], pod: str, pid: int) -> None:

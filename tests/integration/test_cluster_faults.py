@@ -25,6 +25,7 @@ from tests.helpers.containerd import Containerd
 from tests.helpers.fakenvml import FakeNvml
 from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import Record, TracerProcess
+from tests.helpers.workload import gpuwork_image, job_command
 from tests.integration.conftest import GPU0_UUID
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
@@ -194,7 +195,9 @@ def test_tracer_killed_and_restarted_recovers_the_nodes_state_from_its_snapshot(
         assert [f["id"] for f in history.values() if f["pid"] == stays.host_pid] == [held["id"]]
 
 
-LATE_HOLD = ["/bin/sh", "-c", "while [ ! -e /tmp/go ]; do sleep 0.05; done; exec 3</dev/nvidia0; sleep 300"]
+# A GPU job that starts when told: the shell waits for /tmp/go, then execs gpuwork, which opens
+# /dev/nvidia0 and allocates on it (one that only opened would be a `monitor`, not `hidden`).
+LATE_HOLD = ["/bin/sh", "-c", "while [ ! -e /tmp/go ]; do sleep 0.05; done; exec " + " ".join(job_command())]
 
 
 def test_containerd_down_events_flow_unresolved_then_resolve_when_it_returns(
@@ -204,7 +207,8 @@ def test_containerd_down_events_flow_unresolved_then_resolve_when_it_returns(
     pod = containerd.run_pod("late-0", NS)
     try:
         # Created while containerd runs; it opens its /dev/nvidia0 only when told, once containerd is down.
-        cid = containerd.create_container(pod, "cuda", LATE_HOLD, devices=[("/dev/null", "/dev/nvidia0")])
+        cid = containerd.create_container(pod, "cuda", LATE_HOLD, devices=[("/dev/null", "/dev/nvidia0")],
+                                          image=containerd.import_variant(gpuwork_image()))
         init_pid = containerd.container_host_pid(cid)
         with CollectorProcess(tmp_path / "collector") as col, \
                 TracerProcess(tmp_path / "tracer", [*FAST, "--cri-endpoint", containerd.endpoint],

@@ -26,6 +26,7 @@ from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeNvml
 from tests.helpers.polling import poll, wait_until
 from tests.helpers.tracer_proc import TracerProcess
+from tests.helpers.workload import allocates
 
 NODE = "node-sec"
 OTHER = "node-other"
@@ -88,7 +89,7 @@ def test_a_tracer_with_its_node_certificate_reaches_ps_with_a_user_certificate(
     (tmp_path / "tracer").mkdir()
     with FakeContainer() as c, TracerProcess(tmp_path / "tracer", ["--grace-s", "0.5", *node],
                                              fake_nvml.env(), NODE, tls_collector.address) as tracer:
-        p = c.run(["open", "/dev/nvidia0", "ready", "wait"])
+        p = c.run(["open", "/dev/nvidia0", *allocates(), "ready", "wait"])  # a GPU job: `hidden`
         p.wait_ready()
         tracer.wait_for(lambda r: r.get("event") == "finding" and r.get("pid") == p.host_pid, DEADLINE_S,
                         "the tracer's finding")

@@ -28,6 +28,9 @@ from tests.integration.conftest import GPU0_UUID, GPU1_UUID
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
 
 FAST = ["--grace-s", "0.5"]
+# An allocation of a compute class on the first fd: what makes a holder a GPU job rather than a
+# `monitor`, which only reads the GPU's state (tracer/gpu_work.py).
+ALLOC = ["rmalloc", "0", "alloc64", "0xcbc0"]
 
 
 def finding(pid: int, cls: str | None = None):
@@ -57,7 +60,7 @@ def assert_identity(rec: dict[str, Any], c: FakeContainer, host_pid: int, ns_pid
 def test_hidden_consumer_in_a_container(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
         tracer.wait_ready()
-        p = c.run(["open", "/dev/nvidiactl", "open", "/dev/nvidia0", "ready", "wait"])
+        p = c.run(["open", "/dev/nvidiactl", "open", "/dev/nvidia0", *ALLOC, "ready", "wait"])
         p.wait_ready()
         opened = tracer.wait_for(event("open", pid=p.host_pid, device="/dev/nvidia0"), what="open event")
         assert opened["source"] == "bpf"
@@ -76,7 +79,7 @@ def test_container_pid_is_translated_to_the_host_pid(tmp_path: Path, fake_nvml: 
     with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
         tracer.wait_ready()
         # The init forks; the child (PID 2 in the container) opens the GPU.
-        p = c.run(["fork", "open", "/dev/nvidia0", "ready", "wait"])
+        p = c.run(["fork", "open", "/dev/nvidia0", *ALLOC, "ready", "wait"])
         ready = p.wait_ready()
         assert ready.pid == 2
         assert p.host_pid != 2
@@ -111,7 +114,7 @@ def test_process_reparented_after_its_shim_died(tmp_path: Path, fake_nvml: FakeN
     with TracerProcess(tmp_path, [*FAST, "--scan-interval-s", "0.5"], fake_nvml.env()) as tracer, \
             FakeContainer() as c:
         tracer.wait_ready()
-        p = c.run(["open", "/dev/nvidia0", "ready", "wait"])
+        p = c.run(["open", "/dev/nvidia0", *ALLOC, "ready", "wait"])
         p.wait_ready()
         host_pid = p.host_pid
         tracer.wait_for(finding(host_pid, "hidden"), what="hidden before the shim dies")
@@ -161,7 +164,7 @@ def test_holder_from_before_the_tracer_started(tmp_path: Path, fake_nvml: FakeNv
 def test_fork_child_inherits_the_fd(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
         tracer.wait_ready()
-        p = c.run(["open", "/dev/nvidia0", "fork", "ready", "wait"])
+        p = c.run(["open", "/dev/nvidia0", *ALLOC, "fork", "ready", "wait"])
         p.wait_ready()
         child = p.host_pid
         parent = p.init_pid
@@ -175,7 +178,7 @@ def test_fork_child_inherits_the_fd(tmp_path: Path, fake_nvml: FakeNvml) -> None
 def test_exec_keeps_an_inherited_hold(tmp_path: Path, fake_nvml: FakeNvml) -> None:
     with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer, FakeContainer() as c:
         tracer.wait_ready()
-        p = c.run(["open", "/dev/nvidia0", "ready", "wait", "exec", "ready", "wait"])
+        p = c.run(["open", "/dev/nvidia0", *ALLOC, "ready", "wait", "exec", "ready", "wait"])
         p.wait_ready()
         host_pid = p.host_pid
         tracer.wait_for(finding(host_pid, "hidden"), what="hidden before exec")
@@ -198,7 +201,7 @@ def test_a_holder_that_renames_itself_is_shown_by_its_new_name(tmp_path: Path, f
     args = [*FAST, "--scan-interval-s", "3600"]
     with TracerProcess(tmp_path, args, fake_nvml.env()) as tracer, FakeContainer() as c:
         tracer.wait_ready()
-        p = c.run(["open", "/dev/nvidia0", "ready", "wait", "rename", "trainer", "ready", "wait"])
+        p = c.run(["open", "/dev/nvidia0", *ALLOC, "ready", "wait", "rename", "trainer", "ready", "wait"])
         p.wait_ready()
         host_pid = p.host_pid
         tracer.wait_for(finding(host_pid, "hidden"), what="hidden under its first name")
@@ -287,7 +290,7 @@ def test_allowlisted_daemon_is_system_and_host_holder_unattributed(tmp_path: Pat
     with TracerProcess(tmp_path, FAST, fake_nvml.env()) as tracer:
         tracer.wait_ready()
         with run_host(["open", node, "ready", "wait"], executable=str(daemon)) as d, \
-                run_host(["open", node, "ready", "wait"]) as h:
+                run_host(["open", node, *ALLOC, "ready", "wait"]) as h:
             d.wait_ready()
             h.wait_ready()
             sysrec = tracer.wait_for(finding(d.pid, "system"), what="system daemon")

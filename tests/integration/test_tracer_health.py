@@ -20,6 +20,7 @@ from tests.helpers.fakenvml import FakeNvml
 from tests.helpers.httpget import http_get
 from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
+from tests.helpers.workload import allocates
 from tests.unit.test_health import assert_port_released
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.usefixtures("root_bpf")]
@@ -99,7 +100,8 @@ def test_ready_metrics_and_a_planted_consumer(tmp_path: Path, fake_nvml: FakeNvm
                 and "events_sent" not in n} <= names
 
         with FakeContainer() as c:
-            p = c.run(["open", "/dev/nvidiactl", "open", "/dev/nvidia0", "ready", "wait"])
+            # A GPU job (it allocates a compute class): one that only opened would be a `monitor`.
+            p = c.run(["open", "/dev/nvidiactl", "open", "/dev/nvidia0", *allocates(), "ready", "wait"])
             p.wait_ready()
             tracer.wait_for(lambda r: r.get("event") == "finding" and r.get("pid") == p.host_pid
                             and r.get("class") == "hidden", what="hidden finding")

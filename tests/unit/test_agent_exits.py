@@ -179,9 +179,10 @@ def test_holder_turning_zombie_during_a_full_scan_is_settled_not_orphaned(node: 
     node.tracer._scan()
     node.tracer._classify()
     assert node.events(NEWCOMER) == ["open", "exit"]
-    # (Without NVML the holder was an `unknown` finding from its first classification: not ours here.)
+    # (Without NVML the holder was `pending` from its first classification: unknown waits out the grace
+    # period like every class. Not ours here.)
     findings = [r["class"] for r in node.records if r["event"] == "finding" and r["pid"] == NEWCOMER]
-    assert findings == ["unknown"]
+    assert findings == ["pending"]
 
 
 def test_open_handled_after_the_holder_died_is_settled_not_orphaned(node: Node) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from ghostgpu.collector.alertbook import FINDING_ALERTS
 from ghostgpu.collector.enrich import allocations_from, enrich
 from ghostgpu.tracer.classify import ClassifyConfig, classify
-from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
 from ghostgpu.common import classes
 from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef, K8sInfo
@@ -25,15 +27,17 @@ CID = "c" * 64
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)
 CFG = ClassifyConfig(grace_ns=2 * S, boot_ns_of_ticks=lambda ticks: ticks * 10_000_000)
 # The node's evidence, one switch per rule; a scenario turns on any subset of them.
-NODE_SWITCHES = ("system", "ghost", "orphaned", "unknown", "listed", "pending", "container")
+NODE_SWITCHES = ("system", "ghost", "orphaned", "unknown", "listed", "pending", "monitor", "container")
 
 
 def test_the_table_names_every_class_once_in_its_order() -> None:
-    assert classes.PRECEDENCE == (C.SYSTEM, C.GHOST, C.ORPHANED, C.UNALLOCATED, C.UNKNOWN, C.VISIBLE,
-                                  C.PENDING, C.UNATTRIBUTED, C.HIDDEN)
+    # unknown waits out the grace period (pending first); monitor replaces hidden/unattributed but not
+    # a listing (visible), nor anything a team must look at above it.
+    assert classes.PRECEDENCE == (C.SYSTEM, C.GHOST, C.ORPHANED, C.UNALLOCATED, C.VISIBLE, C.PENDING,
+                                  C.MONITOR, C.UNKNOWN, C.UNATTRIBUTED, C.HIDDEN)
     assert set(classes.PRECEDENCE) == set(ConsumerClass)
     assert all(rule.meaning and rule.decided_by for rule in classes.RULES)
-    assert {C.ORPHANED, C.UNALLOCATED} == classes.COLLECTOR_CLASSES
+    assert {C.SYSTEM, C.ORPHANED, C.UNALLOCATED} == classes.COLLECTOR_CLASSES
     assert set(ConsumerClass) - {C.UNALLOCATED} == classes.NODE_CLASSES
 
 
@@ -61,13 +65,15 @@ def node_scenario(on: frozenset[str]) -> tuple[list[Holder], NvmlView, dict[int,
                        ppid=50, parent_comm="containerd-shim", state="Z" if "orphaned" in on else "S",
                        threads=1, container_id=CID if "container" in on else "", parent_container_id="")
     seen_ns = NOW - (S // 2 if "pending" in on else 10 * S)
-    holder = Holder(info, {NV0.path: DeviceHold(NV0, {5}, False, seen_ns, "bpf")})
+    holder = Holder(info, {NV0.path: DeviceHold(NV0, {5}, False, seen_ns, "bpf")},
+                    gpu_work=GpuWork(False) if "monitor" in on else None)
     listed = "listed" in on or "ghost" in on  # a ghost is a listing whose PID is gone
     gpu = NvmlGpu(0, UUID0, 0, processes=(NvmlProcess(PID, 1 << 30, "compute"),) if listed else (),
                   processes_known="unknown" not in on)
     exists = {} if "ghost" in on else {PID: 1000}
     holding = {C.SYSTEM: "system" in on, C.GHOST: "ghost" in on, C.ORPHANED: "orphaned" in on,
                C.UNKNOWN: "unknown" in on, C.VISIBLE: listed, C.PENDING: "pending" in on,
+               C.MONITOR: "monitor" in on,
                C.HIDDEN: "container" in on, C.UNATTRIBUTED: "container" not in on}
     view = NvmlView(True, NOW, "595.45.04", (gpu,))
     return [holder], view, exists, {c for c, held in holding.items() if held}
@@ -81,7 +87,9 @@ def node_scenarios() -> Iterator[tuple[frozenset[str], set[ConsumerClass]]]:
 
 def classify_one(on: frozenset[str]) -> Consumer:
     holders, view, exists, _ = node_scenario(on)
-    [consumer] = classify(holders, view, NOW, CFG, "n1", exists.get)
+    # An allowlisted name is system on the host only; the tracer itself is system wherever it runs.
+    cfg = replace(CFG, own_pids=frozenset({PID})) if "system" in on else CFG
+    [consumer] = classify(holders, view, NOW, cfg, "n1", exists.get)
     return consumer
 
 
@@ -109,31 +117,41 @@ MINE = allocations_from([("ml", "p-0", "cuda", [UUID0])])
 OTHER = allocations_from([("ml", "p-0", "cuda", ["GPU-ffffffff-0000"])])
 
 
-def collector_scenarios() -> Iterator[tuple[ConsumerClass, bool, bool, set[ConsumerClass]]]:
-    """(the node's class, CRI says orphaned, PodResources says unallocated, the classes that hold)."""
-    for node_cls, orphan, unallocated in itertools.product(ConsumerClass, (False, True), (False, True)):
-        applicable = {node_cls, *([C.ORPHANED] if orphan else []), *([C.UNALLOCATED] if unallocated else [])}
-        yield node_cls, orphan, unallocated, applicable
+CollectorScenario = tuple[ConsumerClass, bool, bool, bool, set[ConsumerClass]]
 
 
-def enrich_one(node_cls: ConsumerClass, orphan: bool, unallocated: bool) -> Consumer:
+def collector_scenarios() -> Iterator[CollectorScenario]:
+    """(the node's class, CRI says orphaned, PodResources says unallocated, CRI places an allowlisted
+    daemon where the node's config admits it, the classes that hold)."""
+    for node_cls, orphan, unallocated, placed in itertools.product(ConsumerClass, *[(False, True)] * 3):
+        applicable = {node_cls, *([C.ORPHANED] if orphan else []), *([C.UNALLOCATED] if unallocated else []),
+                      *([C.SYSTEM] if placed else [])}
+        yield node_cls, orphan, unallocated, placed, applicable
+
+
+def enrich_one(node_cls: ConsumerClass, orphan: bool, unallocated: bool, placed: bool) -> Consumer:
     node = Consumer(node="n1", pid=PID, ns_pid=7, comm="python3", gpu=0, gpu_uuid=UUID0, gpu_minor=0,
                     devices=["/dev/nvidia0"], container_id=CID, pod_uid="", runtime="containerd",
-                    cls=node_cls, reason="the node's reason", gpu_memory_bytes=None)
+                    cls=node_cls, reason="the node's reason", gpu_memory_bytes=None,
+                    allowlisted="dcgm-exporter", system_places=["ml/cuda" if placed else "gpu-operator"])
     out, _ = enrich(node, EXITED if orphan else RUNNING, OTHER if unallocated else MINE)
     return out
 
 
+ENRICH_REASONS = {C.ORPHANED: "CRI (containerd) reports container cuda exited",
+                  C.UNALLOCATED: "PodResources did not allocate GPU 0",
+                  C.SYSTEM: "allowlisted node daemon dcgm-exporter (python3) in container cuda of pod ml/p-0"}
+
+
 def test_enrich_picks_the_highest_rule_that_holds() -> None:
-    for node_cls, orphan, unallocated, applicable in collector_scenarios():
-        out = enrich_one(node_cls, orphan, unallocated)
+    for node_cls, orphan, unallocated, placed, applicable in collector_scenarios():
+        out = enrich_one(node_cls, orphan, unallocated, placed)
         want = winner(applicable, classes.RANK)
-        assert out.cls == want, (node_cls, orphan, unallocated)
+        assert out.cls == want, (node_cls, orphan, unallocated, placed)
         if want == node_cls:
             assert out.reason == "the node's reason"  # the node's verdict stands with its evidence
         else:
-            assert out.reason.startswith("CRI (containerd) reports container cuda exited"
-                                         if want is C.ORPHANED else "PodResources did not allocate GPU 0")
+            assert out.reason.startswith(ENRICH_REASONS[want]), out.reason
 
 
 def test_every_pair_of_rules_that_can_hold_at_once_is_exercised() -> None:
@@ -151,5 +169,16 @@ def test_both_follow_the_table_when_it_changes(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(classes, "RANK", reversed_rank)
     for on, applicable in node_scenarios():
         assert classify_one(on).cls == winner(applicable, reversed_rank), sorted(on)
-    for node_cls, orphan, unallocated, applicable in collector_scenarios():
-        assert enrich_one(node_cls, orphan, unallocated).cls == winner(applicable, reversed_rank)
+    for node_cls, orphan, unallocated, placed, applicable in collector_scenarios():
+        assert enrich_one(node_cls, orphan, unallocated, placed).cls == winner(applicable, reversed_rank)
+
+
+def test_readme_class_table_is_the_table_here() -> None:
+    """README's "Classes" table names every class once, in precedence order, findings marked."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Classes", 1)[1].split("\n### ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    assert [cells[0].strip().strip("`") for cells in rows] == [str(c) for c in classes.PRECEDENCE]
+    for cells in rows:
+        cls = ConsumerClass(cells[0].strip().strip("`"))
+        assert (cells[1].strip() == "yes") is (cls in classes.FINDING_CLASSES), f"{cls}: finding column"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
-from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
 from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
 
@@ -41,12 +41,13 @@ def hold(dev: DeviceRef, *fds: int, mapped: bool = False, seen_s: float = 10) ->
     return DeviceHold(dev, set(fds), mapped, int(seen_s * S), "bpf")
 
 
-def h(pid: int, *holds: DeviceHold, **info: Any) -> Holder:
-    """A holder; keyword arguments are ProcessInfo fields (default: a live host process)."""
+def h(pid: int, *holds: DeviceHold, work: GpuWork | None = None, **info: Any) -> Holder:
+    """A holder; keyword arguments are ProcessInfo fields (default: a live host process), `work` what
+    it asked the driver for (default: no call history)."""
     fields: dict[str, Any] = {"comm": "python3", "start_ticks": EXISTING.get(pid), "ppid": 50,
                               "parent_comm": "bash", "state": "S", "threads": 1}
     fields.update(info)
-    return Holder(ProcessInfo(pid=pid, **fields), {x.device.path: x for x in holds})
+    return Holder(ProcessInfo(pid=pid, **fields), {x.device.path: x for x in holds}, gpu_work=work)
 
 
 def ctr(pid: int, *holds: DeviceHold, **info: Any) -> Holder:
@@ -93,7 +94,8 @@ CASES = [
     ("ghost-reused-pid", [], nv(proc(300)), [(300, 0, C.GHOST)], "was reused"),
     ("ghost-reused-pid-holder", [ctr(300, hold(NV0, 5), **ZOMBIE)], nv(proc(300)), [(300, 0, C.GHOST)],
      "started at 60.0 s"),
-    ("listed-started-before-first-listed", [], nv(proc(301)), [(301, 0, C.VISIBLE)], "no fd of it"),
+    ("listed-alive-holding-nothing-was-reused", [], nv(proc(301)), [(301, 0, C.GHOST)],
+     "holds no GPU device file"),
     ("orphaned-zombie-leader-listed", [ctr(100, hold(NV0, 5), **ZOMBIE)], nv(proc(100)),
      [(100, 0, C.ORPHANED)], "2 thread(s) live on"),
     ("orphaned-zombie-host", [h(100, hold(NV0, 5), state="Z", threads=1)], nv(), [(100, 0, C.ORPHANED)],
@@ -108,7 +110,9 @@ CASES = [
      [(100, 0, C.UNATTRIBUTED)], "NVML lists no such"),
     ("gone-is-not-orphaned", [ctr(100, hold(NV0, 5), alive=False, ppid=None, parent_comm="")], nv(),
      [(100, 0, C.HIDDEN)], "NVML lists no such"),
-    ("only-control-devices", [h(100, hold(CTL, 3), hold(UVM, 4), hold(CAP2, 6))], nv(), [], ""),
+    ("only-control-devices", [h(100, hold(CTL, 3), hold(UVM, 4), hold(CAP2, 6))], nv(),
+     [(100, None, C.UNATTRIBUTED)], "only node-wide devices /dev/nvidia-caps/nvidia-cap2 (fd 6), "
+     "/dev/nvidia-uvm (fd 4), /dev/nvidiactl (fd 3)"),
     ("unheld-hold-ignored", [h(100, hold(NV0))], nv(), [], ""),
     ("mig-cap-joins-its-gpu", [ctr(100, hold(NV0, 5), hold(CAP13, 7))], nv(proc(100)), [(100, 0, C.VISIBLE)],
      "nvidia-cap13"),
@@ -132,13 +136,130 @@ CASES = [
      [(100, 0, C.VISIBLE)], "2048 MiB"),
     ("sorted-by-gpu-then-pid", [ctr(200, hold(NV1, 5)), ctr(101, hold(NV1, 5)), ctr(100, hold(NV0, 5))], nv(),
      [(100, 0, C.HIDDEN), (101, 1, C.HIDDEN), (200, 1, C.HIDDEN)], "in container"),
+    # --- unknown waits out the grace period like every other class (issue 13, item 7)
+    ("no-nvml-pending-first", [ctr(100, hold(NV0, 5, seen_s=99.98))], NO_NVML, [(100, 0, C.PENDING)],
+     "grace"),
+    ("nvml-cannot-list-pending-first", [ctr(100, hold(NV0, 5, seen_s=99.5))], UNLISTED, [(100, 0, C.PENDING)],
+     "grace"),
 ]
+
+# Node-wide holders: only nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/* (item 1). One
+# consumer with no GPU, the same classes and grace, its reason naming the devices.
+NODE_WIDE = [
+    ("node-wide-hidden", [ctr(100, hold(CTL, 3), hold(UVM, 4))], nv(), [(100, None, C.HIDDEN)],
+     "holds only node-wide devices /dev/nvidia-uvm (fd 4), /dev/nvidiactl (fd 3) for 90.0 s in container"),
+    ("node-wide-says-nvml-cannot-list-it", [ctr(100, hold(UVM, 4))], nv(), [(100, None, C.HIDDEN)],
+     "no GPU device file, so NVML lists it nowhere; it keeps the driver in use"),
+    ("node-wide-pending", [ctr(100, hold(CTL, 3, seen_s=99.5))], nv(), [(100, None, C.PENDING)], "grace"),
+    ("node-wide-no-nvml-unknown", [ctr(100, hold(UVM, 4))], NO_NVML, [(100, None, C.UNKNOWN)],
+     "NVML is unavailable"),
+    ("node-wide-no-nvml-pending-first", [ctr(100, hold(UVM, 4, seen_s=99.5))], NO_NVML,
+     [(100, None, C.PENDING)], "grace"),
+    ("node-wide-unlisted-gpu-is-no-excuse", [ctr(100, hold(UVM, 4))], UNLISTED, [(100, None, C.HIDDEN)],
+     "/dev/nvidia-uvm"),
+    ("node-wide-system-daemon", [h(100, hold(CTL, 3), comm="nvidia-persiste")], nv(), [(100, None, C.SYSTEM)],
+     "allowlisted node daemon nvidia-persistenced"),
+    ("node-wide-zombie-orphaned", [ctr(100, hold(UVM, 4), **ZOMBIE)], nv(), [(100, None, C.ORPHANED)],
+     "zombie"),
+    ("node-wide-monitor", [ctr(100, hold(CTL, 3), work=GpuWork(False))], NO_NVML, [(100, None, C.MONITOR)],
+     "only reads the GPU's state"),
+    ("node-wide-allocated", [h(100, hold(CTL, 3), work=GpuWork(True, "RM_ALLOC FERMI_VASPACE_A (0x90f1)"))],
+     nv(), [(100, None, C.UNATTRIBUTED)], "RM_ALLOC FERMI_VASPACE_A"),
+    ("node-wide-after-gpu-holders", [ctr(100, hold(NV0, 5)), ctr(101, hold(CTL, 3))], nv(proc(100)),
+     [(101, None, C.HIDDEN), (100, 0, C.VISIBLE)], "/dev/nvidiactl"),
+    ("gpu-holder-is-not-also-node-wide", [ctr(100, hold(NV0, 5), hold(CTL, 3), hold(UVM, 4))], nv(),
+     [(100, 0, C.HIDDEN)], "/dev/nvidia0"),
+]
+
+MPS = h(200, hold(NV0, 9), comm="nvidia-cuda-mps")  # the server: comm is cut to 15 bytes
+MPS_BY_EXE = ctr(200, hold(NV0, 9), comm="x", exe="/usr/bin/nvidia-cuda-mps-server")
+
+# NVML lists a PID that is alive but holds no GPU device file (item 2): reused, unless an MPS server
+# holds that GPU (its clients are listed while it holds the device).
+LISTED = [
+    ("alive-unheld-pid-was-reused", [], nv(proc(301, 2 * GIB)), [(301, 0, C.GHOST)],
+     "NVML lists PID 301 on GPU 0 (GPU-00000000-aaaa) using 2048 MiB, but PID 301 holds no GPU device file"),
+    ("reused-pid-holding-control-is-also-a-node-wide-holder", [ctr(301, hold(CTL, 3))], nv(proc(301)),
+     [(301, None, C.HIDDEN), (301, 0, C.GHOST)], "/dev/nvidiactl"),
+    ("mps-client", [MPS], nv(proc(301), proc(200)), [(200, 0, C.VISIBLE), (301, 0, C.VISIBLE)],
+     "NVML lists PID 200"),
+    ("mps-server-by-exe", [MPS_BY_EXE], nv(proc(301)), [(200, 0, C.HIDDEN), (301, 0, C.VISIBLE)],
+     "NVML lists no such process"),
+    ("mps-client-holding-control", [MPS, ctr(301, hold(CTL, 3), hold(UVM, 4))], nv(proc(301), proc(200)),
+     [(200, 0, C.VISIBLE), (301, 0, C.VISIBLE)], "NVML lists PID 200"),
+    ("mps-server-of-another-gpu", [h(200, hold(NV1, 9), comm="nvidia-cuda-mps")], nv(proc(301)),
+     [(301, 0, C.GHOST), (200, 1, C.UNATTRIBUTED)], "holds no GPU device file"),
+    ("mps-server-named-by-a-client-holding-nothing", [], nv(proc(301)), [(301, 0, C.GHOST)], "reused"),
+    ("holder-of-another-gpu-is-not-reused", [ctr(100, hold(NV1, 5))], nv(proc(100)),
+     [(100, 0, C.VISIBLE), (100, 1, C.HIDDEN)], "no fd of it on the GPU's device file"),
+    ("dead-pid-stays-a-plain-ghost", [], nv(proc(4242)), [(4242, 0, C.GHOST)], "no such process exists"),
+]
+
+DONE = GpuWork(False)  # watched since its first open, allocated nothing
+COMPUTE = GpuWork(True, "RM_ALLOC AMPERE_COMPUTE_A (0xc6c0)")
+
+# A holder NVML does not list: a monitoring client (no allocation, no device memory mapped, whole
+# history) or a GPU job (item 3). Precedence: visible and pending win over monitor.
+MONITOR = [
+    ("monitor-in-container", [ctr(100, hold(NV0, 5), hold(CTL, 3), work=DONE)], nv(), [(100, 0, C.MONITOR)],
+     "allocated no memory, channel or compute class and mapped no device memory"),
+    ("monitor-on-host", [h(100, hold(NV0, 5), work=DONE)], nv(), [(100, 0, C.MONITOR)], "on the host"),
+    ("monitor-without-nvml", [ctr(100, hold(NV0, 5), work=DONE)], NO_NVML, [(100, 0, C.MONITOR)],
+     "only reads"),
+    ("allocated-is-hidden", [ctr(100, hold(NV0, 5), work=COMPUTE)], nv(), [(100, 0, C.HIDDEN)],
+     "it allocated GPU resources (RM_ALLOC AMPERE_COMPUTE_A (0xc6c0))"),
+    ("allocated-without-a-name", [ctr(100, hold(NV0, 5), work=GpuWork(True))], nv(), [(100, 0, C.HIDDEN)],
+     "an RM_ALLOC or ALLOC_MEMORY call"),
+    ("complete-but-mapped-is-hidden", [ctr(100, hold(NV0, 5, mapped=True), work=DONE)], nv(),
+     [(100, 0, C.HIDDEN)], "it maps GPU device memory"),
+    ("mapped-mig-cap-is-hidden", [ctr(100, hold(CAP13, 7, mapped=True), work=DONE)], nv(),
+     [(100, 0, C.HIDDEN)], "maps GPU device memory"),
+    ("mapped-control-device-is-no-gpu-memory", [ctr(100, hold(NV0, 5), hold(CTL, 3, mapped=True), work=DONE)],
+     nv(), [(100, 0, C.MONITOR)], "only reads"),
+    ("no-history-mapped-is-hidden", [ctr(100, hold(NV0, 5, mapped=True))], nv(), [(100, 0, C.HIDDEN)],
+     "it maps GPU device memory"),
+    ("no-history-unmapped-is-hidden-incomplete", [ctr(100, hold(NV0, 5))], nv(), [(100, 0, C.HIDDEN)],
+     "the evidence is incomplete (it opened the device before the tracer watched it, or BPF is off)"),
+    ("partial-history-is-incomplete", [ctr(100, hold(NV0, 5), work=GpuWork(False, complete=False))], nv(),
+     [(100, 0, C.HIDDEN)], "the evidence is incomplete"),
+    ("no-history-host-is-unattributed", [h(100, hold(NV0, 5))], nv(), [(100, 0, C.UNATTRIBUTED)],
+     "evidence is incomplete"),
+    ("listed-beats-monitor", [ctr(100, hold(NV0, 5), work=DONE)], nv(proc(100)), [(100, 0, C.VISIBLE)],
+     "NVML lists PID 100"),
+    ("pending-beats-monitor", [ctr(100, hold(NV0, 5, seen_s=99.5), work=DONE)], nv(), [(100, 0, C.PENDING)],
+     "grace"),
+    ("orphaned-beats-monitor", [ctr(100, hold(NV0, 5), work=DONE, **ZOMBIE)], nv(), [(100, 0, C.ORPHANED)],
+     "zombie"),
+    ("allowlisted-host-daemon-stays-system", [h(100, hold(NV0, 5), comm="dcgm-exporter", work=DONE)], nv(),
+     [(100, 0, C.SYSTEM)], "dcgm-exporter"),
+]
+
+# `system` by executable path and by where it runs (item 4): the host, else its real class with a
+# note on the name it impersonates.
+SYSTEM = [
+    ("container-named-like-a-daemon-is-hidden", [ctr(100, hold(NV0, 5), comm="nv-hostengine")], nv(),
+     [(100, 0, C.HIDDEN)], "it impersonates allowlisted node daemon nv-hostengine: it runs in container "
+     "aaaaaaaaaaaa, and such daemons are system only on the host"),
+    ("container-exe-like-a-daemon-is-hidden", [ctr(100, hold(NV0, 5), exe="/usr/bin/dcgm-exporter")], nv(),
+     [(100, 0, C.HIDDEN)], "impersonates allowlisted node daemon dcgm-exporter"),
+    ("impersonator-keeps-its-real-class", [ctr(100, hold(NV0, 5), comm="nvidia-smi", work=DONE)], nv(),
+     [(100, 0, C.MONITOR)], "impersonates allowlisted node daemon nvidia-smi"),
+    ("impersonator-listed-is-visible", [ctr(100, hold(NV0, 5), comm="nvidia-smi")], nv(proc(100)),
+     [(100, 0, C.VISIBLE)], "impersonates"),
+    ("own-pid-namespace-is-not-the-host", [h(100, hold(NV0, 5), comm="nv-hostengine", ns_pid=7)], nv(),
+     [(100, 0, C.UNATTRIBUTED)], "it runs in a PID namespace of its own (PID 7 there)"),
+    ("host-pid-namespace-is-the-host", [h(100, hold(NV0, 5), comm="nv-hostengine", ns_pid=100)], nv(),
+     [(100, 0, C.SYSTEM)], "allowlisted node daemon nv-hostengine (nv-hostengine) on the host"),
+]
+
+ALL_CASES = CASES + NODE_WIDE + LISTED + MONITOR + SYSTEM
 
 
 @pytest.mark.parametrize(("holders", "view", "expected", "reason_part"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_classify_table(holders: list[Holder], view: NvmlView, expected: list[tuple[int, int, C]],
+                         [c[1:] for c in ALL_CASES], ids=[c[0] for c in ALL_CASES])
+def test_classify_table(holders: list[Holder], view: NvmlView, expected: list[tuple[int, int | None, C]],
                         reason_part: str) -> None:
+    """reason_part is in the reason of the first consumer whose (pid, gpu) the case lists first."""
     out = classify(holders, view, NOW, CFG, "node-a", EXISTING.get)
     assert [(c.pid, c.gpu, c.cls) for c in out] == expected
     assert all(c.node == "node-a" and c.reason and "\n" not in c.reason for c in out)
@@ -176,10 +297,96 @@ def test_unknown_fields_without_nvml() -> None:
     assert (c.gpu, c.gpu_uuid, c.gpu_minor, c.gpu_memory_bytes) == (0, "", 0, None)
 
 
-def test_reused_pid_without_first_listed_time_is_visible() -> None:
+def test_reused_pid_without_first_listed_time_holds_nothing_so_is_a_ghost() -> None:
     cfg = replace(CFG, nvml_first_listed={})
     [c] = classify([], nv(proc(300)), NOW, cfg, "n", EXISTING.get)
-    assert c.cls is C.VISIBLE
+    assert c.cls is C.GHOST and "holds no GPU device file" in c.reason
+    assert (c.alive, c.comm, c.devices) == (False, "", [])
+
+
+# (id, boot ns the holders are complete at (None: BPF sees every open), NVML first listed 301 at, class)
+SCANS = [
+    ("bpf-judges-at-once", None, 99 * S, C.GHOST),
+    ("listed-before-the-last-full-scan", 60 * S, 50 * S, C.GHOST),
+    ("listed-at-the-scan", 50 * S, 50 * S, C.GHOST),
+    ("listed-after-the-last-full-scan", 40 * S, 50 * S, C.VISIBLE),
+    ("no-listing-time-is-now", 99 * S, None, C.VISIBLE),
+]
+
+
+@pytest.mark.parametrize(("complete_ns", "listed_ns", "cls"), [s[1:] for s in SCANS],
+                         ids=[s[0] for s in SCANS])
+def test_reuse_is_judged_once_a_scan_could_have_seen_the_holder(complete_ns: int | None,
+                                                                 listed_ns: int | None, cls: C) -> None:
+    """Without BPF, a CUDA process that opened its GPU after the last full /proc scan is not a holder
+    yet although NVML lists it: the PID counts as reused only when listed before a scan began."""
+    first = {(UUID0, 301): listed_ns} if listed_ns is not None else {}
+    cfg = replace(CFG, nvml_first_listed=first, holders_complete_ns=complete_ns)
+    [c] = classify([], nv(proc(301)), NOW, cfg, "n", EXISTING.get)
+    assert c.cls is cls
+    if cls is C.VISIBLE:
+        assert c.reason.endswith("was seen yet (a /proc scan has not looked since NVML listed it)")
+
+
+def test_mps_client_is_visible_through_the_server() -> None:
+    client = ctr(301, hold(CTL, 3), hold(UVM, 4), comm="infer")
+    out = classify([MPS, client], nv(proc(301, GIB)), NOW, CFG, "n", EXISTING.get)
+    by_pid = {c.pid: c for c in out}
+    assert sorted(by_pid) == [200, 301]  # no node-wide consumer beside the client's listing
+    c = by_pid[301]
+    assert (c.cls, c.gpu, c.comm, c.container_id, c.alive) == (C.VISIBLE, 0, "infer", CID, True)
+    assert c.devices == ["/dev/nvidia-uvm", "/dev/nvidiactl"]
+    assert c.reason == ("NVML lists PID 301 on GPU 0 (GPU-00000000-aaaa) using 1024 MiB through MPS: the MPS "
+                        "server nvidia-cuda-mps (PID 200) holds the GPU's device file for its clients")
+
+
+def test_reused_pid_does_not_lend_its_identity() -> None:
+    """The ghost is the dead process's memory; the live holder of control devices is reported apart."""
+    out = classify([ctr(301, hold(CTL, 3), comm="sleeper")], nv(proc(301)), NOW, CFG, "n", EXISTING.get)
+    wide, ghost = out
+    assert (wide.gpu, wide.gpu_uuid, wide.gpu_minor, wide.comm, wide.devices) == (
+        None, "", None, "sleeper", ["/dev/nvidiactl"])
+    assert (ghost.cls, ghost.comm, ghost.container_id, ghost.alive, ghost.devices) == (
+        C.GHOST, "", "", False, [])
+    assert wide.key != ghost.key
+
+
+def test_node_wide_fields() -> None:
+    holder = ctr(100, hold(UVM, 4, seen_s=30), hold(CTL, 3, seen_s=40), ns_pid=7)
+    [c] = classify([holder], nv(), NOW, CFG, "n", EXISTING.get)
+    assert (c.gpu, c.gpu_uuid, c.gpu_minor, c.gpu_memory_bytes, c.mapped) == (None, "", None, None, False)
+    assert (c.devices, c.fds, c.first_seen_ns, c.ns_pid) == (["/dev/nvidia-uvm", "/dev/nvidiactl"], [3, 4],
+                                                            30 * S, 7)
+    assert c.key == (100, None, "")
+    assert c.to_json()["gpu"] is None
+
+
+def test_allowlist_entry_with_a_slash_is_an_exact_executable_path() -> None:
+    cfg = replace(CFG, system_allowlist=("/usr/bin/nv-hostengine",))
+    cases = [(h(100, hold(NV0, 5), comm="nv-hostengine", exe="/usr/bin/nv-hostengine"), C.SYSTEM),
+             (h(100, hold(NV0, 5), comm="x", exe="/usr/bin/nv-hostengine (deleted)"), C.SYSTEM),
+             (h(100, hold(NV0, 5), comm="nv-hostengine", exe="/tmp/nv-hostengine"), C.UNATTRIBUTED),
+             (h(100, hold(NV0, 5), comm="nv-hostengine", exe=""), C.UNATTRIBUTED)]
+    for holder, cls in cases:
+        [c] = classify([holder], nv(), NOW, cfg, "n", EXISTING.get)
+        assert c.cls is cls, holder.process
+        assert c.allowlisted == ("/usr/bin/nv-hostengine" if cls is C.SYSTEM else "")
+
+
+def test_impersonator_carries_the_places_for_the_collector() -> None:
+    cfg = replace(CFG, system_places=("gpu-operator", "kube-system/dcgm"))
+    [c] = classify([ctr(100, hold(NV0, 5), comm="dcgm-exporter")], nv(), NOW, cfg, "n", EXISTING.get)
+    assert (c.cls, c.allowlisted, c.system_places) == (
+        C.HIDDEN, "dcgm-exporter", ["gpu-operator", "kube-system/dcgm"])
+    assert ("named like allowlisted node daemon dcgm-exporter but runs in container aaaaaaaaaaaa: such a "
+            "daemon is system on the host, or where CRI places it in gpu-operator, kube-system/dcgm "
+            "(collector)") in c.reason
+    # On the host it is system at once, and nothing is left for the collector to check.
+    [c] = classify([h(100, hold(NV0, 5), comm="dcgm-exporter")], nv(), NOW, cfg, "n", EXISTING.get)
+    assert (c.cls, c.allowlisted, c.system_places) == (C.SYSTEM, "dcgm-exporter", [])
+    # Not allowlisted: no places either.
+    [c] = classify([ctr(100, hold(NV0, 5))], nv(), NOW, cfg, "n", EXISTING.get)
+    assert (c.allowlisted, c.system_places) == ("", [])
 
 
 def test_classify_does_not_mutate_input() -> None:

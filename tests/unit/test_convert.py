@@ -23,7 +23,14 @@ UNKNOWNS = replace(FULL, ns_pid=None, gpu=None, gpu_minor=None, gpu_memory_bytes
                    start_time_ns=None, first_seen_ns=None, alive=False, gpu_uuid="", devices=[], fds=[])
 
 
-@pytest.mark.parametrize("consumer", [FULL, UNKNOWNS, *(replace(FULL, cls=c) for c in ConsumerClass)])
+# A holder of node-wide devices only: no GPU at all. An allowlisted name in a container with its places.
+NODE_WIDE = replace(FULL, gpu=None, gpu_minor=None, gpu_uuid="",
+                    devices=["/dev/nvidia-uvm", "/dev/nvidiactl"], cls=ConsumerClass.MONITOR)
+PLACED = replace(FULL, allowlisted="dcgm-exporter", system_places=["gpu-operator", "kube-system/dcgm"])
+
+
+@pytest.mark.parametrize("consumer", [FULL, UNKNOWNS, NODE_WIDE, PLACED,
+                                      *(replace(FULL, cls=c) for c in ConsumerClass)])
 def test_round_trip(consumer: Consumer) -> None:
     msg = consumer_to_proto(consumer)
     wire = node_pb2.Consumer.FromString(msg.SerializeToString())
@@ -45,3 +52,18 @@ def test_every_class_has_a_wire_value() -> None:
     values = {node_pb2.ConsumerClass.Name(consumer_to_proto(replace(FULL, cls=c)).__getattribute__("class"))
               for c in ConsumerClass}
     assert len(values) == len(ConsumerClass)
+
+
+def test_node_wide_holder_has_no_gpu_on_the_wire() -> None:
+    msg = consumer_to_proto(NODE_WIDE)
+    assert (msg.gpu, msg.gpu_minor, msg.gpu_uuid) == (-1, -1, "")
+    assert node_pb2.ConsumerClass.Name(getattr(msg, "class")) == "CONSUMER_CLASS_MONITOR"
+    assert consumer_from_proto(msg).key == (4242, None, "")
+    assert NODE_WIDE.to_json()["gpu"] is None and Consumer.from_json(NODE_WIDE.to_json()) == NODE_WIDE
+
+
+def test_json_keys_are_extended_not_renamed() -> None:
+    keys = list(PLACED.to_json())
+    assert keys[-3:] == ["allowlisted", "system_places", "class"]
+    assert Consumer.from_json({k: v for k, v in FULL.to_json().items()
+                               if k not in ("allowlisted", "system_places")}) == FULL  # an older record

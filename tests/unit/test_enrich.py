@@ -159,3 +159,52 @@ def test_allocations_merge_rows_and_strip_replicas() -> None:
     assert a.allocated(replace(who, resolution="unresolved"), UUID1) is None
     assert a.allocated(replace(who, pod=""), UUID1) is None  # resolved yet no pod: not a kubelet container
     assert NO_ALLOCATIONS.allocated(who, UUID1) is None
+
+
+def daemon(places: list[str], allowlisted: str = "dcgm-exporter", cls: ConsumerClass = C.HIDDEN) -> Consumer:
+    """What the node sends for an allowlisted name it found in a container: its real class, the entry,
+    and the places its config admits such a daemon in."""
+    return replace(consumer(cls), comm="dcgm-exporter", allowlisted=allowlisted, system_places=places)
+
+
+# (id, consumer, CRI's answer, PodResources, final class, reason part; None: the node's reason)
+PLACES = [
+    ("namespace named", daemon(["ml"]), RUNNING, MINE, C.SYSTEM,
+     "allowlisted node daemon dcgm-exporter (dcgm-exporter) in container cuda of pod ml/trainer-0, a place "
+     "the tracer's config names (ml); pid 4242 (pid 7 in its container) holds /dev/nvidia0, /dev/nvidiactl"),
+    ("namespace/container named", daemon(["kube-system", "ml/cuda"]), RUNNING, MINE, C.SYSTEM, "(ml/cuda)"),
+    ("another container of the namespace", daemon(["ml/exporter"]), RUNNING, MINE, C.HIDDEN, None),
+    ("another namespace", daemon(["gpu-operator"]), RUNNING, MINE, C.HIDDEN, None),
+    ("a namespace is not a container name", daemon(["cuda"]), RUNNING, MINE, C.HIDDEN, None),
+    ("no places: the host only", daemon([]), RUNNING, MINE, C.HIDDEN, None),
+    ("not allowlisted", daemon(["ml"], allowlisted=""), RUNNING, MINE, C.HIDDEN, None),
+    ("CRI unreachable: no names to trust", daemon(["ml"]), UNRESOLVED, MINE, C.HIDDEN, None),
+    ("system beats a CRI orphan", daemon(["ml"]), EXITED, MINE, C.SYSTEM, "a place the tracer's config"),
+    ("system beats unallocated", daemon(["ml"], cls=C.MONITOR), RUNNING, NOTHING_FOR_IT, C.SYSTEM, "(ml)"),
+]
+
+
+@pytest.mark.parametrize(("node", "info", "alloc", "want", "reason"), [p[1:] for p in PLACES],
+                         ids=[p[0] for p in PLACES])
+def test_allowlisted_daemon_in_a_named_place_is_system(node: Consumer, info: K8sInfo, alloc: Allocations,
+                                                         want: ConsumerClass, reason: str | None) -> None:
+    out, _ = enrich(node, info, alloc)
+    assert out.cls is want
+    assert out.reason == NODE_REASON if reason is None else reason in out.reason
+
+
+def test_monitor_pod_without_a_gpu_request_is_unallocated() -> None:
+    """A monitoring pod outside the configured places that holds a GPU it was never given: the
+    collector's unallocated outranks the node's monitor (configure system_namespaces for such pods)."""
+    out, allocated = enrich(consumer(C.MONITOR), RUNNING, NOTHING_FOR_IT)
+    assert (out.cls, allocated) == (C.UNALLOCATED, False)
+
+
+def test_node_wide_holder_is_never_unallocated() -> None:
+    """PodResources allocates GPUs; a holder of nvidiactl and nvidia-uvm only names none."""
+    node = replace(consumer(C.HIDDEN, gpu=None, gpu_uuid=""), devices=["/dev/nvidia-uvm", "/dev/nvidiactl"])
+    for alloc in (NOTHING_FOR_IT, LISTED_EMPTY, MINE):
+        out, allocated = enrich(node, RUNNING, alloc)
+        assert (out.cls, allocated, out.reason) == (C.HIDDEN, None, NODE_REASON)
+    out, _ = enrich(node, EXITED, MINE)
+    assert out.cls is C.ORPHANED and "still holds /dev/nvidia-uvm, /dev/nvidiactl" in out.reason

@@ -11,7 +11,7 @@ import errno
 import pytest
 from ghostgpu.tracer.kernel_maps import BPF_EXIST, BPF_NOEXIST, MapError, Update
 
-from tests.helpers.fake_kmaps import FdKey, FdVal, HoldKey, HoldVal, IoctlKey, PathKey, fake_tables
+from tests.helpers.fake_kmaps import AllocVal, FdKey, FdVal, HoldKey, HoldVal, IoctlKey, PathKey, fake_tables
 
 GPU, CTL = "/dev/nvidia0", "/dev/nvidiactl"
 PID = 4242
@@ -99,8 +99,8 @@ def test_exit_reads_and_forgets_only_the_processes_own_entries() -> None:
     assert tables.ioctl_counts(PID) == {PID: {(CTL, 0xC020462A): 7, (GPU, 0xC020462B): 3}}
     tables.forget(PID)
     assert kernel.walks == dict.fromkeys(kernel.walks, 0)  # no whole-map walk on the exit path
-    # 3 counter lookups, then 1 procs + 3 fds + 2 holds + 3 ioctls deletes
-    assert kernel.ops == {"fds": 3, "holds": 2, "procs": 1, "ioctls": 6, "dev_ids": 0}
+    # 3 counter lookups, then 1 procs + 3 fds + 2 holds + 3 ioctls + 1 alloc_work deletes
+    assert kernel.ops == {"fds": 3, "holds": 2, "procs": 1, "ioctls": 6, "dev_ids": 0, "alloc_work": 1}
     assert all(len(kernel.map(name)) == 5_000 for name in ("fds", "holds", "procs", "ioctls"))
     assert PID not in tables.owned and tables.holder_bytes[PID] == 0  # type: ignore[index]
     tables.forget(PID)  # twice (a kernel EXIT after a rescan settled it): nothing to do, no error
@@ -150,12 +150,16 @@ def test_sweep_removes_leftovers_of_tgids_dead_for_two_sweeps() -> None:
     ids = (tables.intern(GPU), tables.intern(CTL))
     populate_node(kernel, range(100, 110), ids[0])  # 100-104 live, 105-109 died unreported
     owned_process(tables, kernel, ids)  # type: ignore[arg-type]
+    for tgid in (*range(100, 110), 300):  # 300: only an allocation record is left of it
+        kernel.put("alloc_work", ctypes.c_uint32(tgid), AllocVal(calls=1))
     alive = set(range(100, 105)) | {PID}
     assert tables.sweep(alive.__contains__) == 0  # dead once: its EXIT may still be queued
     kernel.put("procs", ctypes.c_uint32(200), ctypes.c_uint32(1))  # dies before the next sweep
     kernel.walks = dict.fromkeys(kernel.walks, 0)
     assert tables.sweep(alive.__contains__) > 0
-    assert kernel.walks == {"fds": 1, "holds": 1, "procs": 1, "ioctls": 1, "dev_ids": 0}  # each map once
+    assert kernel.walks == {"fds": 1, "holds": 1, "procs": 1, "ioctls": 1, "dev_ids": 0,
+                            "alloc_work": 1}  # each map once
+    assert sorted(int.from_bytes(k, "little") for k in kernel.map("alloc_work")) == [*range(100, 105)]
     assert sorted(int.from_bytes(k, "little") for k in kernel.map("procs")) == [*range(100, 105), 200, PID]
     assert {FdKey.from_buffer_copy(k).tgid for k in kernel.map("fds")} == {*range(100, 105), PID}
     assert {IoctlKey.from_buffer_copy(k).tgid for k in kernel.map("ioctls")} == {*range(100, 105), PID}

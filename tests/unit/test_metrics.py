@@ -385,3 +385,21 @@ def test_changed_rows_are_kept_only_for_a_reader_and_stay_bounded_between_scrape
     w.put(make_consumer("n2", 1, cls=C.HIDDEN))
     assert sum(len(keys) for keys in w.table.changed_rows.values()) < 200
     assert by_family(m.render_nodes()) == by_family(w.metrics().render_nodes())
+
+
+def test_node_wide_holders_and_monitors() -> None:
+    """A holder of node-wide devices only has gpu="" (and gpu_uuid=""): counted, and a finding's
+    per-process series like any other. A monitor is counted and has no per-process series."""
+    w = World()
+    w.cri.answers["aa" * 32] = K8sInfo("resolved", "ml", "leftover-0", container="main")
+    w.cri.answers["bb" * 32] = K8sInfo("resolved", "gpu-operator", "dcgm-0", container="exporter")
+    w.put(replace(make_consumer("n1", 10, cls=C.HIDDEN, container_id="aa" * 32), gpu=None, gpu_uuid="",
+                  gpu_minor=None, devices=["/dev/nvidia-uvm", "/dev/nvidiactl"]))
+    w.put(make_consumer("n1", 11, gpu=0, cls=C.MONITOR, container_id="bb" * 32))
+    got = samples(w.metrics().render_nodes())
+    consumers = {(s["gpu"], s["gpu_uuid"], s["class"]): v for s, v in got["ghostgpu_consumers"]}
+    assert consumers == {("", "", "hidden"): 1,
+                         ("0", "GPU-00000000-0000-4000-8000-000000000000", "monitor"): 1}
+    [(info, _)] = got["ghostgpu_nonvisible_consumer_info"]
+    assert (info["pid"], info["gpu"], info["gpu_uuid"], info["class"]) == ("10", "", "", "hidden")
+    assert {s["class"] for s, _ in got["ghostgpu_nonvisible_memory_bytes"]} == {"hidden"}
