@@ -23,7 +23,7 @@ from ghostgpu.collector.peers import PEER_PREFIX, UnixGate, loopback_uid
 from ghostgpu.common.principal import ANONYMOUS, Principal
 from ghostgpu.common.tls import principal_from_auth_context
 
-DENIED_WINDOW_S = 10.0  # one `denied` audit record per (subject, method) per window
+DENIED_WINDOW_S = 10.0  # one `denied` audit record per (subject, method, transport) per window
 DENIED_KEYS_MAX = 10_000
 _CURRENT: ContextVar[Principal] = ContextVar("ghostgpu_principal", default=ANONYMOUS)
 
@@ -76,8 +76,8 @@ class Authorizer(grpc.aio.ServerInterceptor):
         self.audit = audit
         self.denied_total = 0
         # A client retrying a refused call must not grow the audit log without bound: one record per
-        # (subject, method) per window, the next one saying how many were folded into it.
-        self._denied_seen: dict[tuple[str, str], tuple[float, int]] = {}
+        # (subject, method, transport) per window, the next one saying how many were folded into it.
+        self._denied_seen: dict[tuple[str, str, str], tuple[float, int]] = {}
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -95,7 +95,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
         if line is None:
             return principal
         self.denied_total += 1
-        repeats = self._fold(principal.subject, method)
+        repeats = self._fold(principal.subject, method, principal.via)
         if self.audit is not None and repeats is not None:
             self.audit("denied", principal.subject, "denied", method=method,
                        missing=policy.check(principal, method), peer=principal.peer, via=principal.via,
@@ -104,11 +104,11 @@ class Authorizer(grpc.aio.ServerInterceptor):
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
-    def _fold(self, subject: str, method: str) -> int | None:
+    def _fold(self, subject: str, method: str, via: str) -> int | None:
         """None when this denial is folded into the window's record; else how many were folded
-        since the last record of (subject, method)."""
+        since the last record of (subject, method, transport)."""
         now_s = time.monotonic()
-        key = (subject, method)
+        key = (subject, method, via)
         last_s, folded = self._denied_seen.get(key, (-DENIED_WINDOW_S, 0))
         if now_s - last_s < DENIED_WINDOW_S:
             self._denied_seen[key] = (last_s, folded + 1)

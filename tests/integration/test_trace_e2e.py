@@ -88,7 +88,7 @@ def test_trace_a_process_from_the_cli_and_show_it_again(tmp_path: Path, fake_nvm
         assert shown.returncode == 0, shown.stderr
         doc = json.loads(shown.stdout)
         assert doc["session"]["status"] == "completed" and len(doc["records"]) == len(records)
-        assert doc["session"]["requested_by"].startswith("ipv4:")
+        assert doc["session"]["requested_by"] == "uid:0"  # the loopback socket's owner (collector/peers.py)
         events = json.loads(chrome.read_text())["traceEvents"]
         slices = [e for e in events if e["ph"] == "X"]
         assert len(slices) == 27 and all(e["dur"] > 0 and e["pid"] == pid for e in slices)
