@@ -14,8 +14,10 @@ Run as root:  .venv/bin/python bench/bench_agent.py [--trials 3] [--rss-after-s 
 (c) CPU at idle: utime+stime (/proc/PID/stat) of the same processes over `idle-s` with no GPU
     activity, as % of one core, children (forked /proc scan workers) included. Goal: under 1%.
 (b) and (c) run the three processes side by side, then again on a busier node: `node-procs` more
-    sleeping processes of `node-fds` fds each (default 1,000 x 100; 0 skips it), which every periodic
-    /proc scan walks (`steady_busy_node` in the JSON). Prints a table, writes bench/results/agent.json.
+    sleeping processes of `node-fds` fds each (default 1,000 x 100; 0 skips it; `steady_busy_node`).
+    The window holds only incremental rescans (tracer/rescan.py), so one full reconcile is timed on
+    the same node (bench/idle_cpu.py) and spread over its period: `idle_cpu_pct_amortized`, the
+    figure held to the goal. Prints a table, writes bench/results/agent.json.
 """
 
 from __future__ import annotations
@@ -34,17 +36,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ghostgpu.tracer.config import TracerConfig
+
 from bench.common import (
     CLK_TCK,
     best_median,
-    cpu_ticks,
     interrupt_on_sigterm,
     machine,
     preflight,
     print_table,
-    status_kib,
     write_json,
 )
+from bench.idle_cpu import count_pids, cpu_total_ticks, full_reconcile_cpu_s, memory_of
 from tests.helpers.container import ContainerProcess, FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 from tests.helpers.tracer_proc import TracerProcess
@@ -211,28 +214,6 @@ class Idler:
             self.proc.wait()
 
 
-def count_pids() -> int:
-    try:
-        return sum(1 for name in os.listdir("/proc") if name.isdigit())
-    except OSError:
-        return 0
-
-
-def memory_of(pid: int) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-        kib = status_kib(pid, key)
-        out[key] = round(kib / 1024, 1) if kib is not None else None
-    return out
-
-
-def cpu_total_ticks(pid: int) -> int:
-    own, children = cpu_ticks(pid), cpu_ticks(pid, children=True)
-    if own is None or children is None:
-        raise RuntimeError(f"process {pid} is gone: its CPU time cannot be read")
-    return own + children
-
-
 def rss_and_idle(workdir: Path, env: dict[str, str], rss_after_s: float, idle_s: float,
                  idle_prefix: str, node_procs: int = 0, node_fds: int = 0) -> dict[str, Any]:
     """(b) and (c): the tracer, the minimal bcc program and plain Python side by side.
@@ -277,8 +258,15 @@ def rss_and_idle(workdir: Path, env: dict[str, str], rss_after_s: float, idle_s:
         ticks1 = {name: cpu_total_ticks(pid) for name, pid in procs.items()}
         window_s = time.monotonic() - t0
         new_records = tracer.matching(lambda r: True)[records_before:]
+        full_cpu_s = full_reconcile_cpu_s(idle_prefix)  # on the same node, the tracer still idling
     cpu_pct = {name: round(100.0 * (ticks1[name] - ticks0[name]) / CLK_TCK / window_s, 3) for name in procs}
+    full_interval_s = TracerConfig.full_scan_interval_s
     return {
+        "scan_interval_s": TracerConfig.scan_interval_s,
+        "full_scan_interval_s": full_interval_s,
+        "full_reconcile_cpu_s": round(full_cpu_s, 4),
+        # the window's CPU plus one full reconcile spread over its period
+        "idle_cpu_pct_amortized": round(cpu_pct["tracer"] + 100.0 * full_cpu_s / full_interval_s, 3),
         "tracer_args": tracer_args,
         "node_filler": {"procs": node_procs, "fds_each": node_fds},
         "pids_on_node": pids_on_node,
@@ -335,11 +323,11 @@ def main() -> int:
     goals = {
         "first_open_under_s": GOAL_FIRST_OPEN_S, "first_open_met": open_s["median"] < GOAL_FIRST_OPEN_S,
         "rss_at_most_mb": GOAL_RSS_MB, "rss_met": mem["tracer"]["VmRSS"] <= GOAL_RSS_MB,
-        "idle_cpu_under_pct": GOAL_IDLE_CPU_PCT, "idle_cpu_met": cpu["tracer"] < GOAL_IDLE_CPU_PCT,
+        "idle_cpu_under_pct": GOAL_IDLE_CPU_PCT,
+        "idle_cpu_met": steady["idle_cpu_pct_amortized"] < GOAL_IDLE_CPU_PCT,
     }
     if busy is not None:
-        busy_cpu_pct = busy["idle_cpu_pct_of_one_core"]["tracer"]
-        goals["idle_cpu_busy_node_under_goal"] = busy_cpu_pct < GOAL_IDLE_CPU_PCT
+        goals["idle_cpu_busy_node_under_goal"] = busy["idle_cpu_pct_amortized"] < GOAL_IDLE_CPU_PCT
     result: dict[str, Any] = {
         "bench": "agent",
         "first_event": {"trials": trials, "spawn_to_ready_s": ready_s, "spawn_to_first_open_s": open_s,
@@ -361,6 +349,9 @@ def main() -> int:
             [f"VmRSS (MB), node with {node}", bmem["tracer"]["VmRSS"], bmem["minimal_bcc"]["VmRSS"],
              round(bmem["tracer"]["VmRSS"] / bmem["minimal_bcc"]["VmRSS"], 2), f"<= {GOAL_RSS_MB:g}"],
             [f"idle CPU (%), node with {node}", bcpu["tracer"], bcpu["minimal_bcc"], "-",
+             f"< {GOAL_IDLE_CPU_PCT:g}"],
+            [f"  with a full reconcile ({busy['full_reconcile_cpu_s']} s CPU) every "
+             f"{busy['full_scan_interval_s']:g} s", busy["idle_cpu_pct_amortized"], "-", "-",
              f"< {GOAL_IDLE_CPU_PCT:g}"],
         ]
     print_table(

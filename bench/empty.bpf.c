@@ -2,7 +2,8 @@
  * bench/bench_syscall_cost.py: the cost of merely having BPF on these tracepoints (syscall
  * tracepoint slow path, perf trace buffer, program dispatch), against which the work done by the
  * ghostgpu programs is measured. Keep the set in step with bpf/open.bpf.c, fd.bpf.c, ioctl.bpf.c
- * and sched.bpf.c, including their GG_HAVE_* guards. */
+ * and sched.bpf.c, including their GG_HAVE_* guards (trace.bpf.c's own hooks are attached only while
+ * a trace session runs; alloc.bpf.c has none). */
 
 TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return 0; }
@@ -28,6 +29,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_enter_mmap) { return 0; }
 TRACEPOINT_PROBE(task, task_newtask) { return 0; }
+TRACEPOINT_PROBE(task, task_rename) { return 0; }
 TRACEPOINT_PROBE(sched, sched_process_fork) { return 0; }
 TRACEPOINT_PROBE(sched, sched_process_exec) { return 0; }
 TRACEPOINT_PROBE(sched, sched_process_exit) { return 0; }

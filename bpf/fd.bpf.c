@@ -1,10 +1,14 @@
 /* fd.bpf.c: the fd table (fds, holds, procs) and the syscalls that change it besides open:
  * close and the dup family. OPEN on a tgid's first fd on a device, CLOSE on its last.
  *
+ * Hot path (every close on the node): the tgid, its touched byte (gg_touch: the periodic rescan
+ * rereads a table that released an fd, which is how a device fd received over a socket is found
+ * when the count did not change), the holder byte; only a holder pays the fds lookup.
+ *
  * close_range(2) is not traced: its range would need a bounded loop of fds lookups per call, and
  * it is mostly used right before exec (where EXEC makes user space rescan anyway). A GPU fd closed
- * by it stays in the table until the /proc scan reconciles, or until its number is reused (then
- * gg_set_fd accounts the implicit close).
+ * by it stays in the table until the next periodic rescan (which always rereads holders), or until
+ * its number is reused (then gg_set_fd accounts the implicit close).
  */
 
 /* procs[tgid] += delta (the number of devices the tgid holds). The entry stays at 0 until EXIT:
@@ -127,6 +131,7 @@ static __always_inline int gg_close(s32 fd)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
+    gg_touch(tgid); /* any process: its table changed, the periodic rescan rereads it */
     struct gg_fd_val *fv = gg_gpu_fd(tgid, fd);
     if (!fv)
         return 0;
@@ -146,6 +151,8 @@ static __always_inline int gg_dup_enter(s32 oldfd, s32 newfd, s32 nr)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
+    if (newfd >= 0)
+        gg_touch(tgid); /* dup2/dup3 may release what newfd referred to */
     struct gg_fd_val *fv = gg_gpu_fd(tgid, oldfd);
     u32 dev_id = fv ? fv->dev_id : 0;
     if (dev_id == 0) {

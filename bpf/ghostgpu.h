@@ -182,6 +182,11 @@ BPF_PERCPU_ARRAY(stats, u64, GG_STAT_MAX);
 /* Mappable so user space (seed/forget) can store single bytes: writing a whole 4 KiB slot with
  * bpf_map_update_elem could undo a kernel store to a neighbouring tgid made meanwhile. */
 BPF_F_TABLE("array", u32, struct gg_byte_slot, holder_bytes, GG_ID_SLOTS, BPF_F_MMAPABLE);
+/* Set when a tgid released an fd (close, dup2/dup3 over another): with the fd count of
+ * /proc/PID/fd, how user space knows which fd tables changed since its last periodic rescan
+ * (tracer/rescan.py). A device fd received over a socket while another fd is closed leaves the
+ * count as it was; the close shows here. User space clears the bytes it takes (mappable, as above). */
+BPF_F_TABLE("array", u32, struct gg_byte_slot, touched_bytes, GG_ID_SLOTS, BPF_F_MMAPABLE);
 BPF_ARRAY(pending_bytes, struct gg_byte_slot, GG_ID_SLOTS);
 /* Entries in `pending`, node-wide: almost always 0, which lets every open/dup/fcntl exit return
  * after one inlined array load, before even a helper call. */
@@ -223,6 +228,16 @@ static __always_inline struct gg_fd_val *gg_gpu_fd(u32 tgid, s32 fd)
         return NULL;
     struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
     return fds.lookup(&fk);
+}
+
+/* Mark tgid's fd table as changed: an inlined array load, and a store only when the byte is not set
+ * yet (a busy process dirties its cache line once per rescan period, not once per close). */
+static __always_inline void gg_touch(u32 tgid)
+{
+    u32 slot = tgid >> 12;
+    struct gg_byte_slot *s = touched_bytes.lookup(&slot);
+    if (s && !s->b[tgid & 4095])
+        s->b[tgid & 4095] = 1;
 }
 
 static __always_inline void gg_set_holder(u32 tgid, u8 on)

@@ -5,8 +5,9 @@
  * enter; one inlined array load (pending_count) on exit.
  *
  * Only absolute paths are matched: openat(dirfd, "nvidia0") relative to an open /dev, symlinks
- * such as /dev/char/195:0, or a device bind-mounted elsewhere are missed here; the periodic /proc
- * scan finds those fds and seeds them (BpfSource.seed) so they are tracked from then on.
+ * such as /dev/char/195:0, or a device bind-mounted elsewhere are missed here; the periodic rescan
+ * reads the table of a process whose fd count changed (tracer/rescan.py), finds those fds and seeds
+ * them (BpfSource.seed) so they are tracked from then on.
  * glibc and musl route open(2) through openat; open(2) itself (x86_64 only, used by static or
  * raw-syscall binaries) is hooked where the tracepoint exists.
  */

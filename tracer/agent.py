@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ghostgpu.tracer import records
+from ghostgpu.tracer.agent_scan import ScanDuties
 from ghostgpu.tracer.cgroup import CgroupIdResolver
 from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
@@ -25,6 +26,7 @@ from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
 from ghostgpu.tracer.nvml import NvmlSource
 from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
+from ghostgpu.tracer.rescan import RescanPlanner
 from ghostgpu.tracer.sinks import Sink
 
 from ghostgpu.common.model import Consumer, ConsumerClass
@@ -32,10 +34,9 @@ from ghostgpu.common.model import Consumer, ConsumerClass
 log = logging.getLogger("ghostgpu.tracer")
 
 CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grace period ends
-EXIT_WAIT_S = 1.0  # how long a dead holder the kernel knows waits for its EXIT before /proc settles it
 
 
-class Tracer:
+class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/agent_scan.py
     def __init__(self, cfg: TracerConfig, sink: Sink, health: HealthReport | None = None) -> None:
         self.cfg = cfg
         self.sink = sink
@@ -44,6 +45,7 @@ class Tracer:
             health.tracer = self
         self.catalog = DeviceCatalog(cfg.prefixes, cfg.proc_root)
         self.scanner = ProcScanner(self.catalog, cfg.proc_root)
+        self.rescans = RescanPlanner(cfg.full_scan_interval_s, cfg.proc_root, take_touched=self._take_touched)
         self.cgroups = CgroupIdResolver(cfg.cgroup_root)
         self.identities = Identities(cfg.proc_root, self.cgroups)
         self.nvml_source = NvmlSource()
@@ -138,7 +140,7 @@ class Tracer:
         if self._is_due("nvml", self.cfg.nvml_interval_s):
             run("nvml", self._read_nvml)
         if self._is_due("scan", self.cfg.scan_interval_s):
-            run("scan", self._scan)
+            run("scan", self._rescan)
         if self.bpf is not None and self._is_due("ioctl", self.cfg.ioctl_poll_interval_s):
             run("ioctl", self._poll_counters)
         # Re-classify on change, and on a clock only while a consumer waits out its grace period:
@@ -185,88 +187,6 @@ class Tracer:
         """The node's `info` record (GPUs, NVML, BPF): after `ready`, then when NVML or its GPUs change."""
         self._info_signature = records.info_signature(self.nvml)
         self.sink.emit(records.info_record(self.cfg.node_name, self.bpf is not None, self.nvml))
-
-    def _scan(self, initial: bool = False, pids: set[int] | None = None) -> None:
-        """A full /proc scan (pids None), or a rescan of a few pids after their FORK or EXEC.
-        A partial scan costs O(those pids): no copy of the whole table, no full counter read."""
-        if self.bpf is not None and pids is None:
-            # Apply what the kernel already reported before looking at /proc, so that a scan
-            # does not race the ring buffer for the same close or exit.
-            self._drain(0)
-        ts_ns = boot_ns()
-        if pids is None:
-            self._full_scan_ns = ts_ns
-        holders = self.state.holders
-        before = dict(holders) if pids is None else {p: holders[p] for p in pids if p in holders}
-        scan_start_s = time.monotonic()
-        view = self.scanner.scan(sorted(pids) if pids is not None else None)
-        if pids is None:
-            if self.health is not None:
-                self.health.scan_observed(time.monotonic() - scan_start_s)
-            # And what the kernel said while /proc was read: do_exit fires the exit tracepoint before
-            # exit_files() closes the fds the scan then missed, so the exact EXIT wins (reconcile
-            # skips what newer events touched). Not in a FORK/EXEC rescan: it runs inside a batch.
-            if self.bpf is not None:
-                self._drain(0)
-        events = self.state.reconcile(view, ts_ns, scanned_pids=pids,
-                                      exit_reported=pids if self.bpf is not None else None)
-        if events and self.bpf is not None:
-            if pids is None:
-                self._read_ioctls()
-            else:
-                for pid in {ev.pid for ev in events}:
-                    self._read_ioctls(pid)
-        for ev in events:
-            holder = self.state.holders.get(ev.pid) or before.get(ev.pid)
-            counts = self.ioctls.get(ev.pid) if ev.kind in (EventKind.CLOSE, EventKind.EXIT) else None
-            self._emit_event(ev, holder, counts=counts)
-            if ev.kind is EventKind.EXIT and ev.pid not in view:
-                self._forget(ev.pid)  # gone for good: its kernel EXIT, if still queued, finds nothing
-        if initial:
-            # Holders found at start opened before we were watching: their grace period runs
-            # from the process start, not from our first look.
-            for holder in self.state.holders.values():
-                if holder.process.start_ticks is not None:
-                    started_ns = ticks_to_boot_ns(holder.process.start_ticks)
-                    for hold in holder.holds.values():
-                        hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
-            self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
-        created = self.bpf.seed_view(view, pids) if self.bpf is not None else set()
-        # A process that died between the /proc read and the seed exited while the kernel had no
-        # entry for it (it reports EXIT only for a tgid in procs): nobody else will report it, so
-        # it is settled here at once. So is a holder whose identity, re-read after its fds, says
-        # zombie: it died during the scan, and would otherwise read as orphaned until its EXIT.
-        rescanned = pids or set()
-        for pid in sorted(created - rescanned):
-            if not self.identities.alive(pid):
-                self._settle_exit(pid)
-        for pid in sorted(view.keys() - created - rescanned):
-            self._settle_if_gone(pid)
-        # A pid rescanned after its FORK or EXEC had a procs entry all along (the child inherits
-        # it at fork, an exec keeps it), so the kernel reports its exit, with exact time: wait for
-        # that EXIT (often already queued) and settle from /proc only if it never comes.
-        now_s = time.monotonic()
-        for pid in sorted(rescanned):
-            if pid in self.state.holders and not self.identities.alive(pid):
-                self._exit_due.setdefault(pid, now_s + EXIT_WAIT_S)
-        if pids is None and self.bpf is not None:
-            self.errors.run("sweep", self.bpf.sweep, self.identities.alive)
-        # A scan also refreshes identities (a parent that died, a leader turned zombie) without
-        # any hold changing: re-classify after every one.
-        self._dirty = True
-
-    def _read_ioctls(self, pid: int | None = None) -> None:
-        """All processes' counters (the periodic read), or one process's at its close or exit."""
-        fresh = self.bpf.ioctl_counts(pid)
-        if pid is None:
-            self.ioctls = fresh
-        else:
-            self.ioctls[pid] = fresh.get(pid, {})
-        for holder_pid, counts in fresh.items():
-            per_cmd: dict[int, int] = {}
-            for (_path, cmd), n in counts.items():
-                per_cmd[cmd] = per_cmd.get(cmd, 0) + n
-            self.state.set_ioctl_counts(holder_pid, per_cmd)
 
     def bpf_stats(self) -> dict[str, int]:
         """The kernel counters as last read (a dict replaced whole, so any thread may read it)."""

@@ -32,6 +32,7 @@ from ghostgpu.tracer.events import EventKind, Holder, ProcView, SourceEvent, boo
 from ghostgpu.tracer.identity import group_dead
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
+from ghostgpu.tracer.rescan import take_marked
 
 from ghostgpu.common.model import DeviceRef
 
@@ -116,6 +117,7 @@ class BpfSource:
         self._records: list[bytes] = []
         self._leader_exits: dict[int, SourceEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
+        self._touched_map: mmap.mmap | None = None
         self.trace: Any = None  # tracer.trace_kernel.TraceKernel once started (None: no trace sessions)
         self.trace_error = ""  # why trace sessions cannot run, when trace is None
 
@@ -165,6 +167,8 @@ class BpfSource:
             holder = self._bpf[b"holder_bytes"]  # one byte per tgid, see gg_maybe_holder()
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             self._holder_map = mmap.mmap(holder.map_fd, len(holder) * 4096, mmap.MAP_SHARED, prot)
+            touched = self._bpf[b"touched_bytes"]  # fd tables changed since the last rescan
+            self._touched_map = mmap.mmap(touched.map_fd, len(touched) * 4096, mmap.MAP_SHARED, prot)
             ops = LibbccOps()
             self.tables = HolderTables({name: KernelMap.of(self._bpf, name, ops) for name in TABLES},
                                        self._holder_map)
@@ -196,6 +200,9 @@ class BpfSource:
         if self._holder_map is not None:
             self._holder_map.close()
             self._holder_map = None
+        if self._touched_map is not None:
+            self._touched_map.close()
+            self._touched_map = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -324,6 +331,10 @@ class BpfSource:
     def owned_tgids(self) -> int:
         """How many tgids the tables' index holds keys for (a gauge: bounded by live holders)."""
         return len(self.tables.owned) if self.tables is not None else 0
+
+    def take_touched(self) -> set[int]:
+        """The tgids that released an fd since the last call (ghostgpu.h touched_bytes), cleared."""
+        return take_marked(self._touched_map) if self._touched_map is not None else set()
 
     def stats(self) -> dict[str, int]:
         """Kernel-side counters summed over CPUs: ring-buffer drops and full-map insert failures."""

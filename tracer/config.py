@@ -52,7 +52,10 @@ class TracerConfig:
     cgroup_root: str = "/sys/fs/cgroup"
     vendors: list[str] = field(default_factory=lambda: ["nvidia"])
     device_prefixes: list[str] = field(default_factory=list)  # empty: derived from vendors
+    # The periodic /proc rescan reads only processes whose fd table changed (tracer/rescan.py); every
+    # full_scan_interval_s it reads them all (the reconcile: what no rescan can notice).
     scan_interval_s: float = 30.0
+    full_scan_interval_s: float = 600.0
     nvml_interval_s: float = 1.0
     grace_s: float = 2.0
     system_allowlist: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEM_ALLOWLIST))
@@ -101,7 +104,7 @@ class TracerConfig:
                 raise ConfigError(f"device_prefixes: {prefix!r} must be an absolute path of at most 40 bytes")
         if len(self.prefixes) > 8:
             raise ConfigError("device_prefixes: at most 8 prefixes are supported by the BPF matcher")
-        for name in ("scan_interval_s", "nvml_interval_s", "ioctl_poll_interval_s"):
+        for name in ("scan_interval_s", "full_scan_interval_s", "nvml_interval_s", "ioctl_poll_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
         for entry in self.system_allowlist:

@@ -273,8 +273,7 @@ class ProcScanner:
 
         readlink, not stat, is the hot call: a stat follows the link into the file's filesystem.
         """
-        readlink = os.readlink
-        found = misses = 0
+        readlink, deep, candidates, found, misses = os.readlink, self._deep, self._dev_or_prefixes, 0, 0
         for name in names:
             if found == want:
                 break
@@ -286,7 +285,8 @@ class ProcScanner:
                     break
                 continue
             found += 1
-            if target[0] == "/":  # not socket:[..], pipe:[..], anon_inode:..
+            # not socket:[..], pipe:[..], anon_inode:..; _path_fd's first test, spared a method call
+            if target[0] == "/" and (deep or target.startswith(candidates)):
                 self._path_fd(dir_fd, name, target)
         return found, found + misses
 
