@@ -10,9 +10,10 @@ address. So:
   it made up, `ghostgpu-peer-TOKEN-N`. gRPC then reports `unix-abstract:ghostgpu-peer-TOKEN-N` as the
   peer, which maps back to the uid. Nobody else can reach the private socket, and an abstract name
   is held by one socket at a time, so the mapping cannot be forged.
-- **Loopback TCP**: the peer's socket is on this host, in this network namespace, so
-  /proc/self/net/tcp{,6} names the uid that owns it, as identd did. Looked up per call, not cached:
-  a port freed and reused by another user must not inherit the first one's identity.
+- **Loopback TCP**: the peer's socket is on this host, in this network namespace, so the kernel
+  names the uid that owns it (sock_diag by the exact socket, collector/sockdiag.py; /proc/net/tcp
+  where netlink is refused), as identd did. Looked up per call, not cached: a port freed and reused
+  by another user must not inherit the first one's identity.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import socket
 import struct
 import tempfile
 import threading
+
+from ghostgpu.collector.sockdiag import DiagUnavailable, socket_uid
 
 from ghostgpu.common.principal import Principal
 
@@ -80,20 +83,40 @@ def is_loopback(host: str) -> bool:
     return host == "::1" or host.startswith("127.")
 
 
-def loopback_uid(peer: str, server_ports: set[int], proc_net: str = "/proc/self/net") -> int | None:
+def loopback_uid(peer: str, server_ports: set[int], proc_net: str | None = None) -> int | None:
     """The uid owning a loopback TCP peer's socket, None when it is not a loopback peer or not found
-    (it closed meanwhile). Only an established socket whose far end is one of our ports counts."""
+    (it closed meanwhile). Only an established socket whose far end is one of our ports counts.
+    Asked of the kernel by the exact socket (collector/sockdiag.py); /proc/net/tcp (or `proc_net`,
+    for tests) only where netlink cannot be asked."""
     where = parse_peer(peer)
     if where is None or not is_loopback(where[0]):
         return None
     host, port = where
+    if proc_net is None:
+        # A loopback client dialed one of our ports, most often on its own address (127.0.0.1 ->
+        # 127.0.0.1); a listener on 0.0.0.0 (--insecure) may also be reached at another 127/8 one.
+        targets = dict.fromkeys([host, "::1" if ":" in host else "127.0.0.1"])
+        try:
+            for dst in targets:
+                for dport in sorted(server_ports):
+                    uid = socket_uid(host, port, dst, dport)
+                    if uid is not None:
+                        return uid
+            return None
+        except DiagUnavailable as e:
+            log.debug("loopback peer %s: %s; reading /proc/net/tcp", peer, e)
+    return _proc_net_uid(host, port, server_ports, proc_net or "/proc/self/net")
+
+
+def _proc_net_uid(host: str, port: int, server_ports: set[int], proc_net: str) -> int | None:
+    needle = f":{port:04X} "  # the local port as the table writes it: skip the other lines unparsed
     for name in ("tcp", "tcp6"):
         try:
             with open(f"{proc_net}/{name}") as f:
-                text = f.read()
+                lines = [line for line in f if needle in line]
         except OSError:
             continue  # no IPv6 on this kernel
-        for lip, lport, _rip, rport, state, uid in parse_proc_net_tcp(text):
+        for lip, lport, _rip, rport, state, uid in parse_proc_net_tcp("header\n" + "".join(lines)):
             if lport == port and lip == host and rport in server_ports and state == _ESTABLISHED:
                 return uid
     return None

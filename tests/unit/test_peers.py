@@ -131,3 +131,34 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
         held["loop"].call_soon_threadsafe(held["done"].set)  # type: ignore[attr-defined]
         thread.join(10)
     assert not (tmp_path / "public.sock").exists()
+
+
+def test_sock_diag_asks_for_the_exact_socket_and_reads_its_uid() -> None:
+    import struct
+
+    from ghostgpu.collector.sockdiag import DiagUnavailable, build_request, parse_reply
+
+    req = build_request("127.0.0.1", 41202, "127.0.0.1", 7450, seq=7)
+    assert len(req) == 16 + 56 and struct.unpack_from("=IHHII", req) == (72, 20, 1, 7, 0)
+    assert req[16:24] == bytes([socket.AF_INET, socket.IPPROTO_TCP, 0, 0]) + struct.pack("=I", 2)
+    assert req[24:28] == struct.pack(">HH", 41202, 7450) and req[28:32] == bytes([127, 0, 0, 1])
+    assert build_request("::1", 1, "::1", 2)[16] == socket.AF_INET6
+    answer = struct.pack("=IHHII", 16 + 72, 20, 0, 7, 0) + bytes(64) + struct.pack("=II", 1000, 99)
+    assert parse_reply(answer) == 1000
+    enoent = struct.pack("=IHHII", 36, 2, 0, 7, 0) + struct.pack("=i", -2) + bytes(16)
+    assert parse_reply(enoent) is None
+    with pytest.raises(DiagUnavailable):
+        parse_reply(struct.pack("=IHHII", 36, 2, 0, 7, 0) + struct.pack("=i", -1) + bytes(16))
+
+
+def test_sock_diag_names_the_owner_of_a_real_socket() -> None:
+    from ghostgpu.collector.sockdiag import socket_uid
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = server.accept()
+            with conn:
+                host, cport = client.getsockname()
+                assert socket_uid(host, cport, "127.0.0.1", port) == os.getuid()
+                assert socket_uid(host, cport, "127.0.0.1", port + 1 if port < 65535 else 1) is None
