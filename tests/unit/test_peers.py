@@ -4,8 +4,10 @@ socket, and the unix gate's SO_PEERCRED mapping over a real socket."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -76,14 +78,21 @@ def test_loopback_uid_from_a_planted_table(tmp_path: Path, peer: str, ports: set
     assert loopback_uid(peer, ports, proc_net=str(tmp_path)) == uid
 
 
-def test_loopback_uid_of_a_real_connection_is_our_uid() -> None:
+@contextlib.contextmanager
+def _connected() -> Iterator[tuple[str, int, int]]:
+    """A real loopback TCP connection: (client host, client port, server port)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as client:
             conn, _ = server.accept()
             with conn:
                 host, cport = client.getsockname()
-                assert loopback_uid(f"ipv4:{host}:{cport}", {port}) == os.getuid()
+                yield host, cport, port
+
+
+def test_loopback_uid_of_a_real_connection_is_our_uid() -> None:
+    with _connected() as (host, cport, port):
+        assert loopback_uid(f"ipv4:{host}:{cport}", {port}) == os.getuid()
 
 
 def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
@@ -154,11 +163,6 @@ def test_sock_diag_asks_for_the_exact_socket_and_reads_its_uid() -> None:
 def test_sock_diag_names_the_owner_of_a_real_socket() -> None:
     from ghostgpu.collector.sockdiag import socket_uid
 
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)) as client:
-            conn, _ = server.accept()
-            with conn:
-                host, cport = client.getsockname()
-                assert socket_uid(host, cport, "127.0.0.1", port) == os.getuid()
-                assert socket_uid(host, cport, "127.0.0.1", port + 1 if port < 65535 else 1) is None
+    with _connected() as (host, cport, port):
+        assert socket_uid(host, cport, "127.0.0.1", port) == os.getuid()
+        assert socket_uid(host, cport, "127.0.0.1", port + 1 if port < 65535 else 1) is None
