@@ -224,16 +224,23 @@ def socket_check(keep: Iterable[str], directory: Path) -> str:
     return check.stdout.strip() or f"failed {(check.stderr.strip().splitlines() or ['?'])[-1]}"
 
 
+# The checkout (and the venv in it) may itself live under /tmp (a CI clone): it is held aside and
+# bound back over the fresh tmpfs, so the tracer still runs from it.
 _READONLY_SCRIPT = """
 set -e
 mount --make-rprivate /
+hold=$(mktemp -d /dev/shm/ghostgpu-ro.XXXXXX)
+mount --bind "$1" "$hold"
 mount -t tmpfs tmpfs /tmp
+mkdir -p "$1"
+mount --bind "$hold" "$1"
 for m in $(findmnt -rno TARGET -T "$1") / /sys/kernel/tracing; do mount -o remount,bind,ro "$m"; done
 mkdir -p /tmp/w
 "${@:2}" --jsonl /tmp/w/t.jsonl --node-name ro 2>/tmp/w/err &
 pid=$!
 for _ in $(seq 1 600); do grep -q '"event":"ready"' /tmp/w/t.jsonl 2>/dev/null && break; sleep 0.1; done
-kill $pid; wait $pid || true
+kill $pid 2>/dev/null; wait $pid || true
+umount "$hold" && rmdir "$hold" || true
 grep -h '"event":"ready"' /tmp/w/t.jsonl || tail -3 /tmp/w/err
 """
 
