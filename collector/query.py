@@ -218,7 +218,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         who = current_principal()
         try:
             scope = scope_from_proto(request.scope)
-            duration_s = (request.duration_ms or book.limits.default_duration_s * 1000) / 1000
+            duration_s = book.limits.duration_ms(request.duration_ms) / 1000
             await self._may_trace(context, "StartTrace", who, scope.namespace, duration_s)
             s = await book.start(scope, request.duration_ms, request.max_records, who.subject)
         except TraceError as e:

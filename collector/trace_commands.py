@@ -53,6 +53,10 @@ class TraceLimits:
         if self.max_records < 1:
             raise ValueError(f"--trace-max-records {self.max_records}: must be 1 or more")
 
+    def duration_ms(self, requested_ms: int) -> int:
+        """A session's length: what the client asked for, else --trace-default-duration."""
+        return requested_ms or int(self.default_duration_s * 1000)
+
 
 def fmt_ms(ms: int) -> str:
     """20m, 90s, 1h, 1500ms: as the flags take them."""
@@ -72,7 +76,7 @@ def validate(scope: TraceScope, duration_ms: int, max_records: int, limits: Trac
     if scope.pod and not scope.namespace:
         raise TraceError(bad, f"--pod {scope.pod} needs --namespace: pod names are per namespace")
     max_ms = int(limits.max_duration_s * 1000)
-    duration_ms = duration_ms or int(limits.default_duration_s * 1000)
+    duration_ms = limits.duration_ms(duration_ms)
     if duration_ms > max_ms:
         raise TraceError(bad, f"duration {fmt_ms(duration_ms)} exceeds the maximum of {fmt_ms(max_ms)} "
                          "(--trace-max-duration)")
