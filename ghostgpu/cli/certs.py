@@ -191,16 +191,23 @@ def write_pair(directory: Path, stem: str, pair: Pair, force: bool) -> list[Path
                                  "one keep working until it expires)")
     directory.mkdir(parents=True, exist_ok=True)
     for path, data, mode in zip(paths, pair, (0o644, 0o600), strict=True):
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.fchmod(fd, mode)  # the umask must not widen or narrow it
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_atomic(path, data, mode)
     return paths
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> Path:
+    """Write beside `path` and rename over it, so that a reader (a collector checking its files for
+    a rotation) never sees half of it; `mode` exactly, whatever the umask."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask must not widen or narrow it
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
 
 
 def _read_ca(directory: Path) -> Pair:

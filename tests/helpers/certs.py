@@ -12,12 +12,11 @@ need: expired, not yet valid, from another CA, for another trust domain.
 from __future__ import annotations
 
 import datetime as dt
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ghostgpu.cli.certs import Pair, collector_cert, make_ca, make_leaf, node_cert, user_cert
+from ghostgpu.cli.certs import Pair, collector_cert, make_ca, make_leaf, node_cert, user_cert, write_atomic
 from ghostgpu.common.tls import DEFAULT_TRUST_DOMAIN, TlsFiles
 
 _NOW = dt.datetime.now(dt.UTC)
@@ -63,13 +62,8 @@ class Pki:
         return TlsFiles(None, None, str(self.ca_path), self.trust_domain)
 
 
-def write_file(path: Path, data: bytes, mode: int = 0o644) -> Path:
-    """Write beside and rename: a reader (the collector's reload check) never sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    return path
+# Written beside and renamed, as `ghostgpu certs` writes: the collector's reload check never sees half.
+write_file = write_atomic
 
 
 def serial_of(cert_pem: bytes) -> int:
