@@ -44,10 +44,11 @@ def current_principal() -> Principal:
 class Identify:
     """A servicer context -> the Principal behind it (see ghostgpu/common/principal.py)."""
 
-    def __init__(self, trust_domain: str, gate: UnixGate | None = None,
+    def __init__(self, trust_domain: str, gates: list[UnixGate] | None = None,
                  server_ports: set[int] | None = None) -> None:
         self.trust_domain = trust_domain
-        self.gate = gate
+        # The unix listeners and the TCP ports, as the server binds them (shared, not copied).
+        self.gates = gates if gates is not None else []
         self.server_ports = server_ports if server_ports is not None else set()
 
     def __call__(self, context: grpc.aio.ServicerContext) -> Principal:
@@ -58,8 +59,8 @@ class Identify:
             # trust domain) is anonymous: the policy gives it nothing unless it names `anonymous`.
             found = principal_from_auth_context(auth, self.trust_domain, peer)
             return found or Principal("anonymous", via="mtls", peer=peer)
-        if peer.startswith(f"unix-abstract:{PEER_PREFIX}") and self.gate is not None:
-            found = self.gate.principal(peer)
+        if peer.startswith(f"unix-abstract:{PEER_PREFIX}"):  # a peer name is unique to its gate
+            found = next((p for gate in self.gates if (p := gate.principal(peer)) is not None), None)
             if found is not None:
                 return found
         uid = loopback_uid(peer, self.server_ports)

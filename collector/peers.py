@@ -51,20 +51,25 @@ def _hex_ip(text: str) -> str:
     return ip6[7:] if ip6.startswith("::ffff:") and "." in ip6 else ip6  # a v4-mapped peer
 
 
-def parse_proc_net_tcp(text: str) -> list[tuple[str, int, str, int, int, int]]:
-    """Rows of /proc/net/tcp or tcp6: (local ip, local port, remote ip, remote port, state, uid)."""
-    rows = []
-    for line in text.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) < 8:
-            continue
-        try:
-            (lip, lport), (rip, rport) = (f.split(":") for f in fields[1:3])
-            rows.append((_hex_ip(lip), int(lport, 16), _hex_ip(rip), int(rport, 16), int(fields[3], 16),
-                         int(fields[7])))
-        except ValueError:
-            continue  # a line cut by a concurrent change: the next lookup reads it whole
-    return rows
+TcpRow = tuple[str, int, str, int, int, int]  # local ip, local port, remote ip, remote port, state, uid
+
+
+def parse_tcp_row(line: str) -> TcpRow | None:
+    """One row of /proc/net/tcp or tcp6; None for the header or a line cut by a concurrent change
+    (the next lookup reads it whole)."""
+    fields = line.split()
+    if len(fields) < 8:
+        return None
+    try:
+        (lip, lport), (rip, rport) = (f.split(":") for f in fields[1:3])
+        return _hex_ip(lip), int(lport, 16), _hex_ip(rip), int(rport, 16), int(fields[3], 16), int(fields[7])
+    except ValueError:
+        return None
+
+
+def parse_proc_net_tcp(text: str) -> list[TcpRow]:
+    """The rows of /proc/net/tcp or tcp6, past its header line."""
+    return [row for line in text.splitlines()[1:] if (row := parse_tcp_row(line)) is not None]
 
 
 def parse_peer(peer: str) -> tuple[str, int] | None:
@@ -113,10 +118,10 @@ def _proc_net_uid(host: str, port: int, server_ports: set[int], proc_net: str) -
     for name in ("tcp", "tcp6"):
         try:
             with open(f"{proc_net}/{name}") as f:
-                lines = [line for line in f if needle in line]
+                rows = [row for line in f if needle in line and (row := parse_tcp_row(line)) is not None]
         except OSError:
             continue  # no IPv6 on this kernel
-        for lip, lport, _rip, rport, state, uid in parse_proc_net_tcp("header\n" + "".join(lines)):
+        for lip, lport, _rip, rport, state, uid in rows:
             if lport == port and lip == host and rport in server_ports and state == _ESTABLISHED:
                 return uid
     return None

@@ -75,7 +75,7 @@ class Security:
         self.policy = PolicyWatcher(opts.policy_path, on_event=self._policy_event, own_uid=os.getuid())
         self.gates: list[UnixGate] = []
         self.server_ports: set[int] = set()
-        self.identify = Identify(opts.tls.trust_domain, server_ports=self.server_ports)
+        self.identify = Identify(opts.tls.trust_domain, self.gates, self.server_ports)
         self.authorizer = Authorizer(self.identify, lambda: self.policy.policy, self.audit)
 
     def check_listen(self, listen: list[str]) -> None:
@@ -100,7 +100,6 @@ class Security:
                 raise SecurityError(f"--listen {addr}: cannot open the private gRPC socket beside it")
             gate.start()  # OSError naming nothing: the caller adds the flag
             self.gates.append(gate)
-            self.identify.gate = gate if len(self.gates) == 1 else _Gates(self.gates)
             return addr
         if self.opts.tls.enabled:
             port = server.add_secure_port(addr, server_credentials(self.opts.tls, self._tls_event))
@@ -131,13 +130,3 @@ class Security:
     def _tls_event(self, action: str, detail: str) -> None:
         (log.info if action == "tls.reload" else log.error)("%s: %s", action, detail)
         self.audit(action, "collector", "ok" if action == "tls.reload" else "error", detail=detail)
-
-
-class _Gates:
-    """More than one unix listener: ask each gate (a peer name is unique to its gate)."""
-
-    def __init__(self, gates: list[UnixGate]) -> None:
-        self.gates = gates
-
-    def principal(self, peer: str) -> Any:
-        return next((p for g in self.gates if (p := g.principal(peer)) is not None), None)
