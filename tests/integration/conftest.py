@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,17 @@ def require_bpf() -> None:
 @pytest.fixture
 def root_bpf() -> None:
     require_bpf()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another uid (65534) can traverse: pytest's tmp_path is under a 0700 directory."""
+    path = Path(tempfile.mkdtemp(prefix="ghostgpu-shared-"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,9 +10,7 @@ wait polls with a deadline.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,13 @@ rules:
   - role: tracer
     subjects: ["node:*"]
 """
-AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups"]
+# The CLI runs as uid 65534, which is what the kernel reports for its socket (SO_PEERCRED, the loopback
+# socket's owner). It keeps one capability, CAP_DAC_READ_SEARCH (ambient, so it survives the exec), to
+# read the checkout and its venv wherever they are: a clone under /root (0700 on Debian) is closed to
+# that uid. The collector decides by uid alone, so the capability changes nothing under test.
+# tests/integration/test_install.py runs the installed tool as a plain uid 65534, with no capability.
+AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
 
 
 def audit_file(col: CollectorProcess, action: str) -> list[dict[str, Any]]:
@@ -136,17 +140,6 @@ def test_a_tracer_with_another_nodes_certificate_is_refused_once_and_audited(
     assert (refused["subject"], refused["result"], refused["detail"]["node"]) == (
         f"node:{OTHER}", "denied", NODE)
     assert audit_file(tls_collector, "tracer.connect") == []
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory uid 65534 can traverse (pytest's tmp_path is under a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="ghostgpu-sec-"))
-    os.chmod(path, 0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def ps_as(col: CollectorProcess, address: str, wrapper: list[str] | None) -> tuple[int, str]:
