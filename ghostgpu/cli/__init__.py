@@ -137,7 +137,10 @@ def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], ver
                    help="table (default), json (one document at the end) or jsonl (one record a line)")
     if "jsonl" in outputs:
         p.add_argument("--summary", action="store_true", default=default(False),
-                       help="per call, as strace -c: count, errors, total, average and p99 time, %% of time")
+                       help="only a summary at the end, as strace -c: per call the count, errors, total, "
+                       "average and p99 time, %% of time")
+        p.add_argument("--summary-with-calls", dest="summary_with_calls", action="store_true",
+                       default=default(False), help="the calls as they come, then the summary (strace -C)")
         p.add_argument("--chrome-trace", dest="chrome_trace", metavar="FILE", default=default(None),
                        help="also write Chrome Trace Event JSON (Perfetto, chrome://tracing, speedscope)")
 

@@ -1,13 +1,18 @@
 """`ghostgpu trace` and `ghostgpu trace list|show|stop`: trace sessions at the collector (docs/TRACE.md).
 
     ghostgpu trace [-n NS] [--pod POD] [--container NAME] [--pid PID --node NODE] [--gpu GPU] [--for 30s]
-                   [-o table|json|jsonl] [--summary] [--chrome-trace FILE] [--detach]
+                   [-o table|json|jsonl] [--summary | --summary-with-calls] [--chrome-trace FILE] [--detach]
 
 starts a session (StartTrace), prints its records as they arrive (WatchTrace, follow) and ends when
 the session does: at its deadline, or when the user presses Ctrl-C and answers the question
 "stop session t-... ? [Y/n]" (read from the terminal; without one the session is stopped). With
 --detach the id and how to see it later come first, and Ctrl-C leaves the session running without
 asking. `trace show ID` prints a session's stored records exactly as the live command would.
+
+As strace's -c and -C: --summary prints only the summary at the end (table: the table; -o jsonl:
+its rows as JSON lines; -o json: the document without "records"), --summary-with-calls the calls
+as they come and then the summary (-o jsonl: the summary table on stderr; -o json: "records" and
+"summary"); given both, --summary-with-calls wins.
 
 stdout carries only the output asked for (the table, JSON lines, the JSON document, the summary);
 every status line goes to stderr. A refusal by the collector is its one line and exit status 2, an
@@ -49,12 +54,12 @@ def scope_from_args(args: argparse.Namespace) -> TraceScope:
 
 
 class Output:
-    """Everything one trace prints: records as they come (deduplicated by node and seq), then at the
-    end the summary, the JSON document and the Chrome trace file."""
+    """Everything one trace prints: records as they come (deduplicated by node and seq; unless
+    `calls` is off), then at the end the summary, the JSON document and the Chrome trace file."""
 
     def __init__(self, mode: str, summary: bool = False, chrome_path: str | None = None,
-                 out: TextIO | None = None, err: TextIO | None = None) -> None:
-        self.mode, self.summary, self.chrome_path = mode, summary, chrome_path
+                 out: TextIO | None = None, err: TextIO | None = None, calls: bool = True) -> None:
+        self.mode, self.summary, self.calls, self.chrome_path = mode, summary, calls, chrome_path
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.records: list[TraceRecord] = []
         self.seen: set[tuple[str, int]] = set()
@@ -66,6 +71,8 @@ class Output:
         new = [r for r in records if (r.node, r.seq) not in self.seen]
         self.seen.update((r.node, r.seq) for r in new)
         self.records += new
+        if not self.calls:
+            return
         if self.mode == "jsonl":
             lines = [trace_view.jsonl_line(r) for r in new]
         elif self.mode == "table":
@@ -81,11 +88,16 @@ class Output:
 
     def finish(self) -> None:
         if self.mode == "json":
-            doc: dict[str, object] = {"session": self.session.to_json() if self.session else None,
-                                      "records": [r.to_json() for r in self.records]}
+            doc: dict[str, object] = {"session": self.session.to_json() if self.session else None}
+            if self.calls:
+                doc["records"] = [r.to_json() for r in self.records]
             if self.summary:
                 doc["summary"] = trace_view.summary_json(self.records)
             print(json.dumps(doc, indent=2), file=self.out, flush=True)
+        elif self.summary and not self.calls:
+            text = trace_view.summary_jsonl(self.records) if self.mode == "jsonl" else \
+                trace_view.summary_only(self.records)
+            print(text, file=self.out, flush=True)
         elif self.summary:
             where = self.out if self.mode == "table" else self.err  # jsonl: stdout is records only
             gap = "\n" if self.records and self.mode == "table" else ""
@@ -96,6 +108,13 @@ class Output:
                       "chrome://tracing or speedscope)")
         if self.session is not None:
             self.note(trace_view.session_line(self.session))
+
+
+def output_from_args(args: argparse.Namespace) -> Output:
+    """--summary: the summary only (strace -c); --summary-with-calls: the calls, then it (strace -C)."""
+    summary = args.summary or args.summary_with_calls
+    return Output(args.output, summary=summary, calls=args.summary_with_calls or not summary,
+                  chrome_path=args.chrome_trace)
 
 
 def write_chrome_trace(path: str, records: Sequence[TraceRecord], session: TraceSession | None) -> int:
@@ -221,14 +240,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"trace {verb}: {flags} apply to `ghostgpu trace` itself (starting a session)")
     if verb == "list" and args.output == "jsonl":
         raise ValueError("trace list -o jsonl: use -o table or -o json")
-    if verb in ("list", "stop") and (args.summary or args.chrome_trace):
-        raise ValueError(f"trace {verb}: --summary and --chrome-trace go with `trace` and `trace show`")
+    if verb in ("list", "stop") and (args.summary or args.summary_with_calls or args.chrome_trace):
+        raise ValueError(f"trace {verb}: --summary, --summary-with-calls and --chrome-trace go with "
+                         "`trace` and `trace show`")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
     check_args(args)
     query = Query.from_args(args)
-    output = Output(args.output, summary=args.summary, chrome_path=args.chrome_trace)
+    output = output_from_args(args)
     try:
         if args.trace_command == "list":
             return run_list(query, args)

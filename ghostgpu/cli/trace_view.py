@@ -1,13 +1,19 @@
-"""What `ghostgpu trace` prints: the live table, the `--summary` table, JSON lines, the session list.
+"""What `ghostgpu trace` prints: the live table, the summary table, JSON lines, the session list.
 
 Pure functions of TraceRecord and TraceSession (ghostgpu.common.trace), so every output is tested
 without a collector. The live table is strace in spirit, one line per call as it arrives:
 
-    TIME             NODE   NAMESPACE/POD/CONTAINER  PID/TID    CALL        STATUS  DUR(µs)  ARGS
-    14:03:07.123456  gpu-1  ml/trainer-0/main        4242/4243  RM_CONTROL  NV_OK   12.5     NV2080_...
+    # gpu-1: driver 999.99.99-fake not covered: decoded with the 595.45.04 layout
+    TIME             NODE   NAMESPACE/POD/CONTAINER  PID/TID    CALL        STATUS    DUR(µs)  ARGS
+    14:03:07.123456  gpu-1  ml/trainer-0/main        4242/4243  RM_CONTROL  NV_OK     12.5     NV2080_...
+    # STATUS -: ...
+    14:03:07.123460  gpu-1  ml/trainer-0/main        4242/4243  RM_FREE     - ENOTTY  0.8      ...
 
-ARGS is last so that a long one never pushes the columns after it. `--summary` is `strace -c`:
-per TraceRecord.summary_key the calls, errors (ret < 0, or an NV_STATUS other than NV_OK), total,
+ARGS is last so that a long one never pushes the columns after it. A fact of the session rather
+than of one call (a node's driver the layout tables do not cover, what "-" in STATUS means) is a
+`# ` line, printed once, above the first rows it applies to; the rows do not repeat it. Each
+record's `notes` stay whole in the JSON outputs. The summary is `strace -c`: per
+TraceRecord.summary_key the calls, errors (ret < 0, or an NV_STATUS other than NV_OK), total,
 average and p99 time and the share of all time, sorted by total time, then a total line.
 """
 
@@ -23,7 +29,7 @@ from typing import Any
 from ghostgpu.cli import view
 from ghostgpu.cli.chrome_trace import errno_name
 from ghostgpu.common.display import LISTING_ID_LEN, short_id
-from ghostgpu.common.trace import TraceRecord, TraceSession
+from ghostgpu.common.trace import STATUS_NOT_WRITTEN, TraceRecord, TraceSession, is_driver_note
 
 NV_OK = 0
 LIVE_HEADER = ("TIME", "NODE", "NAMESPACE/POD/CONTAINER", "PID/TID", "CALL", "STATUS", "DUR(µs)", "ARGS")
@@ -47,14 +53,38 @@ def is_error(r: TraceRecord) -> bool:
     return r.ret < 0 or (r.nv_status is not None and r.nv_status != NV_OK)
 
 
+UNWRITTEN_FACT = f"STATUS -: {STATUS_NOT_WRITTEN} (the call failed before it; the errno follows)"
+
+
 def status(r: TraceRecord) -> str:
-    """The NV_STATUS name (or its number in hex) and, for a failed syscall, the errno name."""
+    """The NV_STATUS name (or its number in hex; "-" for one the driver did not write) and, for a
+    failed syscall, the errno name."""
     parts = []
-    if r.nv_status is not None:
+    if r.status_unwritten:
+        parts.append("-")
+    elif r.nv_status is not None:
         parts.append(r.nv_status_name or hex(r.nv_status))
     if r.ret < 0:
         parts.append(errno_name(r.ret))
     return " ".join(parts) or "-"
+
+
+def driver_facts(r: TraceRecord) -> list[str]:
+    """Its node's driver notes (the layout tables do not cover the driver, a block changed around
+    it), named by the node: facts of the session, not of this call."""
+    return [f"{r.node}: {n}" if r.node else n for n in r.notes if is_driver_note(n)]
+
+
+def facts(r: TraceRecord) -> list[str]:
+    """What a record says about its session rather than itself: its driver facts and, for a status
+    the driver did not write, what the STATUS column's "-" means."""
+    return driver_facts(r) + ([UNWRITTEN_FACT] if r.status_unwritten else [])
+
+
+def row_notes(r: TraceRecord) -> list[str]:
+    """The notes about this call alone: those `facts` does not say once for the session."""
+    return [n for n in r.notes
+            if not is_driver_note(n) and not (r.status_unwritten and n.startswith(STATUS_NOT_WRITTEN))]
 
 
 def micros(ns: float) -> str:
@@ -75,7 +105,7 @@ def args_text(r: TraceRecord) -> str:
     if r.child_pid is not None and "child_pid" not in r.args:
         parts.append(f"child_pid={r.child_pid}")
     parts += [f"{k}={v}" for k, v in r.args.items()]
-    parts += [f"({note})" for note in r.notes]
+    parts += [f"({note})" for note in row_notes(r)]
     return " ".join(parts) or "-"
 
 
@@ -86,18 +116,25 @@ def live_row(r: TraceRecord) -> tuple[str, ...]:
 
 
 class LiveTable:
-    """Lines for records as they arrive: widths grow with each batch (never shrink); no truncation."""
+    """Lines for records as they arrive: widths grow with each batch (never shrink); no truncation.
+    A session fact is a `# ` line the first time a record carries it, above the rows of that batch
+    (the first batch's: above the header)."""
 
     def __init__(self) -> None:
         self.widths = [max(len(h), w) for h, w in zip(LIVE_HEADER, LIVE_MIN_WIDTHS, strict=True)]
         self.started = False
+        self.said: set[str] = set()
 
     def lines(self, records: Sequence[TraceRecord]) -> list[str]:
         rows = [live_row(r) for r in records]
         for row in rows:
             self.widths = [max(w, len(cell)) for w, cell in zip(self.widths, row, strict=True)]
-        out = [] if self.started or not rows else [self._line(LIVE_HEADER)]
-        self.started = self.started or bool(rows)
+        new = [f for f in dict.fromkeys(f for r in records for f in facts(r)) if f not in self.said]
+        self.said.update(new)
+        out = [f"# {f}" for f in new]
+        if rows and not self.started:
+            self.started = True
+            out.append(self._line(LIVE_HEADER))
         return out + [self._line(row) for row in rows]
 
     def _line(self, cells: Sequence[str]) -> str:
@@ -153,8 +190,14 @@ def summarize(records: Iterable[TraceRecord]) -> tuple[list[SummaryRow], Summary
 
 
 def summary_json(records: Iterable[TraceRecord]) -> list[dict[str, Any]]:
+    """The summary rows, then the total, as `-o json` keeps them."""
     rows, total = summarize(records)
     return [s.to_json() for s in [*rows, total]]
+
+
+def summary_jsonl(records: Iterable[TraceRecord]) -> str:
+    """`-o jsonl --summary`: the summary rows, then the total, one JSON object a line."""
+    return "\n".join(json.dumps(row, separators=(",", ":")) for row in summary_json(records))
 
 
 SUMMARY_HEADER = ("% TIME", "TOTAL(µs)", "AVG(µs)", "P99(µs)", "CALLS", "ERRORS", "CALL")
@@ -175,6 +218,14 @@ def summary_table(records: Iterable[TraceRecord]) -> str:
               for i, h in enumerate(SUMMARY_HEADER)]
     dashes = ["-" * w for w in widths]
     return view.grid(SUMMARY_HEADER, [*body, dashes, _summary_cells(total)])
+
+
+def summary_only(records: Iterable[TraceRecord]) -> str:
+    """`--summary` without the calls: the nodes' driver facts the names were decoded under, once
+    each, then the summary table."""
+    recs = list(records)
+    said = dict.fromkeys(f for r in recs for f in driver_facts(r))
+    return "\n".join([*(f"# {f}" for f in said), summary_table(recs)])
 
 
 # `ghostgpu trace list`

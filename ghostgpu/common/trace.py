@@ -15,6 +15,17 @@ from typing import Any
 TRACE_KINDS = ("ioctl", "open", "close", "mmap", "munmap", "fork", "exec", "exit")
 INSTANT_KINDS = frozenset(TRACE_KINDS) - {"ioctl"}  # shown as instants, not slices
 
+# Two kinds of decoder note (tracer/call_decode.py writes them; tests/unit/test_trace_view.py holds
+# these to the decoder's own output) that the views say once rather than on every call.
+STATUS_NOT_WRITTEN = "status not written by the driver"  # "... (ret -25)": nv_status is the block's own
+DRIVER_LAYOUT_NOTE = " decoded with the "  # "driver 999.1 not covered: decoded with the 595.45.04 layout"
+
+
+def is_driver_note(note: str) -> bool:
+    """A note about the node's driver rather than one call: its version is not in the layout tables
+    (on every call), or a block changed between the releases around it (on every call of that block)."""
+    return DRIVER_LAYOUT_NOTE in note and note.endswith(" layout")
+
 
 class TraceStatus(enum.StrEnum):
     RUNNING = "running"
@@ -129,6 +140,12 @@ class TraceRecord:
     @property
     def errno(self) -> int | None:
         return -self.ret if self.ret < 0 else None
+
+    @property
+    def status_unwritten(self) -> bool:
+        """The call failed before the driver wrote its status: nv_status is then what the block held
+        (its initial zero reads as NV_OK), not an answer. The record keeps the number and the note."""
+        return self.nv_status is not None and any(n.startswith(STATUS_NOT_WRITTEN) for n in self.notes)
 
     @property
     def summary_key(self) -> str:

@@ -138,15 +138,20 @@ def test_argv_dispatch() -> None:
     before = parse(["trace", "--collector", "X", "-o", "json", "list"])  # flags before the verb hold
     assert (before.collector, before.output) == ("X", "json")
     show = parse(["trace", "show", "t-1", "--summary", "--chrome-trace", "f.json", "--collector", "Y"])
-    assert (show.trace_command, show.id, show.summary, show.chrome_trace, show.collector) == \
-        ("show", "t-1", True, "f.json", "Y")
+    assert (show.trace_command, show.id, show.summary, show.summary_with_calls, show.chrome_trace,
+            show.collector) == ("show", "t-1", True, False, "f.json", "Y")
+    both = parse(["trace", "--summary-with-calls", "show", "t-1"])  # before the verb: it holds
+    assert (both.summary, both.summary_with_calls) == (False, True)
     stop = parse(["trace", "stop", "t-2"])
     assert (stop.trace_command, stop.id) == ("stop", "t-2")
 
 
-@pytest.mark.parametrize(("argv", "words"), [(["trace", "--pod", "p", "list"], "--pod apply to"),
-                                             (["trace", "-o", "jsonl", "list"], "trace list -o jsonl"),
-                                             (["trace", "--summary", "stop", "t-1"], "--summary")])
+@pytest.mark.parametrize(("argv", "words"), [
+    (["trace", "--pod", "p", "list"], "--pod apply to"),
+    (["trace", "-o", "jsonl", "list"], "trace list -o jsonl"),
+    (["trace", "--summary", "stop", "t-1"], "--summary"),
+    (["trace", "--summary-with-calls", "list"], "--summary-with-calls"),
+])
 def test_misplaced_flags_are_one_line(argv: list[str], words: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--collector", "127.0.0.1:1"] if argv[-1] != "t-1" else argv) == 2
@@ -250,7 +255,7 @@ def test_live_trace_table_and_summary(fake: tuple[FakeTraceQuery, str],
                                       capsys: pytest.CaptureFixture[str]) -> None:
     servicer, address = fake
     assert main(["trace", "-n", "ml", "--pod", "trainer-0", "--container", "main", "--gpu", "0",
-                 "--for", "1m30s", "--summary", "--collector", address]) == 0
+                 "--for", "1m30s", "--summary-with-calls", "--collector", address]) == 0
     (name, start), (watch_name, watch) = servicer.requests
     assert (name, watch_name, watch.id, watch.follow) == ("StartTrace", "WatchTrace", "t-42", True)
     scope = start.scope
@@ -266,6 +271,50 @@ def test_live_trace_table_and_summary(fake: tuple[FakeTraceQuery, str],
     assert err[-1].startswith("trace t-42 completed at ") and "(deadline)" in err[-1]
 
 
+# --summary is strace -c (the summary only), --summary-with-calls strace -C (the calls, then it)
+SUMMARY_LINES = trace_view.summary_table(sample_records()).splitlines()
+
+
+@pytest.mark.parametrize("flags", [["--summary"], ["--summary", "--summary-with-calls"]])
+@pytest.mark.parametrize("verb", [[], ["show", "t-42"]])
+def test_summary_alone_prints_only_the_summary(flags: list[str], verb: list[str],
+                                               fake: tuple[FakeTraceQuery, str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    _, address = fake
+    assert main(["trace", *verb, *flags, "--collector", address] + ([] if verb else ["-n", "ml"])) == 0
+    captured = capsys.readouterr()
+    if "--summary-with-calls" in flags:  # given both, the calls are printed too
+        assert len(_data_rows(captured.out)) == 8
+        assert captured.out.splitlines()[-len(SUMMARY_LINES):] == SUMMARY_LINES
+    else:
+        assert captured.out.splitlines() == SUMMARY_LINES
+    assert captured.err.splitlines()[-1].startswith("trace t-42 completed at ")
+
+
+@pytest.mark.parametrize(("flag", "keys"), [(None, {"session", "records"}),
+                                            ("--summary", {"session", "summary"}),
+                                            ("--summary-with-calls", {"session", "records", "summary"})])
+def test_json_document_keys(flag: str | None, keys: set[str], fake: tuple[FakeTraceQuery, str],
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    _, address = fake
+    assert main(["trace", "-n", "ml", "-o", "json", *([flag] if flag else []), "--collector", address]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == keys and doc["session"]["id"] == "t-42"
+    assert len(doc.get("records", [])) == (8 if "records" in keys else 0)
+    assert doc.get("summary") == (trace_view.summary_json(sample_records()) if "summary" in keys else None)
+
+
+def test_jsonl_summary_alone_is_its_rows(fake: tuple[FakeTraceQuery, str],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _, address = fake
+    assert main(["trace", "-n", "ml", "-o", "jsonl", "--summary", "--collector", address]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert rows == trace_view.summary_json(sample_records())
+    assert [r["call"] for r in rows][-1] == "total" and rows[-1]["calls"] == 8
+    assert "% TIME" not in captured.err
+
+
 def test_pod_without_namespace_is_in_default(fake: tuple[FakeTraceQuery, str]) -> None:
     servicer, address = fake
     assert main(["trace", "--pod", "trainer-0", "--collector", address, "-o", "json"]) == 0
@@ -276,7 +325,7 @@ def test_pod_without_namespace_is_in_default(fake: tuple[FakeTraceQuery, str]) -
 def test_jsonl_prints_records_only(fake: tuple[FakeTraceQuery, str],
                                    capsys: pytest.CaptureFixture[str]) -> None:
     _, address = fake
-    assert main(["trace", "-n", "ml", "-o", "jsonl", "--summary", "--collector", address]) == 0
+    assert main(["trace", "-n", "ml", "-o", "jsonl", "--summary-with-calls", "--collector", address]) == 0
     captured = capsys.readouterr()
     objs = [json.loads(line) for line in captured.out.splitlines()]
     assert len(objs) == 8 and all(list(o)[:23] == JSONL_KEYS and o["session"] == "t-42" for o in objs)
@@ -287,7 +336,7 @@ def test_json_document_and_chrome_trace(fake: tuple[FakeTraceQuery, str], tmp_pa
                                         capsys: pytest.CaptureFixture[str]) -> None:
     _, address = fake
     path = tmp_path / "t.json"
-    assert main(["trace", "-n", "ml", "-o", "json", "--summary", "--chrome-trace", str(path),
+    assert main(["trace", "-n", "ml", "-o", "json", "--summary-with-calls", "--chrome-trace", str(path),
                  "--collector", address]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"session", "records", "summary"}
@@ -436,7 +485,7 @@ def holding(fake: tuple[FakeTraceQuery, str]) -> tuple[FakeTraceQuery, str]:
 
 def test_ctrl_c_without_a_terminal_stops_the_session(holding: tuple[FakeTraceQuery, str]) -> None:
     servicer, address = holding
-    p = TraceProcess(address, "--summary")
+    p = TraceProcess(address, "--summary-with-calls")
     p.interrupt_when_streaming()
     rc, out, err = p.wait()
     assert rc == 0, err
