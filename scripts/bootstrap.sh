@@ -53,10 +53,13 @@ step() {
     tail -n 20 "$logfile" >&2 || true
     exit 1
   fi
-  if [ -n "$step_note" ]; then
-    printf '%s\n' "$step_note" >&2
+  local took_s=$((SECONDS - started))
+  if [ -z "$step_note" ]; then
+    printf '%d s\n' "$took_s" >&2
+  elif [ "$took_s" -gt 0 ]; then
+    printf '%s, %d s\n' "$step_note" "$took_s" >&2
   else
-    printf '%d s\n' "$((SECONDS - started))" >&2
+    printf '%s\n' "$step_note" >&2
   fi
 }
 
