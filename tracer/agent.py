@@ -44,7 +44,8 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         if health is not None:
             health.tracer = self
         self.catalog = DeviceCatalog(cfg.prefixes, cfg.proc_root)
-        self.scanner = ProcScanner(self.catalog, cfg.proc_root)
+        self.scanner = ProcScanner(self.catalog, cfg.proc_root,
+                                   on_hint=lambda line: self._notice("device_prefix", line))
         self.rescans = RescanPlanner(cfg.full_scan_interval_s, cfg.proc_root, take_touched=self._take_touched)
         self.cgroups = CgroupIdResolver(cfg.cgroup_root)
         self.identities = Identities(cfg.proc_root, self.cgroups)

@@ -34,6 +34,11 @@ TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 _PREFIX_CHARS = frozenset(string.ascii_letters + string.digits + "/_.-:")  # safe in a C literal
 
 
+def prefix_ok(prefix: str) -> bool:
+    """Whether the kernel matcher can take `prefix`: an absolute path of at most 40 plain characters."""
+    return prefix.startswith("/") and len(prefix) <= PATH_LEN - 8 and set(prefix) <= _PREFIX_CHARS
+
+
 def common_prefix(prefixes: Iterable[str]) -> str:
     """The leading bytes all prefixes share, at most 7 (the kernel probes 8 bytes, NUL included).
     Byte-wise on purpose, not os.path.commonpath: "/dev/nvidia" and "/dev/kfd" share "/dev/"."""
@@ -79,7 +84,7 @@ def build_cflags(
     if not 1 <= len(prefixes) <= MAX_PREFIXES:
         raise ValueError(f"need 1 to {MAX_PREFIXES} device prefixes, got {len(prefixes)}")
     for prefix in prefixes:
-        if not prefix.startswith("/") or len(prefix) > PATH_LEN - 8 or not set(prefix) <= _PREFIX_CHARS:
+        if not prefix_ok(prefix):
             raise ValueError(f"device prefix {prefix!r}: an absolute path of at most 40 plain characters")
     common = common_prefix(prefixes)
     value, mask = prefix_word(common)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from ghostgpu.tracer.bpf_build import MAX_PREFIXES, prefix_ok
+
 from ghostgpu.common.model import DeviceKind, DeviceRef
 
 NVIDIA_MAJOR = 195
@@ -39,6 +41,9 @@ _NVIDIA_DYNAMIC = {
 }
 
 MigMinors = dict[int, tuple[int, int | None, int | None]]
+
+# Directories under /dev that hold a vendor's devices: part of the device's name as a prefix sees it.
+_DEVICE_SUBDIRS = frozenset(("nvidia-caps", "dri"))
 
 # Where a node made elsewhere is worth looking for. A stat of an open file is a getattr on its
 # filesystem: a server round trip on these, and a hang when the server is dead (what fuser is
@@ -149,6 +154,52 @@ def _classify_name(name: str, parent: str, mig_minors: MigMinors | None) -> tupl
         return (DeviceKind.GPU, int(num)) if num.isdigit() else (DeviceKind.OTHER, None)
     # nvidia-caps-imex-channels/channelN, nvidia-nvlink, nvidia-nvswitch*: known, but no GPU role.
     return DeviceKind.OTHER, None
+
+
+def outside_prefix(path: str, prefixes: tuple[str, ...]) -> str | None:
+    """The device prefix that would cover `path`, a GPU device file by its name (the rules above) lying
+    outside `prefixes`; None for any other path. Pure.
+
+    What a chroot or another mount namespace looks like from outside: a device the holder opened as
+    /dev/nvidia0 reads `/srv/chroot/dev/nvidia0` in /proc/PID/fd where that /dev is not reachable from
+    the reader's root. The name's own directory (nvidia-caps/, dri/) is kept, and each prefix's tail
+    (`nvidia` of /dev/nvidia, `dri/renderD` of /dev/dri/renderD) is tried against the rest, so only a
+    device of a vendor the prefixes watch counts: a desktop's renderD128 does not, under NVIDIA's.
+    """
+    clean = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+    if not clean.startswith("/") or clean.startswith(prefixes):
+        return None
+    parent_path, _, name = clean.rpartition("/")
+    parent = parent_path.rpartition("/")[2]
+    if _classify_name(name, parent, None)[0] is DeviceKind.OTHER:
+        return None
+    rel = f"{parent}/{name}" if parent in _DEVICE_SUBDIRS else name
+    dev_dir = clean[: len(clean) - len(rel)]  # ends with "/"
+    for prefix in prefixes:
+        cut = prefix.find("/")
+        while cut >= 0:
+            tail = prefix[cut + 1 :]
+            if tail and rel.startswith(tail):
+                return dev_dir + tail
+            cut = prefix.find("/", cut + 1)
+    return None
+
+
+def outside_prefix_hint(path: str, prefixes: tuple[str, ...], pid: int | None = None) -> str | None:
+    """One line for a GPU device outside the prefixes (outside_prefix): which path, and what to do."""
+    suggested = outside_prefix(path, prefixes)
+    if suggested is None:
+        return None
+    held = f" (held by pid {pid})" if pid is not None else ""
+    if len(prefixes) >= MAX_PREFIXES or not prefix_ok(suggested):
+        also = (f" ({suggested} cannot be added as a device prefix: at most {MAX_PREFIXES} prefixes of at "
+                "most 40 plain characters)")
+    else:
+        # --device-prefix replaces the vendor's prefixes: the flags name them all, this one added.
+        flags = " ".join(f"--device-prefix {p}" for p in (*prefixes, suggested))
+        also = f", or watch it there too with {flags}"
+    return (f"{path}{held} looks like a GPU device outside the device prefixes ({', '.join(prefixes)}): "
+            f"run the tracer on the host, not in a chroot or another mount namespace{also}")
 
 
 def parse_mount_skips(text: str) -> dict[str, bool]:

@@ -10,12 +10,18 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from stat import S_ISCHR
 
 from ghostgpu.tracer.cgroup import parse_proc_cgroup, unified_path
-from ghostgpu.tracer.devices import DeviceCatalog, on_skipped_mount, parse_mount_skips
+from ghostgpu.tracer.devices import (
+    DeviceCatalog,
+    on_skipped_mount,
+    outside_prefix,
+    outside_prefix_hint,
+    parse_mount_skips,
+)
 from ghostgpu.tracer.events import DeviceHold, ProcessInfo, ProcView, boot_ns
 
 _DELETED = " (deleted)"
@@ -26,6 +32,7 @@ _FD_NAMES = [str(i) for i in range(4096)]  # fd names to probe without getdents
 _PROBE_MISSES_BASE, _PROBE_MISSES_PER_FD = 4, 0.2  # a miss costs ~5 us, getdents ~1 us per fd (6.18)
 MAX_WORKERS = 8
 MIN_PIDS_PER_WORKER = 64  # ~40 ms of scanning: below that a fork costs more than it saves
+MAX_PREFIX_HINTS = 16  # device prefixes suggested (one line each) in a scanner's lifetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +151,16 @@ class ProcScanner:
     a large scan is split over forked `workers`. Files outside /dev are stat'ed (what catches a node
     made there with mknod; ~25% of a scan) for each process once every `stat_outside_dev_every`
     scans, staggered by PID: 1 = every scan, 0 = never.
+
+    A file outside the prefixes named like a GPU device of theirs (`/srv/chroot/dev/nvidia0`: a
+    chroot's or another mount namespace's /dev seen from here) is not a hold, but `on_hint` gets one
+    line saying so (devices.outside_prefix_hint) after the scan that first saw it: one per prefix that
+    would cover it, at most MAX_PREFIX_HINTS in all. The test costs one substring search per fd
+    whose link is a path.
     """
 
     def __init__(self, catalog: DeviceCatalog, proc_root: str = "/proc", workers: int | None = None,
-                 stat_outside_dev_every: int = 8) -> None:
+                 stat_outside_dev_every: int = 8, on_hint: Callable[[str], None] | None = None) -> None:
         self.catalog, self.proc_root = catalog, proc_root
         self.workers = workers if workers is not None else min(MAX_WORKERS, len(os.sched_getaffinity(0)))
         self.stat_outside_dev_every, self._scans, self._deep = stat_outside_dev_every, 0, False
@@ -160,6 +173,15 @@ class ProcScanner:
         self._base, self._ns_key, self._now_ns, self._via_tasks = "", "", 0, False
         self._holds: dict[str, DeviceHold] = {}
         self.fds_seen = self.stats_done = 0  # counters of the last scan, for the benchmark and logs
+        self._pid = 0
+        # GPU-looking files outside the prefixes: a link holding "/" + a prefix's last part is checked
+        stems = tuple(dict.fromkeys(p[p.rfind("/") + 1 :] for p in catalog.prefixes if not p.endswith("/")))
+        self._hint_stems = stems
+        self._hint_needle = f"/{stems[0]}" if stems else "\0"  # "\0": no path holds a NUL
+        self._hint_more = tuple(f"/{stem}" for stem in stems[1:])
+        self.on_hint = on_hint
+        self._hinted: set[str] = set()  # the prefixes suggested so far
+        self._new_hints: list[tuple[str, str, int]] = []  # this scan's (prefix, path, pid)
 
     def list_pids(self) -> list[int]:
         with contextlib.suppress(OSError):
@@ -172,8 +194,14 @@ class ProcScanner:
         self.fds_seen = self.stats_done = 0
         self._not_devices, self._mounts_by_ns, self._scans = set(), {}, self._scans + 1
         workers = min(self.workers, len(pid_list) // MIN_PIDS_PER_WORKER)
-        return (self._scan_forked(pid_list, workers, now_ns) if workers > 1
+        view = (self._scan_forked(pid_list, workers, now_ns) if workers > 1
                 else self._scan_inline(pid_list, now_ns))
+        hints, self._new_hints = self._new_hints, []
+        for _prefix, path, pid in hints:
+            line = outside_prefix_hint(path, self._prefixes, pid)
+            if line is not None and self.on_hint is not None:
+                self.on_hint(line)
+        return view
 
     def _scan_inline(self, pids: Iterable[int], now_ns: int) -> ProcView:
         return {pid: holds for pid in pids if (holds := self.scan_pid(pid, now_ns))}
@@ -207,10 +235,12 @@ class ProcScanner:
             with contextlib.suppress(ChildProcessError):  # someone else may reap our children
                 os.waitpid(child, 0)
             try:
-                sub_view, fds_seen, stats_done = pickle.loads(data or b"")
+                sub_view, fds_seen, stats_done, hints = pickle.loads(data or b"")
             except Exception:  # the child died before or while writing: scan its slice here
-                sub_view, fds_seen, stats_done = self._scan_inline(part, now_ns), 0, 0
+                sub_view, fds_seen, stats_done, hints = self._scan_inline(part, now_ns), 0, 0, []
             view.update(sub_view)
+            for prefix, path, pid in hints:  # what the child found first; the parent's set decides
+                self._hint(prefix, path, pid)
             self.fds_seen += fds_seen
             self.stats_done += stats_done
         return view
@@ -219,13 +249,15 @@ class ProcScanner:
         try:
             os.close(read_fd)
             with open(write_fd, "wb") as out:  # the counters after the scan: a tuple is built in order
-                pickle.dump((self._scan_inline(pids, now_ns), self.fds_seen, self.stats_done), out)
+                pickle.dump((self._scan_inline(pids, now_ns), self.fds_seen, self.stats_done,
+                             self._new_hints), out)
         finally:  # whatever went wrong shows as a short pickle, and the parent scans the slice itself
             os._exit(0)
 
     def scan_pid(self, pid: int, now_ns: int | None = None) -> dict[str, DeviceHold]:
         """Device holds of one process: its fds, its maps, and its threads' fds if the leader is dead."""
         base = maps_base = self._base = f"{self.proc_root}/{pid}"
+        self._pid = pid
         self._now_ns = boot_ns() if now_ns is None else now_ns
         self._ns_key, self._via_tasks, self._holds = "", False, {}
         every = self.stat_outside_dev_every
@@ -274,6 +306,7 @@ class ProcScanner:
         readlink, not stat, is the hot call: a stat follows the link into the file's filesystem.
         """
         readlink, deep, candidates, found, misses = os.readlink, self._deep, self._dev_or_prefixes, 0, 0
+        needle, more = self._hint_needle, self._hint_more
         for name in names:
             if found == want:
                 break
@@ -286,9 +319,24 @@ class ProcScanner:
                 continue
             found += 1
             # not socket:[..], pipe:[..], anon_inode:..; _path_fd's first test, spared a method call
-            if target[0] == "/" and (deep or target.startswith(candidates)):
-                self._path_fd(dir_fd, name, target)
+            if target[0] == "/":
+                if deep or target.startswith(candidates):
+                    self._path_fd(dir_fd, name, target)
+                if needle in target or (more and any(n in target for n in more)):
+                    self._outside(target)
         return found, found + misses
+
+    def _outside(self, path: str) -> None:
+        """A path named like a GPU device: noted for a hint if it lies outside the prefixes."""
+        if path[path.rfind("/") + 1 :].startswith(self._hint_stems):
+            prefix = outside_prefix(path, self._prefixes)
+            if prefix is not None:
+                self._hint(prefix, path, self._pid)
+
+    def _hint(self, prefix: str, path: str, pid: int) -> None:
+        if prefix not in self._hinted and len(self._hinted) < MAX_PREFIX_HINTS:
+            self._hinted.add(prefix)
+            self._new_hints.append((prefix, path, pid))
 
     def _path_fd(self, dir_fd: int, name: str, target: str) -> None:
         key = None
@@ -353,7 +401,11 @@ class ProcScanner:
         seen: set[str] = set()
         for line in data.decode("utf-8", "surrogateescape").splitlines():
             entry = parse_maps_line(line) if "/" in line else None
-            if entry is None or entry.path in seen or not entry.path.startswith(self._dev_or_prefixes):
+            if entry is None or entry.path in seen:
+                continue
+            if not entry.path.startswith(self._dev_or_prefixes):
+                if self._hint_needle in entry.path or any(n in entry.path for n in self._hint_more):
+                    self._outside(entry.path)
                 continue
             path = entry.path
             seen.add(path)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +300,45 @@ def test_allowlisted_daemon_is_system_and_host_holder_unattributed(tmp_path: Pat
             hostrec = tracer.wait_for(finding(h.pid, "unattributed"), what="unattributed host holder")
             assert hostrec["container_id"] == "" and hostrec["gpu"] == 1
             assert hostrec["gpu_uuid"] == GPU1_UUID
+
+
+def chroot_dev(request: pytest.FixtureRequest) -> Path:
+    """<dir>/dev with nvidia0 and nvidiactl (c 1 3): what /proc/PID/fd shows from the host for a holder
+    in a chroot at <dir> whose /dev the host cannot reach. A short <dir> under /tmp, so that the
+    --device-prefix the hint suggests fits the kernel matcher's 40 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="gg-ch-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    (root / "dev").mkdir()
+    for name in ("nvidia0", "nvidiactl"):
+        os.mknod(root / "dev" / name, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    return root / "dev"
+
+
+def test_a_gpu_device_outside_the_prefixes_is_named_with_what_to_do(tmp_path: Path, fake_nvml: FakeNvml,
+                                                                    request: pytest.FixtureRequest) -> None:
+    """Not a hold (the prefixes say what is watched), but one notice and one stderr line naming the path,
+    its holder and the fix; once per prefix it suggests, whatever the scans and devices."""
+    dev, other = chroot_dev(request), chroot_dev(request)
+    notices = event("notice", what="device_prefix")
+    # Every rescan is a full one: each reads the first holder again.
+    fast_scans = {**fake_nvml.env(), "GHOSTGPU_FULL_SCAN_INTERVAL_S": "0.2"}
+    with run_host(["open", f"{dev}/nvidia0", "open", f"{dev}/nvidiactl", "ready", "wait"]) as h:
+        h.wait_ready()
+        with TracerProcess(tmp_path, [*FAST, "--scan-interval-s", "0.2"], fast_scans) as tracer:
+            rec = tracer.wait_for(notices, what="the hint from the first scan")
+            assert rec["message"] == (
+                f"{dev}/nvidia0 (held by pid {h.pid}) looks like a GPU device outside the device prefixes "
+                f"(/dev/nvidia): run the tracer on the host, not in a chroot or another mount namespace, or "
+                f"watch it there too with --device-prefix /dev/nvidia --device-prefix {dev}/nvidia")
+            wait_until(lambda: f"device_prefix: {rec['message']}" in tracer.stderr(), "the stderr line")
+            with run_host(["open", f"{other}/nvidia0", "ready", "wait"]) as h2:
+                h2.wait_ready()
+                tracer.wait_for(lambda r: notices(r) and r["message"].startswith(f"{other}/nvidia0 (held by "
+                                                                                  f"pid {h2.pid})"),
+                                what="the hint for a second chroot, from a later scan")
+            assert [r["message"].split(" ")[0] for r in tracer.matching(notices)] == [f"{dev}/nvidia0",
+                                                                                      f"{other}/nvidia0"]
+            assert tracer.matching(lambda r: r.get("pid") == h.pid) == []  # never a holder
 
 
 def counts(rec: dict[str, Any]) -> dict[str, int]:

@@ -11,6 +11,8 @@ from ghostgpu.tracer.devices import (
     classify_device_path,
     classify_mig_minor,
     on_skipped_mount,
+    outside_prefix,
+    outside_prefix_hint,
     parse_mig_minors,
     parse_mount_skips,
     parse_proc_devices,
@@ -144,6 +146,81 @@ def test_classify_mig_minor(minor: int, table: dict | None, expected: tuple) -> 
 )
 def test_classify_device_path(path: str, kind: DeviceKind, gpu_minor: int | None) -> None:
     assert classify_device_path(path) == DeviceRef(path, kind, gpu_minor)
+
+
+NV, AMD, ASCEND = ("/dev/nvidia",), ("/dev/kfd", "/dev/dri/renderD"), ("/dev/davinci",)
+
+
+@pytest.mark.parametrize(
+    ("path", "prefixes", "expected"),
+    [
+        # a chroot's (or another mount namespace's) /dev as /proc/PID/fd shows it from outside
+        ("/srv/chroot/dev/nvidia0", NV, "/srv/chroot/dev/nvidia"),
+        ("/srv/chroot/dev/nvidiactl", NV, "/srv/chroot/dev/nvidia"),
+        ("/srv/chroot/dev/nvidia-uvm-tools", NV, "/srv/chroot/dev/nvidia"),
+        ("/srv/chroot/dev/nvidia-modeset", NV, "/srv/chroot/dev/nvidia"),
+        ("/srv/chroot/dev/nvidia-caps/nvidia-cap12", NV, "/srv/chroot/dev/nvidia"),  # its own directory kept
+        ("/srv/chroot/dev/nvidia3 (deleted)", NV, "/srv/chroot/dev/nvidia"),
+        ("/nvidia0", NV, "/nvidia"),
+        ("/srv/c/dev/dri/renderD128", AMD, "/srv/c/dev/dri/renderD"),
+        ("/srv/c/dev/kfd", AMD, "/srv/c/dev/kfd"),
+        ("/srv/c/dev/davinci3", ASCEND, "/srv/c/dev/davinci"),
+        ("/srv/c/dev/davinci_manager", ASCEND, "/srv/c/dev/davinci"),
+        ("/dev/nvidia0", ("/tmp/gg-x/nvidia",), "/dev/nvidia"),  # outside a test's own prefix
+        ("/dev/nvidia0", ("/dev/nvidia", "/srv/c/dev/nvidia"), None),  # inside: watched
+        ("/srv/c/dev/nvidia0", ("/dev/nvidia", "/srv/c/dev/nvidia"), None),
+        ("/dev/nvidia-caps/nvidia-cap1", NV, None),
+        # not a GPU device name: no hint
+        ("/var/log/nvidia-installer.log", NV, None),
+        ("/srv/chroot/dev/nvidia248", NV, None),
+        ("/srv/chroot/dev/nvidia-nvswitch0", NV, None),
+        ("/srv/chroot/dev/nvidiaX", NV, None),
+        ("/srv/chroot/dev/dri/renderD12", AMD, None),
+        # a device of a vendor the prefixes do not watch: a desktop's render node under NVIDIA's
+        ("/dev/dri/renderD128", NV, None),
+        ("/srv/c/dev/kfd", NV, None),
+        ("/srv/c/dev/nvidia0", AMD, None),
+        # not a path at all, or a directory-only prefix (no name part to match)
+        ("socket:[123]", NV, None),
+        ("nvidia0", NV, None),
+        ("/srv/c/dev/nvidia0", ("/tmp/gg-dir/",), None),
+    ],
+)
+def test_outside_prefix(path: str, prefixes: tuple[str, ...], expected: str | None) -> None:
+    assert outside_prefix(path, prefixes) == expected
+
+
+@pytest.mark.parametrize(
+    ("path", "prefixes", "pid", "expected"),
+    [
+        ("/srv/chroot/dev/nvidia0", NV, 123,
+         "/srv/chroot/dev/nvidia0 (held by pid 123) looks like a GPU device outside the device prefixes "
+         "(/dev/nvidia): run the tracer on the host, not in a chroot or another mount namespace, or watch "
+         "it there too with --device-prefix /dev/nvidia --device-prefix /srv/chroot/dev/nvidia"),
+        ("/srv/c/dev/kfd", AMD, None,
+         "/srv/c/dev/kfd looks like a GPU device outside the device prefixes (/dev/kfd, /dev/dri/renderD): "
+         "run the tracer on the host, not in a chroot or another mount namespace, or watch it there too "
+         "with --device-prefix /dev/kfd --device-prefix /dev/dri/renderD --device-prefix /srv/c/dev/kfd"),
+        # a prefix the kernel matcher cannot take (over 40 bytes, a space; a 9th prefix): no flag offered
+        ("/var/lib/machines/a-long-machine-name/dev/nvidia0", NV, 7,
+         "/var/lib/machines/a-long-machine-name/dev/nvidia0 (held by pid 7) looks like a GPU device outside "
+         "the device prefixes (/dev/nvidia): run the tracer on the host, not in a chroot or another mount "
+         "namespace (/var/lib/machines/a-long-machine-name/dev/nvidia cannot be added as a device prefix: "
+         "at most 8 prefixes of at most 40 plain characters)"),
+        ("/srv/my root/dev/nvidia0", NV, 7, None),  # checked below: the flag is left out
+        ("/srv/c/dev/nvidia0", tuple(f"/p{i}/nvidia" for i in range(8)), 7, None),
+        ("/var/log/nvidia-installer.log", NV, 7, None),
+        ("/dev/nvidia0", NV, 7, None),
+    ],
+)
+def test_outside_prefix_hint(path: str, prefixes: tuple[str, ...], pid: int | None,
+                             expected: str | None) -> None:
+    line = outside_prefix_hint(path, prefixes, pid)
+    if expected is not None or outside_prefix(path, prefixes) is None:
+        assert line == expected
+    else:
+        assert line is not None and line.startswith(f"{path} (held by pid {pid}) looks like a GPU device")
+        assert "--device-prefix" not in line and "cannot be added as a device prefix" in line
 
 
 def test_classify_device_path_uses_mig_table() -> None:

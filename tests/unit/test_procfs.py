@@ -417,6 +417,65 @@ def test_stat_once_per_path_and_never_on_remote_mounts(tmp_path: Path) -> None:
     assert stats in ([1, 2, 1, 2], [2, 1, 2, 1])
 
 
+HINT = "looks like a GPU device outside the device prefixes (/dev/nvidia)"
+
+
+def hint_scanner(proc: Path, workers: int = 1) -> tuple[ProcScanner, list[str]]:
+    lines: list[str] = []
+    scanner = ProcScanner(DeviceCatalog(("/dev/nvidia",), str(proc)), str(proc), workers=workers,
+                          stat_outside_dev_every=0, on_hint=lines.append)
+    return scanner, lines
+
+
+def test_a_gpu_device_outside_the_prefixes_is_named_once_per_prefix(tmp_path: Path) -> None:
+    """A chroot's /dev seen from outside: one line per prefix that would cover it, not per scan,
+    process or device; by fd or by mapping; never a hold."""
+    proc = tmp_path / "proc"
+    fake_process(proc, 60, {"0": "socket:[1]", "3": "/srv/chroot/dev/nvidia0",
+                            "4": "/srv/chroot/dev/nvidiactl", "5": "/var/log/nvidia-installer.log",
+                            "6": "/dev/null"})
+    fake_process(proc, 61, {"3": "/srv/chroot/dev/nvidia0"})
+    fake_process(proc, 62, {})  # mapped only, in another chroot
+    (proc / "62" / "maps").write_text("7f0000-7f1000 rw-s 00000000 00:05 12 /jail/dev/nvidia2\n")
+    scanner, lines = hint_scanner(proc)
+    assert scanner.scan([60, 61, 62]) == {}
+    assert lines == [
+        f"/srv/chroot/dev/nvidia0 (held by pid 60) {HINT}: run the tracer on the host, not in a chroot or "
+        "another mount namespace, or watch it there too with --device-prefix /dev/nvidia --device-prefix "
+        "/srv/chroot/dev/nvidia",
+        f"/jail/dev/nvidia2 (held by pid 62) {HINT}: run the tracer on the host, not in a chroot or another "
+        "mount namespace, or watch it there too with --device-prefix /dev/nvidia --device-prefix "
+        "/jail/dev/nvidia"]
+    assert scanner.scan([60, 61, 62]) == {} and len(lines) == 2  # said once, not per scan
+    fake_process(proc, 63, {"3": "/srv/other/dev/nvidia-uvm"})
+    scanner.scan([60, 61, 62, 63])
+    assert len(lines) == 3 and lines[2].startswith(f"/srv/other/dev/nvidia-uvm (held by pid 63) {HINT}")
+    # bounded: one line per prefix up to MAX_PREFIX_HINTS in a scanner's lifetime
+    many = range(100, 100 + procfs.MAX_PREFIX_HINTS + 5)
+    for pid in many:
+        fake_process(proc, pid, {"3": f"/srv/c{pid}/dev/nvidia0"})
+    scanner.scan(many)
+    assert len(lines) == procfs.MAX_PREFIX_HINTS
+
+
+def test_a_forked_scan_names_an_outside_device_once(tmp_path: Path) -> None:
+    """Workers find it in their slices; the parent says it once."""
+    proc = tmp_path / "proc"
+    pids = list(range(1000, 1000 + 2 * procfs.MIN_PIDS_PER_WORKER))
+    for pid in pids:
+        fds = {"3": "/srv/chroot/dev/nvidia0"} if pid < 1004 else {"1": "/var/log/x.log"}
+        if pid == 1101:  # only in the worker's slice (pids[1::2])
+            fds = {"3": "/jail/dev/nvidiactl"}
+        fake_process(proc, pid, fds)
+    scanner, lines = hint_scanner(proc, workers=2)
+    assert scanner.scan(pids) == {}
+    named = sorted(line.split(" (held")[0] for line in lines)
+    assert named == ["/jail/dev/nvidiactl", "/srv/chroot/dev/nvidia0"]
+    assert "(held by pid 1101)" in next(x for x in lines if x.startswith("/jail"))
+    scanner.scan(pids)
+    assert len(lines) == 2
+
+
 @pytest.mark.root
 def test_mapping_under_dev_found_by_major_through_map_files(tmp_path: Path) -> None:
     """/dev/zero (c 1 5) mapped then closed, with major 1 injected as nvidia-uvm: only map_files
