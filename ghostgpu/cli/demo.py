@@ -52,6 +52,7 @@ READY_TIMEOUT_S = 10.0
 CLEANUP_TIMEOUT_S = 10.0
 DEMO_GPU_UUID = "GPU-00000000-dead-beef-0000-000000000000"
 NVML_SOURCE = Path(__file__).with_name("demo_nvml.c")
+GPU_FD = 3  # _INIT's `exec 3<>/dev/nvidia0`
 
 # Runs as the container's init. $@ are the cgroup.procs files of the container in every hierarchy;
 # writing 0 moves the writer itself (cgroup v1 and v2 both read 0 as "current").
@@ -275,6 +276,22 @@ class Demo:
         return {"hidden": self.pods["demo-trainer"].container_id,
                 "orphaned": self.pods["demo-worker"].container_id,
                 "short-lived": self.pods["demo-batch"].container_id}
+
+    def held(self) -> dict[str, tuple[int | None, str]]:
+        """Role (hidden, orphaned) -> (host PID, the GPU device it holds as /proc/PID/fd shows it from
+        here): /dev/nvidia0 on the host, `<dir>/dev/nvidia0` from inside a chroot at <dir>. (None, why)
+        when the container has no process left; (PID, why) when its fd cannot be read."""
+        out: dict[str, tuple[int | None, str]] = {}
+        for role in ("hidden", "orphaned"):
+            pids = sorted(self._members(self.container_ids()[role]))
+            if not pids:
+                out[role] = (None, "its container has no process left (it exited or was killed)")
+                continue
+            try:
+                out[role] = (pids[0], os.readlink(f"/proc/{pids[0]}/fd/{GPU_FD}"))
+            except OSError as e:
+                out[role] = (pids[0], f"cannot read /proc/{pids[0]}/fd/{GPU_FD}: {e.strerror}")
+        return out
 
     def legend(self) -> str:
         ids = {role: short_id(cid) for role, cid in self.container_ids().items()}

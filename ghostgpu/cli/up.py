@@ -12,6 +12,11 @@ Until this run's tracer first connects, the node line says "tracer starting" (th
 the node only from the store, from a run that ended: not a disconnection) and what `up`'s own NVML
 probe found, so the first frame on a machine without a GPU already says so.
 
+A demo whose planted consumers the tracer does not list DEMO_UNSEEN_S after its first scan says why
+at once (demo_unseen_line: the path a consumer holds, as /proc shows it from here, and what to do),
+and `--once` exits 1 with that line; the long wait (CONNECT_TIMEOUT_S + DEMO_TIMEOUT_S) is only for a
+tracer that is not up yet.
+
 A tracer that dies is restarted by ghostgpu/cli/supervise.py (jittered backoff; `up` exits 1 with the
 reason after --tracer-max-restarts failed restarts in a row); the view's loop drives it, and
 says when and why the tracer restarted.
@@ -42,6 +47,13 @@ from ghostgpu.v1 import query_pb2, stream_pb2
 DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
 CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
 DEMO_TIMEOUT_S = 60.0
+# Counted from the tracer's first snapshot (its `info`), not from its start, so a slow BPF compile (~2.5-3 s
+# on the 2-core test VM, more when busy) does not eat into it: the tracer sends `info` after its first full
+# /proc scan and the classification of what it found, on the same ordered stream, so a consumer it can
+# see is in the collector's table by then (measured: in the very poll that first saw `info`, 3 runs of 3
+# at load average 7 on that VM). What is left is the collector's CRI lookup of the demo pods and the
+# view's 0.2 s poll; 5 s covers a loaded node many times over and says why within seconds, not at the cap.
+DEMO_UNSEEN_S = 5.0
 REDRAW_S = 1.0
 RECENT_LINES = 10
 
@@ -80,6 +92,29 @@ def first_nvml_text(info: stream_pb2.NodeInfo, demo_gpu: bool) -> str:
     """The NVML part of the node line until the tracer's own snapshot arrives."""
     text = view.nvml_text(info)
     return f"{text}; --demo plants a demo GPU for its tracer" if demo_gpu else text
+
+
+def demo_unseen_line(unseen: list[str], held: dict[str, tuple[int | None, str]], prefixes: tuple[str, ...],
+                     waited_s: float) -> str:
+    """Why the tracer lists no consumer for the demo roles `unseen` (hidden, orphaned), `waited_s` after its
+    first scan. `held`: Demo.held(), role -> (host PID, the path its GPU fd links to, or why none)."""
+    from ghostgpu.tracer.devices import outside_prefix_hint
+
+    s = "s" if len(unseen) > 1 else ""
+    head = (f"the tracer has not seen the demo's {' and '.join(unseen)} consumer{s} {waited_s:.0f} s after "
+            f"its first /proc scan")
+    known = {role: held.get(role, (None, "not planted")) for role in unseen}
+    for pid, what in known.values():
+        hint = outside_prefix_hint(what, prefixes, pid) if pid is not None else None
+        if hint is not None:  # a chroot or another mount namespace: the usual case, and its fix
+            return f"{head}: {hint}"
+    for role, (pid, what) in known.items():
+        if pid is None or not what.startswith("/"):
+            return f"{head}: the {role} consumer{f' (pid {pid})' if pid else ''}: {what}"
+    role, (pid, what) = next(iter(known.items()))
+    return (f"{head}: pid {pid} ({role}) holds {what}, which the device prefixes ({', '.join(prefixes)}) "
+            f"cover; the tracer must read this host's /proc (--proc-root) from its PID namespace: see the "
+            f"tracer's lines above")
 
 
 def store_path(db_flag: str | None, demo: Demo | None) -> str:
@@ -200,7 +235,8 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
         tracer_cri = demo.cri_endpoint if demo else args.cri_endpoint
         tracer = TracerSupervisor(tracer_command(args, address, node, tracer_cri), env, max_restarts).start()
         live = LiveView(Query(address), node, tracer, stop, demo, args, db=store_label(db, demo),
-                        nvml_text=first_nvml_text(nvml_info, bool(demo and demo.fake_nvml)))
+                        nvml_text=first_nvml_text(nvml_info, bool(demo and demo.fake_nvml)),
+                        prefixes=tuple(cfg.prefixes))
         live.metrics_address = collector.metrics_address
         return live.run()
     except FlagError as e:
@@ -223,13 +259,18 @@ class LiveView:
 
     def __init__(self, query: Query, node: str, tracer: TracerSupervisor, stop: threading.Event,
                  demo: Demo | None, args: argparse.Namespace, db: str = DEFAULT_DB,
-                 nvml_text: str = "") -> None:
-        """`db`: the store as the top line names it; `nvml_text`: up's own NVML probe (first_nvml_text)."""
+                 nvml_text: str = "", prefixes: tuple[str, ...] = ()) -> None:
+        """`db`: the store as the top line names it; `nvml_text`: up's own NVML probe (first_nvml_text);
+        `prefixes`: the tracer's device prefixes, for the line saying why it does not see the demo."""
         self.query, self.node, self.tracer, self.stop, self.demo = query, node, tracer, stop, demo
         self.once = bool(args.once)
         self.db = db
         self.nvml_text = nvml_text
         self.tracer_connected = False  # this run's tracer has connected at least once
+        self.prefixes = prefixes
+        self.tracer_up_s: float | None = None  # monotonic, when this tracer's first snapshot (`info`) was in
+        self._up_instance = ""
+        self.demo_problem = ""  # why the tracer does not list the planted consumers (demo_unseen_line)
         self.address = query.address
         self.metrics_address: str | None = None  # run_up sets it when --metrics-listen serves
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
@@ -307,6 +348,13 @@ class LiveView:
         self._poll_events(status)
         consumers = self.query.consumers(node=self.node)
         self._tracer_lines()
+        ready = status is not None and status.connected and status.HasField("info")
+        if not ready:
+            self.tracer_up_s = None
+        elif self.tracer_up_s is None or status.instance_id != self._up_instance:  # up, or up again
+            self.tracer_up_s, self._up_instance = time.monotonic(), status.instance_id
+        if self.demo is not None:
+            self._check_demo_seen(consumers)
         metrics = f", metrics http://{self.metrics_address}/metrics" if self.metrics_address else ""
         top = (f"ghostgpu up: collector {self.address} (db {self.db}){metrics}, "
                f"{self.tracer.describe()}"
@@ -318,11 +366,12 @@ class LiveView:
             n = self.short_lived_runs
             lines.append(f"demo: short-lived: ghostgpu saw {n} run{'' if n == 1 else 's'} open the GPU "
                          f"(one every {self.demo.short_lived_every_s:g} s){latest}")
+            if self.demo_problem:
+                lines.append(f"demo: NOT SEEN: {self.demo_problem}")
         with self._lock:
             recent = [line for _, line in sorted(self.recent, key=lambda x: x[0])][-RECENT_LINES:]
         lines += ["", view.consumer_table(consumers, empty="(no process holds a GPU device file)"), "",
                   "recent events and findings:", *(recent or ["(none yet)"])]
-        ready = status is not None and status.connected and status.HasField("info")
         if ready and self.demo is not None:
             # Runs start once the tracer is attached: one before would be missed by design, not by ghostgpu.
             self.demo.start_short_lived()
@@ -340,6 +389,22 @@ class LiveView:
         if (status is None or not status.HasField("info") or not self.tracer_connected) and self.nvml_text:
             line += f" | {self.nvml_text}"
         return line
+
+    def _check_demo_seen(self, consumers: list[Any]) -> None:
+        """Set (or clear) demo_problem: hidden or orphaned still unlisted DEMO_UNSEEN_S after the tracer's
+        first snapshot."""
+        assert self.demo is not None
+        if self.tracer_up_s is None:
+            self.demo_problem = ""  # the tracer is not up (yet, or again): the long cap covers a slow start
+            return
+        ids = self.demo.container_ids()
+        listed = {c.consumer.container_id for c in consumers}
+        unseen = [role for role in ("hidden", "orphaned") if ids[role] not in listed]
+        waited_s = time.monotonic() - self.tracer_up_s
+        if unseen and waited_s >= DEMO_UNSEEN_S:
+            self.demo_problem = demo_unseen_line(unseen, self.demo.held(), self.prefixes, waited_s)
+        elif not unseen:
+            self.demo_problem = ""
 
     def _demo_seen(self, consumers: list[Any]) -> bool:
         assert self.demo is not None
@@ -376,6 +441,10 @@ class LiveView:
                     if ready:
                         print(screen, flush=True)
                         return 0
+                    if self.demo_problem:  # the tracer is up and blind to the demo: no use waiting
+                        print(screen, flush=True)
+                        print(f"ghostgpu: {self.demo_problem}", file=sys.stderr, flush=True)
+                        return 1
                     if time.monotonic() > deadline:
                         print(screen, flush=True)
                         what = "the demo consumers" if self.demo else "the tracer's first snapshot"

@@ -144,3 +144,83 @@ def test_demo_store_is_removed_by_close() -> None:
         (db.parent / name).write_text("x")
     demo.close()
     assert not db.parent.exists()
+
+
+HEAD = "the tracer has not seen the demo's {} 5 s after its first /proc scan: "
+CHROOT_HINT = ("/srv/chroot/dev/nvidia0 (held by pid 41) looks like a GPU device outside the device prefixes "
+               "(/dev/nvidia): run the tracer on the host, not in a chroot or another mount namespace, or "
+               "watch it there too with --device-prefix /dev/nvidia --device-prefix /srv/chroot/dev/nvidia")
+
+
+@pytest.mark.parametrize(("unseen", "held", "want"), [
+    (["hidden", "orphaned"], {"hidden": (41, "/srv/chroot/dev/nvidia0"),
+                              "orphaned": (42, "/srv/chroot/dev/nvidia0")},
+     HEAD.format("hidden and orphaned consumers") + CHROOT_HINT),
+    # the path wins over another consumer's trouble: it says what to do
+    (["hidden", "orphaned"], {"hidden": (None, "its container has no process left (it exited or was killed)"),
+                              "orphaned": (41, "/srv/chroot/dev/nvidia0")},
+     HEAD.format("hidden and orphaned consumers") + CHROOT_HINT),
+    (["orphaned"], {"hidden": (40, "/dev/nvidia0"),
+                    "orphaned": (None, "its container has no process left (it exited or was killed)")},
+     HEAD.format("orphaned consumer") + "the orphaned consumer: its container has no process left (it exited "
+     "or was killed)"),
+    (["hidden"], {"hidden": (40, "cannot read /proc/40/fd/3: Permission denied")},
+     HEAD.format("hidden consumer") + "the hidden consumer (pid 40): cannot read /proc/40/fd/3: Permission "
+     "denied"),
+    # watched by path, still unseen: not a prefix matter
+    (["hidden"], {"hidden": (40, "/dev/nvidia0")},
+     HEAD.format("hidden consumer") + "pid 40 (hidden) holds /dev/nvidia0, which the device prefixes "
+     "(/dev/nvidia) cover; the tracer must read this host's /proc (--proc-root) from its PID namespace: see "
+     "the tracer's lines above"),
+], ids=["chroot", "chroot-and-gone", "gone", "unreadable", "inside-prefixes"])
+def test_demo_unseen_line(unseen: list[str], held: dict[str, tuple[int | None, str]], want: str) -> None:
+    assert up.demo_unseen_line(unseen, held, ("/dev/nvidia",), 5.2) == want
+
+
+class BlindDemo:
+    """A demo whose consumers the tracer does not list: held as from inside a chroot."""
+
+    fake_nvml = False
+    short_lived_every_s = 3.0
+    started_short_lived = False
+
+    def container_ids(self) -> dict[str, str]:
+        return {"hidden": "c" * 64, "orphaned": "d" * 64, "short-lived": "e" * 64}
+
+    def legend(self) -> str:
+        return "demo: planted"
+
+    def start_short_lived(self) -> None:
+        self.started_short_lived = True
+
+    def held(self) -> dict[str, tuple[int | None, str]]:
+        return {"hidden": (41, "/srv/chroot/dev/nvidia0"), "orphaned": (42, "/srv/chroot/dev/nvidia0")}
+
+
+def test_a_blind_tracer_is_reported_once_up_not_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is said while the tracer starts (the long cap covers that); DEMO_UNSEEN_S after its first
+    snapshot, the view names the path and the fix."""
+    clock = [1000.0]
+    monkeypatch.setattr(up.time, "monotonic", lambda: clock[0])
+    query = FakeQuery()
+    live = up.LiveView(cast(Any, query), "n1", cast(Any, FakeTracer()), threading.Event(),
+                       cast(Any, BlindDemo()), argparse.Namespace(once=True), prefixes=("/dev/nvidia",))
+    clock[0] += 100  # starting for a long time: not this line's business
+    assert "NOT SEEN" not in live._screen()[0] and live.demo_problem == ""
+    query.status = status(True, ONE_GPU)
+    assert live._screen()[1] is False and live.demo_problem == ""  # up: the clock starts
+    clock[0] += up.DEMO_UNSEEN_S - 0.1
+    assert live._screen()[1] is False and live.demo_problem == ""
+    clock[0] += 0.1
+    screen, ready = live._screen()
+    assert not ready and live.demo_problem == HEAD.format("hidden and orphaned consumers") + CHROOT_HINT
+    assert f"demo: NOT SEEN: {live.demo_problem}" in screen.splitlines()
+    # A restarted tracer (another instance) gets its own DEMO_UNSEEN_S; while it is down nothing is said.
+    query.status = status(False)
+    assert "NOT SEEN" not in live._screen()[0]
+    query.status = status(True, ONE_GPU)
+    query.status.instance_id = "i-2"
+    clock[0] += 1
+    assert "NOT SEEN" not in live._screen()[0]
+    clock[0] += up.DEMO_UNSEEN_S
+    assert "NOT SEEN" in live._screen()[0]
