@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, Protocol
 
 import grpc
 from ghostgpu.collector.peers import PEER_PREFIX, UnixGate, loopback_uid
+from ghostgpu.collector.revoke import OpenStreams
 
 from ghostgpu.common.principal import ANONYMOUS, Principal
 from ghostgpu.common.tls import principal_from_auth_context
@@ -79,6 +80,9 @@ class Authorizer(grpc.aio.ServerInterceptor):
         # A client retrying a refused call must not grow the audit log without bound: one record per
         # (subject, method, transport) per window, the next one saying how many were folded into it.
         self._denied_seen: dict[tuple[str, str, str], tuple[float, int]] = {}
+        # Open streams, re-checked after a policy reload and ended at their certificate's notAfter
+        # (collector/revoke.py); Security calls streams.recheck.
+        self.streams = OpenStreams(audit)
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -87,7 +91,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        return _wrap(handler, handler_call_details.method, self.admit)
+        return _wrap(handler, handler_call_details.method, self.admit, self.streams)
 
     async def admit(self, method: str, context: grpc.aio.ServicerContext) -> Principal:
         principal = self.identify(context)
@@ -123,7 +127,8 @@ class Authorizer(grpc.aio.ServerInterceptor):
 Admit = Callable[[str, grpc.aio.ServicerContext], Awaitable[Principal]]
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit,
+          streams: OpenStreams) -> grpc.RpcMethodHandler:
     """The same handler, behind `admit` and with the caller set for its whole run."""
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
@@ -136,10 +141,11 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit) -> grpc.Rpc
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_streaming(handler.unary_stream, method, admit), **kwargs)
+        return grpc.unary_stream_rpc_method_handler(_streaming(handler.unary_stream, method, admit, streams),
+                                                    **kwargs)
     if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(_streaming(handler.stream_stream, method, admit),
-                                                     **kwargs)
+        return grpc.stream_stream_rpc_method_handler(
+            _streaming(handler.stream_stream, method, admit, streams), **kwargs)
     inner_su = handler.stream_unary
 
     async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -149,19 +155,23 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit) -> grpc.Rpc
     return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
 
 
-def _streaming(inner: Callable[..., Any], method: str, admit: Admit) -> Callable[..., Any]:
+def _streaming(inner: Callable[..., Any], method: str, admit: Admit,
+               streams: OpenStreams) -> Callable[..., Any]:
     """A response-streaming behavior: an async generator (yields answers) or a coroutine that writes
-    with context.write (collector/ingest.py's Connect). The wrapper keeps the same shape."""
+    with context.write (collector/ingest.py's Connect). Either runs as a coroutine registered in
+    `streams` (a generator's answers written by it), so a revocation can end it at any await."""
     if inspect.isasyncgenfunction(inner):
-        async def generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            _CURRENT.set(await admit(method, context))
-            async for item in inner(request, context):
-                yield item
+        async def generator(request: Any, context: grpc.aio.ServicerContext) -> None:
+            who = await admit(method, context)
+            _CURRENT.set(who)
+            await streams.run(who, method, context,
+                              lambda: streams.write_all(inner(request, context), context))
 
         return generator
 
     async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        _CURRENT.set(await admit(method, context))
-        return await inner(request, context)
+        who = await admit(method, context)
+        _CURRENT.set(who)
+        return await streams.run(who, method, context, lambda: inner(request, context))
 
     return coroutine

@@ -77,6 +77,7 @@ class Security:
         self.server_ports: set[int] = set()
         self.identify = Identify(opts.tls.trust_domain, self.gates, self.server_ports)
         self.authorizer = Authorizer(self.identify, lambda: self.policy.policy, self.audit)
+        self._checked_policy = self.policy.policy  # the one the open streams were checked against
 
     def check_listen(self, listen: list[str]) -> None:
         """SecurityError for a plaintext TCP listener off loopback without --insecure."""
@@ -112,10 +113,19 @@ class Security:
 
     def tick(self) -> None:
         self.policy.maybe_reload()
+        self._recheck_streams()
 
     def reload(self) -> None:
         """SIGHUP: re-read the policy now."""
         self.policy.reload()
+        self._recheck_streams()
+
+    def _recheck_streams(self) -> None:
+        """A new policy in force: the open streams it now denies end at once (collector/revoke.py)."""
+        policy = self.policy.policy
+        if policy is not self._checked_policy:
+            self._checked_policy = policy
+            self.authorizer.streams.recheck(policy)
 
     def close(self) -> None:
         for gate in self.gates:
