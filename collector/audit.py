@@ -35,11 +35,44 @@ from typing import Any, NamedTuple
 
 from ghostgpu.collector.store import Store, StoreError
 
-from ghostgpu.common.audit_chain import GENESIS_SHA256, AuditRecord, BadLine, canonical_json, parse_line
+from ghostgpu.common.audit_chain import (
+    GENESIS_SHA256,
+    AuditRecord,
+    BadLine,
+    canonical_json,
+    normalize_detail,
+    parse_line,
+)
 
 log = logging.getLogger(__name__)
 
 _TAIL_BLOCK_BYTES = 64 * 1024
+# A record's detail is at most this much canonical JSON, whatever a caller sent (a 1 MiB node name
+# in a Hello, a policy file's text in an error): one record must not cost what the attacker chose.
+DETAIL_MAX_BYTES = 4096
+_VALUE_KEPT = 256  # characters kept of a long value when the detail is over
+_HEAD_KEPT = 1500  # characters of the detail's JSON kept when cutting values is not enough
+
+
+def bound_detail(detail: dict[str, Any], max_bytes: int = DETAIL_MAX_BYTES) -> dict[str, Any]:
+    """`detail` as it will be stored (normalize_detail) when its canonical JSON fits in `max_bytes`.
+    Else each value longer than 256 characters (as text, or as JSON for a list or mapping) is cut
+    to them with its full length said, and `detail_bytes` says the size it had; if that is still
+    over, the detail is `detail_bytes` and the head of its JSON (`detail_head`)."""
+    norm = normalize_detail(detail)
+    text = canonical_json(norm)
+    if len(text) <= max_bytes:
+        return norm
+    cut: dict[str, Any] = {}
+    for key, value in norm.items():
+        shown = value if isinstance(value, str) else canonical_json(value)
+        if len(shown) > _VALUE_KEPT:
+            value = f"{shown[:_VALUE_KEPT]}... ({len(shown)} characters)"
+        cut[key] = value
+    cut["detail_bytes"] = len(text)
+    if len(canonical_json(cut)) <= max_bytes:
+        return cut
+    return {"detail_bytes": len(text), "detail_head": text[:min(_HEAD_KEPT, max_bytes // 3)]}
 
 
 class AuditRow(NamedTuple):
@@ -209,8 +242,8 @@ class AuditLog:
         """Write one record (thread-safe); returns it. A file that cannot be written is logged, never
         raised: an audit failure must not turn a refused call into a crash of the collector."""
         with self._lock:
-            record = AuditRecord.make(self.seq + 1, time.time_ns(), action, subject, result, detail,
-                                      self.last_sha256)
+            record = AuditRecord.make(self.seq + 1, time.time_ns(), action, subject, result,
+                                      bound_detail(detail), self.last_sha256)
             self.seq, self.last_sha256 = record.seq, record.sha256
             if self._fd is not None:
                 try:

@@ -42,6 +42,30 @@ def current_principal() -> Principal:
     return _CURRENT.get()
 
 
+class DenialFold:
+    """A refusal repeated must not grow the audit log without bound: one record per key (who, and
+    what was refused) per DENIED_WINDOW_S, the next one saying how many were folded into it. Used
+    for denied RPCs here and for refused Hellos (collector/ingest.py)."""
+
+    def __init__(self, window_s: float = DENIED_WINDOW_S, keys_max: int = DENIED_KEYS_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self.keys_max, self.clock = window_s, keys_max, clock
+        self._seen: dict[tuple[str, ...], tuple[float, int]] = {}
+
+    def __call__(self, key: tuple[str, ...]) -> int | None:
+        """None when this refusal is folded into the window's record; else how many were folded
+        since the last record of `key` (write a record saying so)."""
+        now_s = self.clock()
+        last_s, folded = self._seen.get(key, (-self.window_s, 0))
+        if now_s - last_s < self.window_s:
+            self._seen[key] = (last_s, folded + 1)
+            return None
+        if len(self._seen) >= self.keys_max:  # many subjects: forget the old windows
+            self._seen = {k: v for k, v in self._seen.items() if now_s - v[0] < self.window_s}
+        self._seen[key] = (now_s, 0)
+        return folded
+
+
 class Identify:
     """A servicer context -> the Principal behind it (see ghostgpu/common/principal.py)."""
 
@@ -79,7 +103,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
         self.denied_total = 0
         # A client retrying a refused call must not grow the audit log without bound: one record per
         # (subject, method, transport) per window, the next one saying how many were folded into it.
-        self._denied_seen: dict[tuple[str, str, str], tuple[float, int]] = {}
+        self._denied = DenialFold()
         # Open streams, re-checked after a policy reload and ended at their certificate's notAfter
         # (collector/revoke.py); Security calls streams.recheck.
         self.streams = OpenStreams(audit)
@@ -112,16 +136,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
     def _fold(self, subject: str, method: str, via: str) -> int | None:
         """None when this denial is folded into the window's record; else how many were folded
         since the last record of (subject, method, transport)."""
-        now_s = time.monotonic()
-        key = (subject, method, via)
-        last_s, folded = self._denied_seen.get(key, (-DENIED_WINDOW_S, 0))
-        if now_s - last_s < DENIED_WINDOW_S:
-            self._denied_seen[key] = (last_s, folded + 1)
-            return None
-        if len(self._denied_seen) >= DENIED_KEYS_MAX:  # many subjects: forget the old windows
-            self._denied_seen = {k: v for k, v in self._denied_seen.items() if now_s - v[0] < DENIED_WINDOW_S}
-        self._denied_seen[key] = (now_s, 0)
-        return folded
+        return self._denied((subject, method, via))
 
 
 Admit = Callable[[str, grpc.aio.ServicerContext], Awaitable[Principal]]

@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any, Protocol
 
 import grpc
-from ghostgpu.collector.authz import current_principal
+from ghostgpu.collector.authz import DenialFold, current_principal
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
 from ghostgpu.collector.relay import CriRelayClient
@@ -36,6 +36,7 @@ from ghostgpu.collector.store import Position, Store
 from google.protobuf.message import DecodeError
 
 from ghostgpu import __version__
+from ghostgpu.common.names import node_name_problem, shown
 from ghostgpu.common.protocol import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
 from ghostgpu.v1 import stream_pb2
 
@@ -109,6 +110,7 @@ class Ingest:
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
         self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
+        self._refused = DenialFold()  # one tracer.refused record per (subject, reason) per 10 s
         self._done_lock = threading.Lock()
         self._drain_scheduled = False
         for pos in store.load_positions():
@@ -125,7 +127,7 @@ class Ingest:
             return
         who = current_principal()
         try:
-            hello = self._hello(raw)
+            hello = self._hello(raw, who)
             self._speaks_for(hello.node, who)
             session = await self._open(hello)
         except StreamAbort as e:
@@ -149,11 +151,20 @@ class Ingest:
                 reader.cancel()
             self._close(session)
 
-    def _hello(self, raw: bytes) -> stream_pb2.Hello:
+    def _hello(self, raw: bytes, who: Any) -> stream_pb2.Hello:
         msg = self._parse(raw)
         if msg.WhichOneof("msg") != "hello":
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "stream must start with Hello")
         hello = msg.hello  # its message holds only this Hello: nothing to detach (unlike nodes._copy)
+        # The node name is checked before anything stores, logs or audits it (a 1 MiB name must
+        # cost nothing): a DNS-1123 subdomain of at most 253 characters, as Kubernetes names nodes.
+        bad_name = node_name_problem(hello.node) if hello.node else None
+        if bad_name:
+            self._audit_refused(who, "node name", node=shown(hello.node), peer=who.peer, via=who.via,
+                                why=bad_name)
+            raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"Hello.node: {bad_name}: start the tracer with --node-name set to its "
+                              "Kubernetes node's name")
         problem = version_mismatch(hello.api_version, f"tracer on node {hello.node or '(unnamed)'}")
         if problem:
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -167,8 +178,8 @@ class Ingest:
         not stream (or answer trace commands) as another. Other callers the policy let through
         (the local root on loopback, an admin) may speak for any node."""
         if who.kind == "node" and who.name != node:
-            self._audit("tracer.refused", who.subject, "denied", node=node, peer=who.peer,
-                        why="the certificate names another node")
+            self._audit_refused(who, "node binding", node=node, peer=who.peer,
+                                why="the certificate names another node")
             raise StreamAbort(grpc.StatusCode.PERMISSION_DENIED,
                               f"permission denied: the certificate of node {who.name} cannot speak for node "
                               f"{node}: give this tracer node {node}'s certificate (ghostgpu certs issue "
@@ -177,6 +188,15 @@ class Ingest:
     def _audit(self, action: str, subject: str, result: str, **detail: Any) -> None:
         if self.audit is not None:
             self.audit(action, subject, result, **detail)
+
+    def _audit_refused(self, who: Any, reason: str, **detail: Any) -> None:
+        """tracer.refused, folded as denied RPCs are (collector/authz.py's DenialFold): one record per
+        (subject, reason) per window, the next one with `repeats_folded`; a Hello flood costs a
+        record per 10 s, not one per attempt."""
+        repeats = self._refused((who.subject, reason))
+        if repeats is not None:
+            self._audit("tracer.refused", who.subject, "denied", reason=reason, repeats_folded=repeats,
+                        **detail)
 
     @staticmethod
     def _parse(raw: bytes) -> stream_pb2.TracerMessage:

@@ -34,7 +34,9 @@ from fnmatch import fnmatchcase
 
 import yaml
 
+from ghostgpu.common import safe_yaml
 from ghostgpu.common.durations import parse_duration_s
+from ghostgpu.common.names import one_line
 from ghostgpu.common.principal import Principal
 
 log = logging.getLogger(__name__)
@@ -143,7 +145,9 @@ class Policy:
     @staticmethod
     def _rules(text: str) -> list[Rule]:
         try:
-            doc = yaml.safe_load(text)
+            doc = safe_yaml.load(text)  # no anchors, aliases or duplicate keys (ghostgpu/common/safe_yaml.py)
+        except safe_yaml.YamlRefused as e:
+            raise PolicyError(str(e)) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
@@ -164,8 +168,9 @@ class Policy:
     @classmethod
     def load(cls, path: str) -> Policy:
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            text = safe_yaml.read_capped(path)  # 64 KiB at most
+        except safe_yaml.YamlRefused as e:
+            raise PolicyError(f"policy {path}: {e}") from None
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
             raise PolicyError(f"policy {path}: cannot read it ({why}); pass a readable YAML file "
@@ -225,10 +230,17 @@ class Policy:
                 f"(policy {self.source}: rules[{best.index}].max_duration); ask for a shorter trace")
 
 
+# A refused reload is one log line (the logger's "ghostgpu: ghostgpu.collector.policy: " before it
+# stays under 300 characters) and the same line in its audit record, whatever the file holds.
+RELOAD_LINE_MAX = 250
+_KEPT = "; the old policy stays in force"
+
+
 class PolicyWatcher:
     """The policy in force, reloaded when its file changes (maybe_reload, once a second from the
-    collector's loop) or on SIGHUP (reload). A bad file logs one line, reports "policy.reload_error"
-    through on_event and keeps the old policy; a good one reports "policy.reload"."""
+    collector's loop) or on SIGHUP (reload). A bad file (or any error reading it) logs one line of at
+    most RELOAD_LINE_MAX characters, reports "policy.reload_error" through on_event, once per change
+    of the file, and keeps the old policy; a good one reports "policy.reload"."""
 
     def __init__(self, path: str | None, on_event: Callable[[str, str], None] | None = None,
                  own_uid: int | None = None) -> None:
@@ -236,6 +248,7 @@ class PolicyWatcher:
         self.on_event = on_event
         self._lock = threading.Lock()
         self._stat = self._stat_key()
+        self._refused: tuple[object, str] | None = None  # (stat key, line) of the last refused reload
         # At start a bad file is fatal (PolicyError propagates): better no collector than a wrong one.
         self.policy = Policy.load(path) if path else Policy.default(own_uid)
 
@@ -267,12 +280,17 @@ class PolicyWatcher:
             self._stat = self._stat_key()  # taken before reading: a change while reading is seen next time
             try:
                 new = Policy.load(self.path)
-            except PolicyError as e:
-                line = f"{e}; the old policy stays in force"
+            except Exception as e:  # of any kind (MemoryError, RecursionError too): the old policy stays
+                why = str(e) if isinstance(e, PolicyError) else (
+                    f"policy {self.path}: cannot load it ({type(e).__name__}: {e})")
+                line = one_line(why, RELOAD_LINE_MAX - len(_KEPT)) + _KEPT
+                if (self._stat, line) == self._refused:
+                    return False  # the same file refused the same way (SIGHUP after the look): said once
+                self._refused = (self._stat, line)
                 log.error("%s", line)
                 self._emit("policy.reload_error", line)
                 return False
-            self.policy = new
+            self.policy, self._refused = new, None
         line = f"policy {self.path}: reloaded, {len(new.rules)} rules in force"
         log.warning("%s", line)
         self._emit("policy.reload", line)

@@ -133,7 +133,7 @@ class Security:
         self.audit_log.close()
 
     def _policy_event(self, action: str, detail: str) -> None:
-        (log.info if action == "policy.reload" else log.error)("%s: %s", action, detail)
+        # The watcher has logged the line (one line per reload, bounded: collector/policy.py).
         self.audit(action, "collector", "ok" if action == "policy.reload" else "error", detail=detail,
                    path=self.opts.policy_path or "")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from ghostgpu.common.addresses import parse_listen
+from ghostgpu.common.names import node_name_problem
 
 VENDOR_PREFIXES: dict[str, tuple[str, ...]] = {
     # /dev/nvidia covers nvidia0..N, nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/...
@@ -46,7 +47,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class TracerConfig:
-    node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME") or socket.gethostname())
+    # kubelet's default node name is the hostname lowercased; the collector refuses a Hello whose node
+    # is no DNS-1123 subdomain (collector/ingest.py)
+    node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME")
+                           or socket.gethostname().lower())
     proc_root: str = "/proc"
     sys_root: str = "/sys"
     cgroup_root: str = "/sys/fs/cgroup"
@@ -134,6 +138,9 @@ class TracerConfig:
             raise ConfigError("trace_max_duration_s and trace_max_records: must be positive")
         if not self.node_name:
             raise ConfigError("node_name: empty; set --node-name or GHOSTGPU_NODE_NAME")
+        if problem := node_name_problem(self.node_name):
+            raise ConfigError(f"node_name: {problem}; set --node-name or GHOSTGPU_NODE_NAME to the "
+                              "Kubernetes node's name")
         if self.health_listen:
             try:
                 parse_listen(self.health_listen, "--health-listen")

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from ghostgpu.common import safe_yaml
 from ghostgpu.common.durations import parse_duration_s
 
 FLAG = "--web-config-file"
@@ -119,8 +120,11 @@ class WebConfig:
 def load_web_config(path: str) -> WebConfig:
     """Read and check `path` (YAML); WebConfigError with one line on anything wrong."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = safe_yaml.read_capped(path)  # 64 KiB at most
+    except safe_yaml.YamlRefused as e:
+        raise WebConfigError(f"web config {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise WebConfigError(f"web config {path}: not UTF-8 text; write it as UTF-8 YAML") from None
     except OSError as e:
         raise WebConfigError(f"{FLAG} {path}: cannot read: {e.strerror or e}; fix the path") from None
     return parse_web_config(text, path)
@@ -129,7 +133,9 @@ def load_web_config(path: str) -> WebConfig:
 def parse_web_config(text: str, path: str) -> WebConfig:
     where = f"web config {path}"
     try:
-        doc = yaml.safe_load(text)
+        doc = safe_yaml.load(text)  # no anchors, aliases or duplicate keys (ghostgpu/common/safe_yaml.py)
+    except safe_yaml.YamlRefused as e:
+        raise WebConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
