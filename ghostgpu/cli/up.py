@@ -138,7 +138,10 @@ def _local_cri_endpoint() -> str | None:
 
 def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoint: str | None) -> list[str]:
     """`ghostgpu tracer --collector ADDR` with every tracer flag `up` was given."""
-    cmd = [sys.executable, "-m", "ghostgpu.cli"] + (["-v"] if getattr(args, "verbose", False) else [])
+    # -P (Python 3.11+): the working directory stays off sys.path. Run from a checkout by a copy
+    # installed elsewhere (/opt/ghostgpu, scripts/bootstrap.sh), the checkout's own ghostgpu/ folder,
+    # which lacks the tracer and collector that the install maps in, would shadow the installed one.
+    cmd = [sys.executable, "-P", "-m", "ghostgpu.cli"] + (["-v"] if getattr(args, "verbose", False) else [])
     cmd += ["tracer", "--collector", address, "--node-name", node]
     for flag, dest in (("--config", "config"), ("--bpf", "bpf"), ("--jsonl", "jsonl"),
                        ("--proc-root", "proc_root"), ("--sys-root", "sys_root"),

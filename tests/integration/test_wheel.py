@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,16 @@ def run(*cmd: str, cwd: Path | None = None) -> str:
     return done.stdout
 
 
-def test_the_installed_wheel_traces_with_bpf(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Installed:
+    venv: Path
+    site: Path  # its purelib
+    workdir: Path  # an empty directory
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    tmp_path = tmp_path_factory.mktemp("wheel")
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
         str(tmp_path / "wheel"), str(REPO))
     (wheel,) = (tmp_path / "wheel").glob("ghostgpu-*.whl")
@@ -45,6 +55,12 @@ def test_the_installed_wheel_traces_with_bpf(tmp_path: Path) -> None:
     (site / "ghostgpu-test-deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     workdir = tmp_path / "empty"
     workdir.mkdir()
+    return Installed(venv, site, workdir)
+
+
+def test_the_installed_wheel_traces_with_bpf(installed: Installed) -> None:
+    venv, site, workdir = installed.venv, installed.site, installed.workdir
+    python = venv / "bin" / "python"
     where = run(str(python), "-c", "import ghostgpu.tracer.agent as a, ghostgpu.tracer.bpf_build as b; "
                 "print(a.__file__); print(b.BPF_DIR)", cwd=workdir).split()
     assert where[0].startswith(str(site)) and where[1] == str(venv / "share" / "ghostgpu" / "bpf")
@@ -71,3 +87,15 @@ def test_the_installed_wheel_traces_with_bpf(tmp_path: Path) -> None:
             _, stderr = proc.communicate()
     assert ready.get("bpf") is True and ready["node"] == "wheel-node", f"no ready record: {stderr[-2000:]}"
     assert proc.returncode == 0, stderr[-2000:]
+
+
+def test_the_installed_up_runs_from_inside_a_checkout(installed: Installed, tmp_path: Path) -> None:
+    """`bootstrap.sh run` from a clone under /root runs the copy in /opt/ghostgpu with the clone as its
+    working directory: the tracer `up` starts must import the installed ghostgpu, not the clone's own
+    ghostgpu/ folder (which lacks the tracer and collector the install maps in)."""
+    done = subprocess.run(
+        [str(installed.venv / "bin" / "ghostgpu"), "up", "--once", "--bpf", "off", "--node-name", "wheel-up",
+         "--db", str(tmp_path / "up.db"), "--listen", f"unix://{tmp_path}/up.sock"],
+        cwd=REPO, capture_output=True, text=True, timeout=READY_DEADLINE_S, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wheel-up" in done.stdout, done.stdout[-2000:]
