@@ -116,6 +116,13 @@ BPF_ARRAY(trace_on, u64, 1); /* active slots, written by user space: 0 = every h
 BPF_ARRAY(trace_slots, struct gg_tslot, GG_TRACE_SLOTS);
 BPF_HASH(trace_cgroups, u64, u32, GG_TRACE_MAX_CGROUPS); /* cgroup id -> slot mask */
 BPF_HASH(trace_tgids, u32, u32, GG_TRACE_MAX_TGIDS);     /* tgid -> slot mask (forks inherit it) */
+/* A pid scope keeps to the cgroups its process was in when the session started (its container's,
+ * or its own cgroup on the host): a descendant in any other cgroup (one that joined another
+ * container, as `runc exec` does, then exec'd) is out of that slot's scope, and at its exec it
+ * leaves the slot for good. trace_pinned: the slots whose pid scope is pinned so; trace_pincg:
+ * cgroup id -> the pinned slots that may run there. */
+BPF_ARRAY(trace_pinned, u32, 1);
+BPF_HASH(trace_pincg, u64, u32, GG_TRACE_MAX_CGROUPS);
 BPF_HASH(trace_layout, u32, struct gg_tlayout, 1024);    /* effective request word -> layout */
 /* traced fork child -> parent tgid, until user space seeds the child's fds or it execs; LRU so a
  * child that outlived every session (its entry is cleared when the last one ends) cannot fill it */
@@ -125,6 +132,18 @@ BPF_TABLE("lru_hash", struct gg_tmap_key, struct gg_tmap_val, trace_maps, GG_TRA
 BPF_PERCPU_ARRAY(trace_tmp, struct gg_tcall, 1); /* too big for the 512-byte stack with the rest */
 BPF_RINGBUF_OUTPUT(trace_events, GG_TRACE_RINGBUF_PAGES);
 
+/* Of a tgid's pid-scope slots `mask`, those whose pin lets it run in `cgroup_id`. */
+static __always_inline u32 gg_trace_pinned(u32 mask, u64 cgroup_id)
+{
+    u32 zero = 0;
+    u32 *pinned = trace_pinned.lookup(&zero);
+    u32 held = pinned ? (*pinned & mask) : 0;
+    if (!held)
+        return mask;
+    u32 *ok = trace_pincg.lookup(&cgroup_id);
+    return mask & (~held | (ok ? *ok : 0));
+}
+
 /* The slot mask of the sessions this task is in, 0 when none (nearly always one array load). */
 static __always_inline u32 gg_trace_scope(u32 tgid)
 {
@@ -133,8 +152,8 @@ static __always_inline u32 gg_trace_scope(u32 tgid)
     if (!on || *on == 0)
         return 0;
     u32 *mask = trace_tgids.lookup(&tgid);
-    u32 slots = mask ? *mask : 0;
     u64 cgroup_id = bpf_get_current_cgroup_id();
+    u32 slots = mask ? gg_trace_pinned(*mask, cgroup_id) : 0;
     u32 *by_cgroup = trace_cgroups.lookup(&cgroup_id);
     if (by_cgroup)
         slots |= *by_cgroup;
@@ -359,8 +378,9 @@ static __always_inline void gg_trace_fork(u32 tgid, u32 tid, u32 child)
         return;
     u32 *mask = trace_tgids.lookup(&tgid);
     if (mask) {
-        u32 inherited = *mask;
-        trace_tgids.update(&child, &inherited);
+        u32 inherited = gg_trace_pinned(*mask, bpf_get_current_cgroup_id());
+        if (inherited)
+            trace_tgids.update(&child, &inherited);
     }
     trace_forked.update(&child, &tgid);
     gg_trace_instant(GG_TK_FORK, tgid, tid, -1, 0, 0, 0, 0, child);
@@ -397,6 +417,20 @@ static __always_inline void gg_trace_gone(u32 tgid, u32 tid)
  * own; a CLOEXEC GPU fd of the parent's may be reused for anything). */
 static __always_inline void gg_trace_exec(u32 tgid, u32 tid)
 {
+    u32 zero = 0;
+    u64 *on = trace_on.lookup(&zero);
+    if (!on || *on == 0)
+        return;
+    u32 *mask = trace_tgids.lookup(&tgid);
+    if (mask) {  /* exec'd outside its pin (another container's cgroup): it leaves those slots */
+        u32 kept = gg_trace_pinned(*mask, bpf_get_current_cgroup_id());
+        if (kept != *mask) {
+            if (kept)
+                trace_tgids.update(&tgid, &kept);
+            else
+                trace_tgids.delete(&tgid);
+        }
+    }
     if (!gg_trace_scope(tgid))
         return;
     gg_trace_instant(GG_TK_EXEC, tgid, tid, -1, 0, 0, 0, 0, 0);

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -55,6 +56,27 @@ class TraceSink(Protocol):
     def answer(self, stream: Any, result: stream_pb2.CommandResult) -> bool: ...
 
     def stream_ended(self, stream: Any) -> None: ...
+
+
+def node_binding_refusal(node: str, who: Any, local_node: str | None,
+                         local_uids: frozenset[int]) -> str | None:
+    """None when `who` may send a Hello for `node`; else why not (one clause)."""
+    if who.kind == "node":
+        if who.name == node:
+            return None
+        return (f"the certificate of node {who.name} cannot speak for node {node}: give this tracer node "
+                f"{node}'s certificate (ghostgpu certs issue --node {node})")
+    if who.kind == "uid" and who.via in ("unix", "loopback"):
+        if not who.name.isdigit() or int(who.name) not in local_uids:
+            return (f"{who.subject} cannot speak for node {node}: only root or the collector's uid "
+                    f"({', '.join(map(str, sorted(local_uids)))}) is this host's tracer; run the tracer as "
+                    "root, or give it a node certificate")
+        if local_node and node != local_node:
+            return (f"{who.subject} cannot speak for node {node}: this host's tracer speaks for node "
+                    f"{local_node} (the collector's node) only")
+        return None
+    return (f"{who.subject} cannot speak for node {node}: only a node certificate naming that node "
+            f"streams as it (ghostgpu certs issue --node {node}), whatever the policy's roles")
 
 
 class StreamAbort(Exception):
@@ -109,6 +131,8 @@ class Ingest:
         self.audit: Any = None  # AuditLog.append (collector/audit.py); the Collector sets it
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
+        self.local_node: str | None = None  # the collector's own node (`ghostgpu up`); the Collector sets it
+        self.local_uids = frozenset({0, os.getuid()})  # the uids that are this host's tracer (_speaks_for)
         self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
         self._refused = DenialFold()  # one tracer.refused record per (subject, reason) per 10 s
         self._done_lock = threading.Lock()
@@ -174,16 +198,16 @@ class Ingest:
         return hello
 
     def _speaks_for(self, node: str, who: Any) -> None:
-        """A tracer certificate speaks for the node it names and no other: a compromised node must
-        not stream (or answer trace commands) as another. Other callers the policy let through
-        (the local root on loopback, an admin) may speak for any node."""
-        if who.kind == "node" and who.name != node:
-            self._audit_refused(who, "node binding", node=node, peer=who.peer,
-                                why="the certificate names another node")
-            raise StreamAbort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"permission denied: the certificate of node {who.name} cannot speak for node "
-                              f"{node}: give this tracer node {node}'s certificate (ghostgpu certs issue "
-                              f"--node {node})")
+        """Node binding (docs/SECURITY.md, "Authorization", node binding), whatever the role rules say:
+        a Hello is accepted only from `node:NAME` naming the Hello's node, or from a local uid the
+        kernel names (unix socket, loopback) that is root or the collector's own: the host's tracer,
+        bound to the collector's node when it has one (`ghostgpu up`). A user certificate, another
+        uid or anonymous is no node: refused and audited (tracer.refused)."""
+        why = node_binding_refusal(node, who, self.local_node, self.local_uids)
+        if why is None:
+            return
+        self._audit_refused(who, "node binding", node=node, peer=who.peer, via=who.via, why=why)
+        raise StreamAbort(grpc.StatusCode.PERMISSION_DENIED, f"permission denied: {why}")
 
     def _audit(self, action: str, subject: str, result: str, **detail: Any) -> None:
         if self.audit is not None:

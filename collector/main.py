@@ -31,6 +31,7 @@ from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest
 from ghostgpu.collector.nodes import NodeView
+from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, check_listen, start_server
@@ -185,11 +186,13 @@ class Collector:
                                 cluster_rows=self.cluster.rows,
                                 resolve_names=getattr(self.resolver, "get", None))
         self.ingest.traces = self.traces
+        self.ingest.local_node = self.node_name  # its uid peers are this node's tracer (docs/SECURITY.md)
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures, traces=self.traces)
         self.ingest.audit = self.query.audit = self.security.audit
         policy = self.security.policy
         self.query.trace_denial = lambda who, ns, duration_s: policy.policy.trace_denial(who, ns, duration_s)
+        self.query.is_admin = lambda who: ADMIN in policy.policy.roles(who)  # reads and stops any session
         if self.alertmanager:
             if self._pusher_factory is not None:
                 factory = self._pusher_factory

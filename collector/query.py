@@ -26,6 +26,7 @@ from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable, Watcher
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
+from ghostgpu.collector.trace_access import read_refusal, stop_refusal
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.traces import TraceBook
 
@@ -141,6 +142,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         self.cri_failures = cri_failures
         self.traces = traces
         self.trace_denial: TraceDenial | None = None  # the Collector sets it from the policy
+        self.is_admin: Callable[[Principal], bool] | None = None  # the Collector sets it from the policy
         self.audit: Callable[..., Any] | None = None  # AuditLog.append, for refused traces
         self._closing = False
 
@@ -220,17 +222,46 @@ class QueryService(query_pb2_grpc.QueryServicer):
             scope = scope_from_proto(request.scope)
             duration_s = book.limits.duration_ms(request.duration_ms) / 1000
             await self._may_trace(context, "StartTrace", who, scope.namespace, duration_s)
-            s = await book.start(scope, request.duration_ms, request.max_records, who.subject)
+            # Not admin: the scope must lie inside the caller's namespaces, a pid's or container id's
+            # confirmed by the node and CRI (collector/trace_access.py confine).
+            in_namespace = None if self._admin(who) else (
+                lambda ns: self.trace_denial is None or self.trace_denial(who, ns, duration_s) is None)
+            s = await book.start(scope, request.duration_ms, request.max_records, who.subject, in_namespace)
         except TraceError as e:
+            if e.code == grpc.StatusCode.PERMISSION_DENIED:
+                self._audit_denied("StartTrace", who, e.line, scope=scope.describe())
             await context.abort(e.code, e.line)
         return trace_pb2.StartTraceResponse(session=session_to_proto(s))
+
+    def _admin(self, who: Principal) -> bool:
+        """Admin, or no policy at all (a QueryService outside a Collector)."""
+        if self.trace_denial is None:
+            return True
+        return self.is_admin is not None and self.is_admin(who)
+
+    def _in_namespace(self, who: Principal) -> Callable[[str | None], bool]:
+        return lambda ns: self.trace_denial is None or self.trace_denial(who, ns, 0.0) is None
+
+    def _audit_denied(self, method: str, who: Principal, why: str, **detail: Any) -> None:
+        if self.audit is not None:
+            self.audit("denied", who.subject, "denied", method=f"/ghostgpu.v1.Query/{method}", why=why,
+                       peer=who.peer, **detail)
+
+    async def _deny(self, context: grpc.aio.ServicerContext, method: str, who: Principal, why: str,
+                    session: str) -> None:
+        """PERMISSION_DENIED for a session the caller may not read or stop, audited."""
+        self._audit_denied(method, who, why, session=session)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"permission denied: {method}: {why}")
 
     async def StopTrace(self, request: trace_pb2.StopTraceRequest,
                         context: grpc.aio.ServicerContext) -> trace_pb2.StopTraceResponse:
         book = await self._book(context)
         who = current_principal()
         try:
-            await self._may_trace(context, "StopTrace", who, book.get(request.id).scope.namespace, 0.0)
+            session = book.get(request.id)
+            await self._may_trace(context, "StopTrace", who, session.scope.namespace, 0.0)
+            if (why := stop_refusal(who.subject, self._admin(who), session)) is not None:
+                await self._deny(context, "StopTrace", who, why, request.id)
             s = await book.stop(request.id, who.subject)
         except TraceError as e:
             await context.abort(e.code, e.line)
@@ -251,12 +282,19 @@ class QueryService(query_pb2_grpc.QueryServicer):
     async def ListTraces(self, request: trace_pb2.ListTracesRequest,
                          context: grpc.aio.ServicerContext) -> trace_pb2.ListTracesResponse:
         book = await self._book(context)
-        return trace_pb2.ListTracesResponse(sessions=[session_to_proto(s) for s in book.list()])
+        who = current_principal()
+        admin, in_namespace = self._admin(who), self._in_namespace(who)
+        readable = [s for s in book.list() if read_refusal(who.subject, admin, in_namespace, s) is None]
+        return trace_pb2.ListTracesResponse(sessions=[session_to_proto(s) for s in readable])
 
     async def WatchTrace(self, request: trace_pb2.WatchTraceRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[trace_pb2.TraceWatchMessage]:
         book = await self._book(context)
+        who = current_principal()
         try:
+            why = read_refusal(who.subject, self._admin(who), self._in_namespace(who), book.get(request.id))
+            if why is not None:
+                await self._deny(context, "WatchTrace", who, why, request.id)
             async for msg in book.watch(request.id, request.follow):
                 yield msg
         except TraceError as e:

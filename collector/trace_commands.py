@@ -10,7 +10,9 @@ tracer that answers a trace command with a CRI "unknown command" is still heard.
 
 The error-line convention with the tracer (its prefix picks the gRPC code the client gets):
 "limit: ..." RESOURCE_EXHAUSTED (its per-node session limit), "not found: ..." NOT_FOUND (no such
-process or session), "invalid: ..." INVALID_ARGUMENT (an unknown GPU), anything else
+process or session), "invalid: ..." INVALID_ARGUMENT (an unknown GPU), "denied: ..."
+PERMISSION_DENIED (the pid is not in a container of the caller's namespaces,
+TraceStart.pid_containers), anything else
 FAILED_PRECONDITION (it cannot trace now). The line names the node, or the collector adds it.
 """
 
@@ -32,7 +34,7 @@ from ghostgpu.v1 import stream_pb2
 
 _CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,
           "invalid:": grpc.StatusCode.INVALID_ARGUMENT, "timeout:": grpc.StatusCode.UNAVAILABLE,
-          "gone:": grpc.StatusCode.UNAVAILABLE}
+          "gone:": grpc.StatusCode.UNAVAILABLE, "denied:": grpc.StatusCode.PERMISSION_DENIED}
 COMMAND_ID_BASE = 1 << 62
 
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+from ghostgpu.collector.trace_access import InNamespace, confine
 from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, fmt_ms, node_error, validate
 from ghostgpu.collector.trace_scope import (
     Names,
@@ -75,11 +76,18 @@ class TraceBook:
 
     # ---- the Query RPCs -------------------------------------------------------------------------
 
-    async def start(self, scope: TraceScope, duration_ms: int, max_records: int, who: str) -> TraceSession:
+    async def start(self, scope: TraceScope, duration_ms: int, max_records: int, who: str,
+                    in_namespace: InNamespace | None = None) -> TraceSession:
+        """`in_namespace`: for a caller who is not admin, whether it may trace a namespace; the
+        scope must then lie inside its namespaces (collector/trace_access.py confine)."""
+        pid_containers: frozenset[str] = frozenset()
         try:
             duration_ms, max_records = validate(scope, duration_ms, max_records, self.limits)
             where, names = await targets(scope, self.streams, self.transport_for, self.nodes,
                                          self.cluster_rows)
+            if in_namespace is not None:
+                pid_containers = await confine(scope, who, in_namespace, names, self.streams,
+                                               self.transport_for)
         except TraceError as e:
             self.store.audit("", "refused", who, f"{scope.describe()}: {e.line}")
             raise
@@ -93,11 +101,12 @@ class TraceBook:
         self.sessions[s.id] = s
         self.store.save(s)  # running from here: batches sent before the answers are kept
         # A client that goes away while the tracers answer changes nothing: the start runs on.
-        return await asyncio.shield(self._launch(live, where, who, f"for {fmt_ms(duration_ms)}"))
+        return await asyncio.shield(self._launch(live, where, who, f"for {fmt_ms(duration_ms)}",
+                                                 pid_containers))
 
     async def _launch(self, live: LiveSession, where: dict[str, set[str]], who: str,
-                      length: str) -> TraceSession:
-        errors = await self._start_parts(live, where)
+                      length: str, pid_containers: frozenset[str] = frozenset()) -> TraceSession:
+        errors = await self._start_parts(live, where, pid_containers)
         if where and len(errors) == len(where):
             first = errors[min(errors)]
             more = f" (and {len(errors) - 1} more nodes)" if len(errors) > 1 else ""
@@ -267,13 +276,16 @@ class TraceBook:
 
     # ---- inside ---------------------------------------------------------------------------------
 
-    async def _start_parts(self, live: LiveSession, targets: dict[str, set[str]]) -> dict[str, TraceError]:
-        """trace_start on each node at once; the nodes that refused (or did not answer) and why."""
+    async def _start_parts(self, live: LiveSession, targets: dict[str, set[str]],
+                           pid_containers: frozenset[str] = frozenset()) -> dict[str, TraceError]:
+        """trace_start on each node at once; the nodes that refused (or did not answer) and why.
+        `pid_containers`: the containers the pid must be in (a caller who is not admin)."""
         s, errors, todo = live.session, {}, list(targets)
         for node in todo:
             live.parts[node] = NodePart(self.streams.get(node), frozenset(targets[node]))
         starts = [trace_pb2.TraceStart(
             session=s.id, container_ids=sorted(targets[n]), pid=s.scope.pid if n == s.scope.node else 0,
+            pid_containers=sorted(pid_containers) if n == s.scope.node and s.scope.pid else (),
             gpu=s.scope.gpu, deadline_unix_ns=s.deadline_unix_ns, max_records=s.max_records) for n in todo]
         answers = await asyncio.gather(*(self.commands.call(live.parts[n].stream, trace_start=start)
                                          for n, start in zip(todo, starts, strict=True)))

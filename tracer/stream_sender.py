@@ -157,9 +157,10 @@ class StreamSender:
         caps = list(self._capabilities)
         info = self._info
         if info is not None:
-            # "trace": sessions run wherever the kernel side does (refused with a reason otherwise)
-            caps[:0] = [name for name, on in (("bpf", info.bpf), ("nvml", info.nvml), ("trace", info.bpf))
-                        if on]
+            # "trace": sessions run wherever the kernel side does (refused with a reason otherwise);
+            # "trace-confine": it checks TraceStart.pid_containers (a caller who is not admin)
+            caps[:0] = [name for name, on in (("bpf", info.bpf), ("nvml", info.nvml), ("trace", info.bpf),
+                                              ("trace-confine", info.bpf)) if on]
         hello = stream_pb2.Hello(api_version=protocol.API_VERSION, node=self.node, boot_id=self.boot_id,
                                  instance_id=self.instance_id, tracer_version=__version__, capabilities=caps)
         return stream_pb2.TracerMessage(hello=hello).SerializeToString()

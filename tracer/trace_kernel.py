@@ -146,8 +146,9 @@ class TraceKernel:
             leaf.active = 0
             table[table.Key(slot)] = leaf
         with self._lock:
-            for name in (b"trace_cgroups", b"trace_tgids"):
+            for name in (b"trace_cgroups", b"trace_tgids", b"trace_pincg"):
                 self._clear_bit(name, slot)
+            self._write_pinned(slot, False)
             self._active.discard(slot)
             self._write_on()
             if not self._active:
@@ -183,6 +184,21 @@ class TraceKernel:
             table = self._bpf[b"trace_cgroups"]
             for cgroup_id in wanted:
                 self._add_bit(table, table.Key(cgroup_id), slot)
+
+    def pin(self, slot: int, cgroup_ids: Iterable[int]) -> None:
+        """Keep `slot`'s pid scope to these cgroups: a process of it in any other cgroup is out of
+        the scope, and leaves it at its exec (bpf/trace.bpf.c trace_pinned, trace_pincg)."""
+        with self._lock:
+            table = self._bpf[b"trace_pincg"]
+            for cgroup_id in set(cgroup_ids):
+                self._add_bit(table, table.Key(cgroup_id), slot)
+            self._write_pinned(slot, True)
+
+    def _write_pinned(self, slot: int, on: bool) -> None:
+        table = self._bpf[b"trace_pinned"]
+        key = table.Key(0)
+        mask = int(table[key].value)
+        table[key] = table.Leaf(mask | 1 << slot if on else mask & ~(1 << slot))
 
     def add_tgid(self, slot: int, tgid: int) -> None:
         """Put `tgid` in `slot`'s scope; its forks from now on join it in the kernel."""

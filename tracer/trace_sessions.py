@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ghostgpu.tracer.call_decode import DriverLayout, layout_for
-from ghostgpu.tracer.cgroup import CgroupIdResolver
+from ghostgpu.tracer.cgroup import CgroupIdResolver, parse_proc_cgroup, unified_path
 from ghostgpu.tracer.events import boot_ns
 from ghostgpu.tracer.procfs import parse_stat, read_bytes
 from ghostgpu.tracer.trace_kernel import SLOTS, TraceKernel, slot_bits, unpack_trace
@@ -39,6 +39,7 @@ BATCH_RECORDS = 512  # ~200 KB a batch: far under the 8 MiB gRPC message limit (
 # Prefixes of a refusal the collector turns into a gRPC code (collector/trace_commands.py).
 LIMIT_PREFIX = "limit: "  # over a configured limit: RESOURCE_EXHAUSTED
 NOT_FOUND_PREFIX = "not found: "  # the pid or container is not on this node: NOT_FOUND
+DENIED_PREFIX = "denied: "  # the pid is outside the caller's containers: PERMISSION_DENIED
 GPU_FILTER_HEADROOM = 16  # a --gpu session's kernel budget, in multiples of its own limit
 TK_EXEC, TK_EXIT = 7, 8  # bpf/trace.bpf.c GG_TK_*
 
@@ -144,6 +145,11 @@ class TraceSessions:
         if cmd.pid and not tgids:
             result.error = f"{NOT_FOUND_PREFIX}no process {cmd.pid} on node {self.node}"
             return result
+        pins: set[int] = set()
+        if cmd.pid:
+            pins, result.error = self._pid_pins(cmd.pid, frozenset(cmd.pid_containers))
+            if result.error:
+                return result
         with self._lock:
             if cmd.session in self._sessions:
                 return result  # a retried command: already running
@@ -169,6 +175,8 @@ class TraceSessions:
             # and the session's own limit is kept exactly here (_take).
             try:
                 self.kernel.open_slot(slot, max_records * GPU_FILTER_HEADROOM if cmd.gpu else max_records)
+                if pins:  # before the tgids: no call of a descendant elsewhere is taken meanwhile
+                    self.kernel.pin(slot, pins)
                 for tgid in sorted(tgids):
                     self.kernel.add_tgid(slot, tgid)
                 if cgroup_ids:
@@ -185,6 +193,37 @@ class TraceSessions:
                     time.strftime("%H:%M:%S", time.localtime(cmd.deadline_unix_ns / 1e9)))
         self._wake.set()
         return result
+
+    def _pid_pins(self, pid: int, allowed: frozenset[str]) -> tuple[set[int], str]:
+        """(the cgroup ids a pid scope keeps to, "") or (_, the refusal). The scope keeps to the
+        cgroups of the process's container (every cgroup of it), or to its own cgroup on the host:
+        a descendant that joins another container leaves it (bpf/trace.bpf.c trace_pincg).
+        `allowed` non-empty (a caller who is not admin): the process must be in one of these
+        containers, and its cgroup must be known; else "denied: ..." (fail closed)."""
+        text = read_bytes(f"{self.maker.proc_root}/{pid}/cgroup")
+        content = text.decode("utf-8", "replace") if text is not None else ""
+        ident = parse_proc_cgroup(content)
+        path = unified_path(content)
+        pins: set[int] = set()
+        if ident.container_id:
+            pins = self.cgroups.ids_of_containers([ident.container_id])
+        elif path and self.cgroups.root:
+            with contextlib.suppress(OSError):
+                pins = {os.stat(os.path.join(self.cgroups.root, path.lstrip("/"))).st_ino}
+        if allowed:
+            where = f"container {ident.container_id[:12]}" if ident.container_id else (
+                f"cgroup {path or 'unknown'}, no container")
+            if ident.container_id not in allowed or not ident.container_id:
+                return pins, (f"{DENIED_PREFIX}pid {pid} on node {self.node} is not in a container of the "
+                              f"caller's namespaces (it is in {where})")
+            if not pins:
+                return pins, (f"{DENIED_PREFIX}pid {pid} on node {self.node}: the cgroups of its container "
+                              f"{ident.container_id[:12]} cannot be read (cgroup v2 under "
+                              f"{self.cgroups.root or 'nowhere'}), so its scope cannot be kept to it")
+        elif not pins:
+            log.warning("trace: the cgroup of pid %d is unknown: its scope follows its descendants anywhere",
+                        pid)
+        return pins, ""
 
     def _refusal(self, cmd: trace_pb2.TraceStart) -> str:
         left_s = (cmd.deadline_unix_ns - time.time_ns()) / 1e9

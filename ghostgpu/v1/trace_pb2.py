@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ghostgpu/v1/trace.proto\x12\x0bghostgpu.v1\"g\n\nTraceScope\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x11\n\tcontainer\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0b\n\x03gpu\x18\x06 \x01(\t\"\xaf\x03\n\x0cTraceSession\x12\n\n\x02id\x18\x01 \x01(\t\x12&\n\x05scope\x18\x02 \x01(\x0b\x32\x17.ghostgpu.v1.TraceScope\x12\x14\n\x0crequested_by\x18\x03 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\x04 \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x15\n\rended_unix_ns\x18\x06 \x01(\x03\x12(\n\x06status\x18\x07 \x01(\x0e\x32\x18.ghostgpu.v1.TraceStatus\x12\x15\n\rstatus_detail\x18\x08 \x01(\t\x12\r\n\x05nodes\x18\t \x03(\t\x12\x15\n\rcontainer_ids\x18\n \x03(\t\x12\x15\n\rrecords_total\x18\x0b \x01(\x04\x12\x1b\n\x13\x64ropped_limit_total\x18\x0c \x01(\x04\x12\x1d\n\x15\x64ropped_ringbuf_total\x18\r \x01(\x04\x12\x1b\n\x13\x64ropped_store_total\x18\x0e \x01(\x04\x12\x13\n\x0bmax_records\x18\x0f \x01(\x04\x12\x1f\n\x17\x64ropped_transport_total\x18\x10 \x01(\x04\"\xe6\x04\n\x0bTraceRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x12\n\nts_unix_ns\x18\x03 \x01(\x03\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0b\n\x03tid\x18\x06 \x01(\r\x12\x0e\n\x06ns_pid\x18\x07 \x01(\r\x12\x14\n\x0c\x63ontainer_id\x18\x08 \x01(\t\x12\x11\n\tnamespace\x18\t \x01(\t\x12\x0b\n\x03pod\x18\n \x01(\t\x12\x11\n\tcontainer\x18\x0b \x01(\t\x12\x0b\n\x03gpu\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\n\n\x02\x66\x64\x18\x0e \x01(\x05\x12\x0c\n\x04\x63\x61ll\x18\x0f \x01(\t\x12\x0f\n\x07request\x18\x10 \x01(\r\x12\x0e\n\x06\x65scape\x18\x11 \x01(\t\x12\x10\n\x03\x63md\x18\x12 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08\x63md_name\x18\x13 \x01(\t\x12\x14\n\x07h_class\x18\x14 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nclass_name\x18\x15 \x01(\t\x12\x16\n\tnv_status\x18\x16 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0env_status_name\x18\x17 \x01(\t\x12\x0b\n\x03ret\x18\x18 \x01(\x03\x12\x13\n\x0b\x64uration_ns\x18\x19 \x01(\x04\x12\x30\n\x04\x61rgs\x18\x1a \x03(\x0b\x32\".ghostgpu.v1.TraceRecord.ArgsEntry\x12\r\n\x05notes\x18\x1b \x03(\t\x12\x0c\n\x04\x63omm\x18\x1c \x01(\t\x12\x11\n\tchild_pid\x18\x1d \x01(\r\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04_cmdB\n\n\x08_h_classB\x0c\n\n_nv_status\"\xdf\x01\n\nTraceBatch\x12\x0f\n\x07session\x18\x01 \x01(\t\x12)\n\x07records\x18\x02 \x03(\x0b\x32\x18.ghostgpu.v1.TraceRecord\x12\x15\n\rrecords_total\x18\x03 \x01(\x04\x12\x1b\n\x13\x64ropped_limit_total\x18\x04 \x01(\x04\x12\x1d\n\x15\x64ropped_ringbuf_total\x18\x05 \x01(\x04\x12\r\n\x05\x65nded\x18\x06 \x01(\x08\x12\x12\n\nend_reason\x18\x07 \x01(\t\x12\x1f\n\x17\x64ropped_transport_total\x18\x08 \x01(\x04\"}\n\nTraceStart\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x15\n\rcontainer_ids\x18\x02 \x03(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0b\n\x03gpu\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x13\n\x0bmax_records\x18\x06 \x01(\x04\"5\n\x0bTraceUpdate\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x15\n\rcontainer_ids\x18\x02 \x03(\t\"\x1c\n\tTraceStop\x12\x0f\n\x07session\x18\x01 \x01(\t\"4\n\x12TraceCommandResult\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"e\n\x11StartTraceRequest\x12&\n\x05scope\x18\x01 \x01(\x0b\x32\x17.ghostgpu.v1.TraceScope\x12\x13\n\x0b\x64uration_ms\x18\x02 \x01(\x04\x12\x13\n\x0bmax_records\x18\x03 \x01(\x04\"@\n\x12StartTraceResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.ghostgpu.v1.TraceSession\"\x1e\n\x10StopTraceRequest\x12\n\n\x02id\x18\x01 \x01(\t\"?\n\x11StopTraceResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.ghostgpu.v1.TraceSession\"\x13\n\x11ListTracesRequest\"A\n\x12ListTracesResponse\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.ghostgpu.v1.TraceSession\"/\n\x11WatchTraceRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\"j\n\x11TraceWatchMessage\x12)\n\x07records\x18\x01 \x03(\x0b\x32\x18.ghostgpu.v1.TraceRecord\x12*\n\x07session\x18\x02 \x01(\x0b\x32\x19.ghostgpu.v1.TraceSession\"c\n\x0fTraceAuditEntry\x12\x12\n\nts_unix_ns\x18\x01 \x01(\x03\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0b\n\x03who\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t*\xb0\x01\n\x0bTraceStatus\x12\x1c\n\x18TRACE_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14TRACE_STATUS_RUNNING\x10\x01\x12\x1a\n\x16TRACE_STATUS_COMPLETED\x10\x02\x12\x18\n\x14TRACE_STATUS_STOPPED\x10\x03\x12\x1a\n\x16TRACE_STATUS_NODE_LOST\x10\x04\x12\x17\n\x13TRACE_STATUS_FAILED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ghostgpu/v1/trace.proto\x12\x0bghostgpu.v1\"g\n\nTraceScope\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x11\n\tcontainer\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0b\n\x03gpu\x18\x06 \x01(\t\"\xaf\x03\n\x0cTraceSession\x12\n\n\x02id\x18\x01 \x01(\t\x12&\n\x05scope\x18\x02 \x01(\x0b\x32\x17.ghostgpu.v1.TraceScope\x12\x14\n\x0crequested_by\x18\x03 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\x04 \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x15\n\rended_unix_ns\x18\x06 \x01(\x03\x12(\n\x06status\x18\x07 \x01(\x0e\x32\x18.ghostgpu.v1.TraceStatus\x12\x15\n\rstatus_detail\x18\x08 \x01(\t\x12\r\n\x05nodes\x18\t \x03(\t\x12\x15\n\rcontainer_ids\x18\n \x03(\t\x12\x15\n\rrecords_total\x18\x0b \x01(\x04\x12\x1b\n\x13\x64ropped_limit_total\x18\x0c \x01(\x04\x12\x1d\n\x15\x64ropped_ringbuf_total\x18\r \x01(\x04\x12\x1b\n\x13\x64ropped_store_total\x18\x0e \x01(\x04\x12\x13\n\x0bmax_records\x18\x0f \x01(\x04\x12\x1f\n\x17\x64ropped_transport_total\x18\x10 \x01(\x04\"\xe6\x04\n\x0bTraceRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x12\n\nts_unix_ns\x18\x03 \x01(\x03\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0b\n\x03tid\x18\x06 \x01(\r\x12\x0e\n\x06ns_pid\x18\x07 \x01(\r\x12\x14\n\x0c\x63ontainer_id\x18\x08 \x01(\t\x12\x11\n\tnamespace\x18\t \x01(\t\x12\x0b\n\x03pod\x18\n \x01(\t\x12\x11\n\tcontainer\x18\x0b \x01(\t\x12\x0b\n\x03gpu\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\n\n\x02\x66\x64\x18\x0e \x01(\x05\x12\x0c\n\x04\x63\x61ll\x18\x0f \x01(\t\x12\x0f\n\x07request\x18\x10 \x01(\r\x12\x0e\n\x06\x65scape\x18\x11 \x01(\t\x12\x10\n\x03\x63md\x18\x12 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08\x63md_name\x18\x13 \x01(\t\x12\x14\n\x07h_class\x18\x14 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nclass_name\x18\x15 \x01(\t\x12\x16\n\tnv_status\x18\x16 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0env_status_name\x18\x17 \x01(\t\x12\x0b\n\x03ret\x18\x18 \x01(\x03\x12\x13\n\x0b\x64uration_ns\x18\x19 \x01(\x04\x12\x30\n\x04\x61rgs\x18\x1a \x03(\x0b\x32\".ghostgpu.v1.TraceRecord.ArgsEntry\x12\r\n\x05notes\x18\x1b \x03(\t\x12\x0c\n\x04\x63omm\x18\x1c \x01(\t\x12\x11\n\tchild_pid\x18\x1d \x01(\r\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04_cmdB\n\n\x08_h_classB\x0c\n\n_nv_status\"\xdf\x01\n\nTraceBatch\x12\x0f\n\x07session\x18\x01 \x01(\t\x12)\n\x07records\x18\x02 \x03(\x0b\x32\x18.ghostgpu.v1.TraceRecord\x12\x15\n\rrecords_total\x18\x03 \x01(\x04\x12\x1b\n\x13\x64ropped_limit_total\x18\x04 \x01(\x04\x12\x1d\n\x15\x64ropped_ringbuf_total\x18\x05 \x01(\x04\x12\r\n\x05\x65nded\x18\x06 \x01(\x08\x12\x12\n\nend_reason\x18\x07 \x01(\t\x12\x1f\n\x17\x64ropped_transport_total\x18\x08 \x01(\x04\"\x95\x01\n\nTraceStart\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x15\n\rcontainer_ids\x18\x02 \x03(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0b\n\x03gpu\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x13\n\x0bmax_records\x18\x06 \x01(\x04\x12\x16\n\x0epid_containers\x18\x07 \x03(\t\"5\n\x0bTraceUpdate\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x15\n\rcontainer_ids\x18\x02 \x03(\t\"\x1c\n\tTraceStop\x12\x0f\n\x07session\x18\x01 \x01(\t\"4\n\x12TraceCommandResult\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"e\n\x11StartTraceRequest\x12&\n\x05scope\x18\x01 \x01(\x0b\x32\x17.ghostgpu.v1.TraceScope\x12\x13\n\x0b\x64uration_ms\x18\x02 \x01(\x04\x12\x13\n\x0bmax_records\x18\x03 \x01(\x04\"@\n\x12StartTraceResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.ghostgpu.v1.TraceSession\"\x1e\n\x10StopTraceRequest\x12\n\n\x02id\x18\x01 \x01(\t\"?\n\x11StopTraceResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.ghostgpu.v1.TraceSession\"\x13\n\x11ListTracesRequest\"A\n\x12ListTracesResponse\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.ghostgpu.v1.TraceSession\"/\n\x11WatchTraceRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\"j\n\x11TraceWatchMessage\x12)\n\x07records\x18\x01 \x03(\x0b\x32\x18.ghostgpu.v1.TraceRecord\x12*\n\x07session\x18\x02 \x01(\x0b\x32\x19.ghostgpu.v1.TraceSession\"c\n\x0fTraceAuditEntry\x12\x12\n\nts_unix_ns\x18\x01 \x01(\x03\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0b\n\x03who\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t*\xb0\x01\n\x0bTraceStatus\x12\x1c\n\x18TRACE_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14TRACE_STATUS_RUNNING\x10\x01\x12\x1a\n\x16TRACE_STATUS_COMPLETED\x10\x02\x12\x18\n\x14TRACE_STATUS_STOPPED\x10\x03\x12\x1a\n\x16TRACE_STATUS_NODE_LOST\x10\x04\x12\x17\n\x13TRACE_STATUS_FAILED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRACERECORD_ARGSENTRY']._loaded_options = None
   _globals['_TRACERECORD_ARGSENTRY']._serialized_options = b'8\001'
-  _globals['_TRACESTATUS']._serialized_start=2301
-  _globals['_TRACESTATUS']._serialized_end=2477
+  _globals['_TRACESTATUS']._serialized_start=2326
+  _globals['_TRACESTATUS']._serialized_end=2502
   _globals['_TRACESCOPE']._serialized_start=40
   _globals['_TRACESCOPE']._serialized_end=143
   _globals['_TRACESESSION']._serialized_start=146
@@ -45,30 +45,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRACERECORD_ARGSENTRY']._serialized_end=1160
   _globals['_TRACEBATCH']._serialized_start=1197
   _globals['_TRACEBATCH']._serialized_end=1420
-  _globals['_TRACESTART']._serialized_start=1422
-  _globals['_TRACESTART']._serialized_end=1547
-  _globals['_TRACEUPDATE']._serialized_start=1549
-  _globals['_TRACEUPDATE']._serialized_end=1602
-  _globals['_TRACESTOP']._serialized_start=1604
-  _globals['_TRACESTOP']._serialized_end=1632
-  _globals['_TRACECOMMANDRESULT']._serialized_start=1634
-  _globals['_TRACECOMMANDRESULT']._serialized_end=1686
-  _globals['_STARTTRACEREQUEST']._serialized_start=1688
-  _globals['_STARTTRACEREQUEST']._serialized_end=1789
-  _globals['_STARTTRACERESPONSE']._serialized_start=1791
-  _globals['_STARTTRACERESPONSE']._serialized_end=1855
-  _globals['_STOPTRACEREQUEST']._serialized_start=1857
-  _globals['_STOPTRACEREQUEST']._serialized_end=1887
-  _globals['_STOPTRACERESPONSE']._serialized_start=1889
-  _globals['_STOPTRACERESPONSE']._serialized_end=1952
-  _globals['_LISTTRACESREQUEST']._serialized_start=1954
-  _globals['_LISTTRACESREQUEST']._serialized_end=1973
-  _globals['_LISTTRACESRESPONSE']._serialized_start=1975
-  _globals['_LISTTRACESRESPONSE']._serialized_end=2040
-  _globals['_WATCHTRACEREQUEST']._serialized_start=2042
-  _globals['_WATCHTRACEREQUEST']._serialized_end=2089
-  _globals['_TRACEWATCHMESSAGE']._serialized_start=2091
-  _globals['_TRACEWATCHMESSAGE']._serialized_end=2197
-  _globals['_TRACEAUDITENTRY']._serialized_start=2199
-  _globals['_TRACEAUDITENTRY']._serialized_end=2298
+  _globals['_TRACESTART']._serialized_start=1423
+  _globals['_TRACESTART']._serialized_end=1572
+  _globals['_TRACEUPDATE']._serialized_start=1574
+  _globals['_TRACEUPDATE']._serialized_end=1627
+  _globals['_TRACESTOP']._serialized_start=1629
+  _globals['_TRACESTOP']._serialized_end=1657
+  _globals['_TRACECOMMANDRESULT']._serialized_start=1659
+  _globals['_TRACECOMMANDRESULT']._serialized_end=1711
+  _globals['_STARTTRACEREQUEST']._serialized_start=1713
+  _globals['_STARTTRACEREQUEST']._serialized_end=1814
+  _globals['_STARTTRACERESPONSE']._serialized_start=1816
+  _globals['_STARTTRACERESPONSE']._serialized_end=1880
+  _globals['_STOPTRACEREQUEST']._serialized_start=1882
+  _globals['_STOPTRACEREQUEST']._serialized_end=1912
+  _globals['_STOPTRACERESPONSE']._serialized_start=1914
+  _globals['_STOPTRACERESPONSE']._serialized_end=1977
+  _globals['_LISTTRACESREQUEST']._serialized_start=1979
+  _globals['_LISTTRACESREQUEST']._serialized_end=1998
+  _globals['_LISTTRACESRESPONSE']._serialized_start=2000
+  _globals['_LISTTRACESRESPONSE']._serialized_end=2065
+  _globals['_WATCHTRACEREQUEST']._serialized_start=2067
+  _globals['_WATCHTRACEREQUEST']._serialized_end=2114
+  _globals['_TRACEWATCHMESSAGE']._serialized_start=2116
+  _globals['_TRACEWATCHMESSAGE']._serialized_end=2222
+  _globals['_TRACEAUDITENTRY']._serialized_start=2224
+  _globals['_TRACEAUDITENTRY']._serialized_end=2323
 # @@protoc_insertion_point(module_scope)

@@ -164,20 +164,22 @@ class TraceBatch(_message.Message):
     def __init__(self, session: _Optional[str] = ..., records: _Optional[_Iterable[_Union[TraceRecord, _Mapping]]] = ..., records_total: _Optional[int] = ..., dropped_limit_total: _Optional[int] = ..., dropped_ringbuf_total: _Optional[int] = ..., ended: _Optional[bool] = ..., end_reason: _Optional[str] = ..., dropped_transport_total: _Optional[int] = ...) -> None: ...
 
 class TraceStart(_message.Message):
-    __slots__ = ("session", "container_ids", "pid", "gpu", "deadline_unix_ns", "max_records")
+    __slots__ = ("session", "container_ids", "pid", "gpu", "deadline_unix_ns", "max_records", "pid_containers")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_IDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     MAX_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    PID_CONTAINERS_FIELD_NUMBER: _ClassVar[int]
     session: str
     container_ids: _containers.RepeatedScalarFieldContainer[str]
     pid: int
     gpu: str
     deadline_unix_ns: int
     max_records: int
-    def __init__(self, session: _Optional[str] = ..., container_ids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., gpu: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., max_records: _Optional[int] = ...) -> None: ...
+    pid_containers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., container_ids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., gpu: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., max_records: _Optional[int] = ..., pid_containers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TraceUpdate(_message.Message):
     __slots__ = ("session", "container_ids")

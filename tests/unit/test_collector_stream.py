@@ -3,6 +3,7 @@ gaps, bad messages, stream replacement, disconnects, many tracers. Real gRPC, re
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,8 +222,16 @@ def test_a_tracer_gone_before_its_welcome_leaves_no_session(collector: Collector
         async def abort(self, code: grpc.StatusCode, details: str) -> None:
             raise AssertionError(f"abort({code}, {details})")
 
+    async def as_local_tracer() -> None:  # as collector/authz.py admits the host's own tracer (root)
+        from ghostgpu.collector.authz import _CURRENT
+
+        from ghostgpu.common.principal import Principal
+
+        _CURRENT.set(Principal("uid", str(os.getuid()), via="loopback"))
+        await collector.ingest.connect(requests(), HungUp())
+
     assert collector.loop is not None
-    done = asyncio.run_coroutine_threadsafe(collector.ingest.connect(requests(), HungUp()), collector.loop)
+    done = asyncio.run_coroutine_threadsafe(as_local_tracer(), collector.loop)
     with pytest.raises(ConnectionResetError):
         done.result(timeout=10)
     assert collector.call(lambda: "gone-early" in collector.ingest.sessions) is False

@@ -142,7 +142,7 @@ def test_handshake_snapshot_and_events(collector: FakeCollector, sinks: Sinks) -
     assert (hello.api_version, hello.node, hello.tracer_version) == (1, NODE, __version__)
     assert re.fullmatch(r"[0-9a-f]{32}", hello.instance_id)
     assert hello.boot_id == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    assert list(hello.capabilities) == ["bpf", "nvml", "trace", "cri-relay", "podresources"]
+    assert list(hello.capabilities) == ["bpf", "nvml", "trace", "trace-confine", "cri-relay", "podresources"]
     assert collector.connections[0].metadata["ghostgpu-api-version"] == "1"
     snap = collector.messages("snapshot")[0].msg.snapshot
     assert snap.seq == 5
