@@ -75,7 +75,8 @@ class Collector:
                  trace_limits: TraceLimits | None = None,
                  trace_store_max_records: int = DEFAULT_STORE_MAX_RECORDS,
                  trace_retention_h: float = 24.0, security: SecurityOptions | None = None,
-                 web_config_file: str | None = None) -> None:
+                 web_config_file: str | None = None, http_max_connections: int | None = None,
+                 http_max_connections_per_source: int | None = None) -> None:
         self.listen = [listen] if isinstance(listen, str) else list(listen)
         for addr in self.listen:
             check_listen(addr)
@@ -102,6 +103,10 @@ class Collector:
         self.trace_retention_h = trace_retention_h
         self.metrics_listen = metrics_listen
         self.web_config_file = web_config_file  # TLS and basic auth of /metrics (common/webconfig.py)
+        # /metrics' connection caps (ghostgpu/common/httpserve.py); None: its defaults
+        self.http_caps = {k: v for k, v in (("max_connections", http_max_connections),
+                                            ("max_connections_per_source", http_max_connections_per_source))
+                          if v is not None}
         self.metrics_max_process_series = metrics_max_process_series
         self.alertmanager = list(alertmanager)
         self.alert_resend_s = alert_resend_s
@@ -213,7 +218,9 @@ class Collector:
             # before the loop is up is answered 503 by _call_for_scrape.
             self._metrics_server = HttpServer(self.metrics_listen, {"/metrics": self.metrics.handle},
                                               flag="--metrics-listen", name="metrics",
-                                              web_config=self.web_config_file).start()
+                                              web_config=self.web_config_file,
+                                              insecure=self.security_options.insecure,  # as gRPC's rule
+                                              **self.http_caps).start()
 
     def _run(self) -> None:
         try:

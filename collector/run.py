@@ -20,6 +20,7 @@ from ghostgpu.collector.store import StoreError
 from ghostgpu.collector.trace_commands import trace_options
 
 from ghostgpu import __version__
+from ghostgpu.common.fdlimit import raise_fd_limit
 from ghostgpu.common.httpserve import HttpListenError
 
 
@@ -42,11 +43,14 @@ def collector_options(args: argparse.Namespace) -> dict[str, Any]:
         "alert_labels": dict(labels),
         "heap": HeapPolicy(),  # the long-running commands only: gc state is process-wide
         "web_config_file": getattr(args, "web_config_file", None),
+        "http_max_connections": getattr(args, "http_max_connections", None),
+        "http_max_connections_per_source": getattr(args, "http_max_connections_per_source", None),
     }
 
 
 def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
     """The body of `ghostgpu collector`: exit 0 on SIGTERM/SIGINT, 2 on a bad flag, 1 if storage fails."""
+    raise_fd_limit()  # before anything listens: descriptors are what a flood of connections takes
     listen = [a.strip() for a in (args.listen or DEFAULT_LISTEN).split(",") if a.strip()]
     db = args.db or DEFAULT_DB
     if getattr(args, "web_config_file", None) and not getattr(args, "metrics_listen", None):

@@ -10,6 +10,7 @@ certificate signed by the CA is required, and new handshakes pick up rotated fil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -23,8 +24,10 @@ from ghostgpu.collector.authz import Authorizer, Identify
 from ghostgpu.collector.peers import UnixGate
 from ghostgpu.collector.policy import PolicyWatcher
 from ghostgpu.collector.store import Store
+from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE, TcpGate, default_max_connections
 
-from ghostgpu.common.addresses import is_unix, port_of, unix_path, with_port
+from ghostgpu.common.addresses import is_unix, parse_listen, port_of, unix_path, with_port
+from ghostgpu.common.principal import Principal
 from ghostgpu.common.tls import TlsFiles, check_server, plaintext_allowed
 from ghostgpu.common.tls_reload import server_credentials
 
@@ -41,14 +44,22 @@ class SecurityOptions:
     insecure: bool = False  # --insecure: plaintext TCP on a non-loopback address
     policy_path: str | None = None  # --policy FILE; None: Policy.default (local root is admin)
     audit_log: str | None = None  # --audit-log FILE; None: beside the database
+    # The mTLS TCP listeners' caps (collector/tcpgate.py): --max-connections (None: what the fd limit
+    # holds, at most 10000) and --max-connections-per-source (unauthenticated ones per address).
+    max_connections: int | None = None
+    max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE
 
     @classmethod
     def from_args(cls, args: Any) -> SecurityOptions:
         """From `collector`/`up` flags (and GHOSTGPU_TLS_* where a flag is not given)."""
         tls = TlsFiles.resolve(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
                                getattr(args, "tls_ca", None), getattr(args, "tls_trust_domain", None))
+        per_source = getattr(args, "max_connections_per_source", None)
         return cls(tls=tls, insecure=bool(getattr(args, "insecure", False)),
-                   policy_path=getattr(args, "policy", None), audit_log=getattr(args, "audit_log", None))
+                   policy_path=getattr(args, "policy", None), audit_log=getattr(args, "audit_log", None),
+                   max_connections=getattr(args, "max_connections", None),
+                   max_connections_per_source=DEFAULT_MAX_CONNECTIONS_PER_SOURCE if per_source is None
+                   else per_source)
 
 
 def default_audit_path(db_path: str) -> str | None:
@@ -76,7 +87,8 @@ class Security:
         self.gates: list[UnixGate] = []
         self.server_ports: set[int] = set()
         self.identify = Identify(opts.tls.trust_domain, self.gates, self.server_ports)
-        self.authorizer = Authorizer(self.identify, lambda: self.policy.policy, self.audit)
+        self.tcp_gates: list[TcpGate] = []  # the mTLS TCP listeners' fronts (collector/tcpgate.py)
+        self.authorizer = Authorizer(self._identify, lambda: self.policy.policy, self.audit)
         self._checked_policy = self.policy.policy  # the one the open streams were checked against
 
     def check_listen(self, listen: list[str]) -> None:
@@ -102,14 +114,44 @@ class Security:
             gate.start()  # OSError naming nothing: the caller adds the flag
             self.gates.append(gate)
             return addr
-        if self.opts.tls.enabled:
-            port = server.add_secure_port(addr, server_credentials(self.opts.tls, self._tls_event))
+        if self.opts.tls.enabled:  # gRPC behind a gate that caps connections (collector/tcpgate.py)
+            return self._bind_gated(server, addr)
         else:
             port = server.add_insecure_port(addr)
         if not port:
             raise SecurityError(f"--listen {addr}: cannot listen there; pick a free port")
         self.server_ports.add(port)
         return with_port(addr, port) if port_of(addr) == 0 else addr
+
+    def _bind_gated(self, server: grpc.aio.Server, addr: str) -> str:
+        opts = self.opts
+        cap = opts.max_connections if opts.max_connections is not None else default_max_connections()
+        for value, flag in ((cap, "--max-connections"), (opts.max_connections_per_source,
+                                                         "--max-connections-per-source")):
+            if value < 1:
+                raise SecurityError(f"{flag} {value}: must be 1 or more")
+        host, port = parse_listen(addr, "--listen", SecurityError)
+        gate = TcpGate(host, port, cap, opts.max_connections_per_source)  # OSError: the caller names --listen
+        try:
+            credentials = server_credentials(opts.tls, self._tls_event)
+            if not server.add_secure_port(gate.internal_address, credentials):
+                raise SecurityError(f"--listen {addr}: cannot open the private gRPC socket behind it")
+        except BaseException:
+            gate.stop()
+            raise
+        gate.start()
+        self.tcp_gates.append(gate)
+        self.server_ports.add(gate.port)
+        return with_port(addr, gate.port) if port_of(addr) == 0 else addr
+
+    def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Identify, with the client's own address for a connection relayed by a TCP gate."""
+        principal = self.identify(context)
+        for gate in self.tcp_gates:
+            real = gate.peer(principal.peer)
+            if real is not None:
+                return dataclasses.replace(principal, peer=real)
+        return principal
 
     def tick(self) -> None:
         self.policy.maybe_reload()
@@ -130,6 +172,8 @@ class Security:
     def close(self) -> None:
         for gate in self.gates:
             gate.stop()
+        for tcp in self.tcp_gates:
+            tcp.stop()
         self.audit_log.close()
 
     def _policy_event(self, action: str, detail: str) -> None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from ghostgpu.collector.tcpgate import HANDSHAKE_TIMEOUT_S
 from google.protobuf.message import DecodeError
 
 from ghostgpu.common.addresses import grpc_listen, is_unix, unix_path
@@ -48,6 +49,9 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A connection whose TLS handshake and HTTP/2 settings are not done within 10 s is closed (gRPC's
+    # default is 120 s): what collector/tcpgate.py counts as unauthenticated lives no longer than this.
+    ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
 ]
 
 

@@ -280,9 +280,16 @@ def health_routes(health: AgentHealth, registry: CollectorRegistry | None = None
 
 
 def start_health_server(listen: str, health: AgentHealth, flag: str = FLAG,
-                        web_config: str | None = None) -> HttpServer:
+                        web_config: str | None = None, *, insecure: bool = False,
+                        max_connections: int | None = None,
+                        max_connections_per_source: int | None = None) -> HttpServer:
     """Bind and serve at once; HttpListenError (a ValueError, one line naming `flag`) when it cannot,
+    or when it would serve plaintext on an address others can reach without `insecure` (--insecure);
     WebConfigError (one line naming the web config file) when that is wrong. With a web config, basic
-    auth guards /metrics only: kubelet's probes cannot send credentials (docs/SECURITY.md)."""
+    auth guards /metrics only: kubelet's probes cannot send credentials (docs/SECURITY.md). The probes
+    are answered on the server's loop thread, outside the rate limit and never behind a slow scrape,
+    and idle connections past the caps are closed for new ones (ghostgpu/common/httpserve.py)."""
+    caps = {k: v for k, v in (("max_connections", max_connections),
+                              ("max_connections_per_source", max_connections_per_source)) if v is not None}
     return HttpServer(listen, health_routes(health), flag=flag, name="health", web_config=web_config,
-                      open_paths=PROBE_PATHS).start()
+                      open_paths=PROBE_PATHS, insecure=insecure, **caps).start()

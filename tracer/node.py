@@ -34,6 +34,7 @@ from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
 from ghostgpu.tracer.stream import StreamOptions, StreamSink
 
 from ghostgpu.common.addresses import collector_address
+from ghostgpu.common.fdlimit import raise_fd_limit
 from ghostgpu.common.tls import TlsFiles, check_client
 
 if TYPE_CHECKING:
@@ -129,7 +130,11 @@ def start_health(cfg: TracerConfig, args: argparse.Namespace,
 
     health = AgentHealth()
     # HttpListenError names --health-listen, WebConfigError the web config file: exit 2
-    server = start_health_server(listen, health, web_config=cfg.web_config_file or None)
+    server = start_health_server(listen, health, web_config=cfg.web_config_file or None,
+                                 insecure=bool(getattr(args, "insecure", False)),
+                                 max_connections=getattr(args, "http_max_connections", None),
+                                 max_connections_per_source=getattr(args, "http_max_connections_per_source",
+                                                                    None))
     tls = " over TLS" if server.tls else ""
     print(f"ghostgpu: health: serving on {server.address}{tls} (/healthz, /readyz, /metrics)",
           file=sys.stderr, flush=True)
@@ -138,6 +143,7 @@ def start_health(cfg: TracerConfig, args: argparse.Namespace,
 
 def run_tracer(cfg: TracerConfig, args: argparse.Namespace,
                install_signals: Callable[[Callable[[], None]], None]) -> int:
+    raise_fd_limit()  # before the health port listens: a flood of connections takes descriptors
     health, health_server = start_health(cfg, args)
     try:
         return _run(cfg, args, install_signals, health, health_server)

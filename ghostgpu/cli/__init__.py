@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from ghostgpu import __version__
-from ghostgpu.cli.tls_flags import add_server_security_flags, add_tls_flags
+from ghostgpu.cli.tls_flags import INSECURE_HELP, add_server_security_flags, add_tls_flags
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR
 
 
@@ -93,6 +93,13 @@ def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None)
     with contextlib.suppress(argparse.ArgumentError):  # `up` has them already, from its tracer's flags
         add_tls_flags(p)
     add_server_security_flags(p)
+    p.add_argument("--max-connections", dest="max_connections", type=int, metavar="N",
+                   help="connections at once on each mTLS --listen port; past it the oldest one not yet "
+                   "authenticated is closed for the new one (default 10000, fewer where the fd limit "
+                   "holds fewer: docs/SECURITY.md)")
+    p.add_argument("--max-connections-per-source", dest="max_connections_per_source", type=int, metavar="N",
+                   help="connections not yet authenticated at once from one address on each mTLS port; "
+                   "past it that address's oldest is closed (default 32)")
     _add_web_config_flag(p)
 
 
@@ -101,16 +108,30 @@ def _add_health_flag(p: argparse.ArgumentParser) -> None:
                    help="the tracer serves /healthz, /readyz and /metrics here (default off; "
                    "env GHOSTGPU_HEALTH_LISTEN)")
     _add_web_config_flag(p)
+    import contextlib
+
+    with contextlib.suppress(argparse.ArgumentError):  # `up`: one --insecure for both
+        p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
 
 
 def _add_web_config_flag(p: argparse.ArgumentParser) -> None:
-    """--web-config-file: TLS and basic auth of /metrics and the health port (exporter-toolkit format)."""
+    """--web-config-file: TLS and basic auth of /metrics and the health port (exporter-toolkit format);
+    the HTTP port's connection caps."""
     import contextlib
 
     with contextlib.suppress(argparse.ArgumentError):  # `up`: one file for the tracer's and the collector's
         p.add_argument("--web-config-file", dest="web_config_file", metavar="FILE",
                        help="Prometheus web config (tls_server_config, basic_auth_users) for /metrics and "
                        "the health port (docs/SECURITY.md; env GHOSTGPU_WEB_CONFIG_FILE for the tracer)")
+    with contextlib.suppress(argparse.ArgumentError):
+        p.add_argument("--http-max-connections", dest="http_max_connections", type=int, metavar="N",
+                       help="connections at once on the /metrics or health port; past it the oldest idle "
+                       "one is closed for the new one (default 256)")
+    with contextlib.suppress(argparse.ArgumentError):
+        p.add_argument("--http-max-connections-per-source", dest="http_max_connections_per_source", type=int,
+                       metavar="N", help="connections at once from one address on that port; past it that "
+                       "address's oldest idle one is closed (default 32)")
+
 
 
 def _add_query_flags(p: argparse.ArgumentParser) -> None:

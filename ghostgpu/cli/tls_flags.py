@@ -8,9 +8,14 @@ _TRUST_DOMAIN (the tracer also reads them as config keys tls_cert, tls_key, tls_
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from ghostgpu.common.tls import TlsFiles
+
+INSECURE_HELP = ("serve plaintext on a non-loopback address: gRPC without --tls-*, /metrics or the health "
+                 "port without a web config's tls_server_config (anyone who reaches it can read everything, "
+                 "and stream events over gRPC); without it such a listener refuses to start")
 
 
 def add_tls_flags(p: argparse.ArgumentParser, *, verb: bool = False) -> None:
@@ -30,9 +35,8 @@ def add_tls_flags(p: argparse.ArgumentParser, *, verb: bool = False) -> None:
 
 def add_server_security_flags(p: argparse.ArgumentParser) -> None:
     """The collector's (and `up`'s): who may connect, and the record of what they did."""
-    p.add_argument("--insecure", action="store_true",
-                   help="serve plaintext gRPC on a non-loopback address (anyone who reaches it can "
-                   "stream events and read everything); without it such a listener refuses to start")
+    with contextlib.suppress(argparse.ArgumentError):  # `up` has it from its tracer's flags already
+        p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     p.add_argument("--policy", metavar="FILE",
                    help="authorization policy, YAML (docs/SECURITY.md); reloaded on SIGHUP and when "
                    "the file changes. Default: the local root user is admin, nobody else anything")

@@ -23,6 +23,7 @@ rate limit) is ghostgpu/common/webguard.py.
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "X-Content-Type-Options": ("nosniff",), "X-XSS-Protection": (), "Strict-Transport-Security": (),
 }
 BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
+_BCRYPT = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
 
 
 class WebConfigError(ValueError):
@@ -269,8 +271,10 @@ def _users(value: Any, where: str) -> dict[str, bytes]:
         raise WebConfigError(f"{where}: basic_auth_users: expected a mapping of user: bcrypt hash")
     users = {}
     for user, hashed in value.items():
-        ok = isinstance(user, str) and isinstance(hashed, str) and hashed.startswith(BCRYPT_PREFIXES)
-        if not ok or len(hashed) != 60:
+        # $2a$/$2b$/$2y$, a cost of 04-31, then 53 characters of bcrypt's base64 (salt and hash); that
+        # bcrypt can read it (a salt's last character, say) is checked when it loads (webguard.py).
+        ok = isinstance(user, str) and isinstance(hashed, str) and _BCRYPT.fullmatch(hashed) is not None
+        if not ok:
             raise WebConfigError(f"{where}: basic_auth_users.{user}: not a bcrypt hash ($2y$10$... , 60 "
                                  "characters); make one with htpasswd -nBC 10 \"\" | tr -d ':\\n'")
         users[user] = hashed.encode()

@@ -3,7 +3,7 @@
     guard = WebGuard("/etc/ghostgpu/web.yml", open_paths=("/healthz", "/readyz"))  # WebConfigError
     ctx = guard.context()                  # per accepted connection: the SSLContext, None for HTTP
     guard.peer_refused(tls_socket)         # after the handshake: client_allowed_sans
-    guard.refuse(path, authorization)      # per request: (429 | 401, body, headers) or None
+    guard.refuse(path, authorization, source)  # per request: (429 | 401, body, headers) or None
     guard.headers()                        # http_server_config.headers for every response
 
 Reload, as exporter-toolkit does per request and per handshake: every call stats the config file
@@ -13,10 +13,17 @@ keep theirs. A bad one (half-written cert, key of another cert) keeps the old se
 per change. Whether the port speaks TLS is decided at start: a reload cannot turn it on or off.
 
 Basic auth: bcrypt is slow on purpose (~50 ms at cost 10), and Prometheus sends the same credentials
-every scrape, so results are cached by SHA-256 of (user, hash, password), as exporter-toolkit does;
-an unknown user is checked against a fixed hash so that it takes as long as a known one.
+every scrape, so successes are cached by SHA-256 of (user, hash, password), as exporter-toolkit does;
+a failure is never cached, so wrong pairs cannot push the good one out. An unknown user is checked
+against a fixed hash so that it takes as long as a known one. Any password is answered: one bcrypt
+cannot take (over 72 bytes, which bcrypt 5 refuses with an exception) is a plain 401. Every hash is
+checked at load (a malformed one is a WebConfigError naming the user, not a failing scrape later).
 /healthz and /readyz (open_paths) need no credentials: kubelet's probes cannot send them (see
 docs/SECURITY.md); TLS still applies to them.
+
+rate_limit is a token bucket per source address (RATE_SOURCES_MAX of them, the least recently used
+forgotten), checked before the password; the open paths are outside it, so junk requests from one
+address neither starve other clients nor make kubelet's probes fail.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import os
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -37,7 +45,9 @@ from ghostgpu.common.webconfig import WebConfig, WebConfigError, load_web_config
 
 log = logging.getLogger("ghostgpu.http")
 
-AUTH_CACHE_MAX = 100  # distinct (user, password) pairs remembered; a scraper uses one
+AUTH_CACHE_MAX = 100  # verified (user, password) pairs remembered; a scraper uses one
+BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no more; bcrypt 5 raises past it
+RATE_SOURCES_MAX = 10_000  # per-address buckets kept; the least recently used is forgotten past it
 # bcrypt of "ghostgpu: no such user" at cost 10: what an unknown user's password is checked against.
 _NO_USER_HASH = b"$2b$10$A0xTZaiBgu17k1.wZ1wW5Okv9RoZKhTpFzXmnzxoV/ANa5kAeaAUK"
 Signature = tuple[tuple[str, int, int, int] | tuple[str], ...]
@@ -59,7 +69,7 @@ class BasicAuth:
 
     def __init__(self, users: Mapping[str, bytes]) -> None:
         self.users = dict(users)
-        self._cache: dict[bytes, bool] = {}
+        self._cache: OrderedDict[bytes, bool] = OrderedDict()  # verified pairs only
         self._lock = threading.Lock()
 
     def check(self, authorization: str | None) -> bool:
@@ -68,25 +78,35 @@ class BasicAuth:
         try:
             decoded = base64.b64decode(authorization[6:].strip(), validate=True).decode()
             user, sep, password = decoded.partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+        except (binascii.Error, UnicodeDecodeError, ValueError):
             return False
         if not sep:
             return False
         users = self.users
         known = user in users
         hashed = users[user] if known else _NO_USER_HASH
-        key = hashlib.sha256(b"\0".join((user.encode(), hashed, password.encode()))).digest()
+        secret = password.encode()
+        key = hashlib.sha256(b"\0".join((user.encode(), hashed, secret))).digest()
         with self._lock:
-            ok = self._cache.get(key)
-        if ok is None:
-            import bcrypt  # only where basic_auth_users is set
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return known
+        if len(secret) > BCRYPT_MAX_PASSWORD_BYTES:
+            return False  # no bcrypt hash matches it (bcrypt 5 raises rather than truncate)
+        import bcrypt  # only where basic_auth_users is set
 
-            ok = bcrypt.checkpw(password.encode(), hashed)
-            with self._lock:
-                if len(self._cache) >= AUTH_CACHE_MAX:
-                    self._cache.pop(next(iter(self._cache)))  # the oldest pair
-                self._cache[key] = ok
-        return ok and known
+        try:
+            ok = bcrypt.checkpw(secret, hashed)
+        except ValueError:  # checked at load; a hash bcrypt cannot read matches nothing
+            return False
+        if not (ok and known):
+            return False  # failures are not remembered: they cannot evict the scraper's pair
+        with self._lock:
+            self._cache[key] = True
+            self._cache.move_to_end(key)
+            while len(self._cache) > AUTH_CACHE_MAX:
+                self._cache.popitem(last=False)  # the least recently used verified pair
+        return True
 
 
 class RateLimiter:
@@ -111,6 +131,30 @@ class RateLimiter:
             return False
 
 
+class SourceRateLimiter:
+    """rate_limit per source address: one RateLimiter each, the least recently used forgotten past
+    `max_sources` (a forgotten address starts again with a full bucket)."""
+
+    def __init__(self, interval_s: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 max_sources: int = RATE_SOURCES_MAX) -> None:
+        self.interval_s, self.burst, self._clock, self.max_sources = interval_s, burst, clock, max_sources
+        self._buckets: OrderedDict[str, RateLimiter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def allow(self, source: str) -> bool:
+        if self.interval_s <= 0:
+            return True
+        with self._lock:
+            bucket = self._buckets.get(source)
+            if bucket is None:
+                bucket = self._buckets[source] = RateLimiter(self.interval_s, self.burst, self._clock)
+                while len(self._buckets) > self.max_sources:
+                    self._buckets.popitem(last=False)
+            else:
+                self._buckets.move_to_end(source)
+        return bucket.allow()
+
+
 class WebGuard:
     def __init__(self, path: str, open_paths: Iterable[str] = ()) -> None:
         self.path = path
@@ -124,7 +168,7 @@ class WebGuard:
         self._signature = file_signature(config.files)
         self._bad_signature: Signature | None = None
         self.auth = BasicAuth(config.users)
-        self.limiter = RateLimiter(config.rate_interval_s, config.rate_burst)
+        self.limiter = SourceRateLimiter(config.rate_interval_s, config.rate_burst)
         self.reloads = 0
         self.reload_errors = 0
 
@@ -134,12 +178,24 @@ class WebGuard:
 
     @staticmethod
     def _check_bcrypt(config: WebConfig) -> None:
-        if config.users:
+        """bcrypt is there, and can read every hash: a malformed one (a bad character, a salt bcrypt
+        refuses) is one line naming its user now, rather than every scrape failing later."""
+        if not config.users:
+            return
+        try:
+            import bcrypt
+        except ImportError:
+            raise WebConfigError(f"web config {config.path}: basic_auth_users needs the bcrypt package; "
+                                 "pip install bcrypt") from None
+        for user, hashed in config.users.items():
+            # The same salt and hash at the lowest cost: bcrypt parses it all in about a millisecond.
+            cheap = hashed[:4] + b"04" + hashed[6:]
             try:
-                import bcrypt  # noqa: F401
-            except ImportError:
-                raise WebConfigError(f"web config {config.path}: basic_auth_users needs the bcrypt package; "
-                                     "pip install bcrypt") from None
+                bcrypt.checkpw(b"", cheap)
+            except ValueError as e:
+                raise WebConfigError(f"web config {config.path}: basic_auth_users.{user}: not a bcrypt hash "
+                                     f"bcrypt can read ({e}); make one with htpasswd -nBC 10 \"\" | "
+                                     "tr -d ':\\n'") from None
 
     def _build_context(self, config: WebConfig) -> ssl.SSLContext | None:
         return server_context(config.tls, f"web config {config.path}") if config.tls is not None else None
@@ -169,7 +225,7 @@ class WebGuard:
             self._signature = file_signature(config.files)
             self._bad_signature = None
             self.auth.users = dict(config.users)
-            self.limiter = RateLimiter(config.rate_interval_s, config.rate_burst)
+            self.limiter = SourceRateLimiter(config.rate_interval_s, config.rate_burst)
             self.reloads += 1
             log.info("%s: reloaded", self.where)
 
@@ -190,12 +246,16 @@ class WebGuard:
                     return None
         return "no subject alternative name of the client certificate is in client_allowed_sans"
 
-    def refuse(self, path: str, authorization: str | None) -> tuple[int, bytes, dict[str, str]] | None:
-        """(status, body, headers) when this request is not to be served, else None."""
+    def refuse(self, path: str, authorization: str | None, source: str = ""
+               ) -> tuple[int, bytes, dict[str, str]] | None:
+        """(status, body, headers) when this request from `source` (the client's address) is not to be
+        served, else None. The open paths (the probes) are neither rate-limited nor asked for a password."""
         self._refresh()
-        if not self.limiter.allow():
+        if path in self.open_paths:
+            return None
+        if not self.limiter.allow(source):
             return 429, b"Too Many Requests\n", {}
-        if path in self.open_paths or not self.auth.users:
+        if not self.auth.users:
             return None
         if self.auth.check(authorization):
             return None

@@ -103,7 +103,7 @@ def test_bound_forms() -> None:
 
 
 def test_http_server_is_dialled_on_loopback() -> None:
-    server = HttpServer("0.0.0.0:0", {}).start()
+    server = HttpServer("0.0.0.0:0", {}, insecure=True).start()  # plaintext off loopback: --insecure
     try:
         assert server.address == f"127.0.0.1:{server.port}"
     finally:

@@ -1,0 +1,136 @@
+"""Connection floods against the real `ghostgpu collector` process (issue 17, item 8), on 127.0.0.1 only,
+bounded in count and time:
+
+- 1,080 idle TCP connections that never start a TLS handshake, from 40 loopback addresses, to the
+  mTLS port of a collector whose RLIMIT_NOFILE is 1024 (soft and hard: raising the soft limit to the
+  hard one cannot help there). An admin's `ghostgpu ps` and a tracer's Hello must still get in, and
+  the collector must stay below its fd limit. Before the TCP gate (collector/tcpgate.py) gRPC accepted
+  until EMFILE and both were locked out.
+- The same collector's soft fd limit, started at 1024 under a higher hard limit, is raised to the hard
+  one (ghostgpu/common/fdlimit.py)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.certs import Pki
+from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli, tls_flags
+from tests.helpers.sim_tracer import SimTracer
+
+POLICY = """
+rules:
+  - role: admin
+    subjects: ["user:admin"]
+  - role: tracer
+    subjects: ["node:*"]
+"""
+FLOOD = 1080
+SOURCES = 40  # 127.0.1.1 .. 127.0.1.40: more addresses than the per-source cap lets one hold
+FD_LIMIT = 1024
+
+
+def _raise_own_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.fail(f"this test holds {need} sockets; the hard fd limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def _collector_under_prlimit(workdir: Path, limit: str, args: list[str],
+                             monkeypatch: pytest.MonkeyPatch) -> CollectorProcess:
+    """CollectorProcess, its python started through `prlimit --nofile=LIMIT`."""
+    wrapper = workdir.parent / f"python-prlimit-{limit.replace(':', '-')}"
+    wrapper.write_text(f"#!/bin/sh\nexec prlimit --nofile={limit} -- {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(wrapper))
+    try:
+        return CollectorProcess(workdir, unix=False, args=args)
+    finally:
+        monkeypatch.undo()
+
+
+def _nofile(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError(f"no 'Max open files' in /proc/{pid}/limits")
+
+
+def _collector_pid(col: CollectorProcess) -> int:
+    assert col.proc is not None
+    return col.proc.pid  # prlimit execs python: the same pid
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path / "pki")
+
+
+@pytest.fixture
+def flood() -> Iterator[list[socket.socket]]:
+    socks: list[socket.socket] = []
+    try:
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_idle_flood_on_the_mtls_port_locks_out_neither_admins_nor_tracers(
+        tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch, flood: list[socket.socket]) -> None:
+    _raise_own_fd_limit(FLOOD + 512)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    server = pki.write("collector", pki.collector())
+    admin = tls_flags(pki.write("user-admin", pki.user("admin")))
+    node = pki.write("node-a", pki.node("node-a"))
+    col = _collector_under_prlimit(tmp_path / "collector", f"{FD_LIMIT}:{FD_LIMIT}",
+                                   [*tls_flags(server), "--policy", str(policy)], monkeypatch)
+    with col:
+        pid = _collector_pid(col)
+        assert _nofile(pid) == (FD_LIMIT, FD_LIMIT)
+        port = col.port
+        started = time.monotonic()
+        for i in range(FLOOD):  # idle: connected, never a byte of TLS
+            s = socket.socket()
+            s.bind((f"127.0.1.{i % SOURCES + 1}", 0))
+            s.settimeout(5.0)
+            try:
+                s.connect(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            flood.append(s)
+        assert len(flood) >= FLOOD * 0.9, f"only {len(flood)} of {FLOOD} flood connections got through"
+        time.sleep(1.0)  # let the collector take them all (an attacker would keep them: no deadline wait)
+        assert col.running, col.stderr()
+        # The flood is still open (the last ones are younger than gRPC's handshake deadline), and:
+        out = ghostgpu_cli("ps", "--collector", col.address, "-o", "json", *admin, timeout_s=60.0)
+        assert out.returncode == 0, f"admin locked out under the flood: {out.stderr.strip()}"
+        tracer = SimTracer(col.address, "node-a", tls=node)
+        try:
+            welcome = tracer.connect(timeout_s=15.0)
+            assert welcome is not None
+        finally:
+            tracer.close()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        assert fds < FD_LIMIT - 64, f"the collector holds {fds} descriptors under the flood"
+        assert time.monotonic() - started < 60.0
+        assert col.running, col.stderr()
+
+
+def test_the_collector_raises_its_soft_fd_limit_to_the_hard_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    col = _collector_under_prlimit(tmp_path / "collector", f"{FD_LIMIT}:{FD_LIMIT * 8}", [], monkeypatch)
+    with col:
+        assert _nofile(_collector_pid(col)) == (FD_LIMIT * 8, FD_LIMIT * 8)
