@@ -67,7 +67,7 @@ def web_config(tmp_path: Path) -> Path:
     config = tmp_path / "web.yml"
     config.write_text(f"tls_server_config:\n  cert_file: {files.cert}\n  key_file: {files.key}\n"
                       f"basic_auth_users:\n  prom: '{HASH}'\n"
-                      "rate_limit: {interval: 1s, burst: 20}\n")
+                      "rate_limit: {interval: 1m, burst: 20}\n")
     return config
 
 
