@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 import grpc
-from ghostgpu.collector.peers import PEER_PREFIX, UnixGate, loopback_uid
+from ghostgpu.collector.peers import UnixGate, loopback_uid
 from ghostgpu.collector.revoke import OpenStreams
 
 from ghostgpu.common.principal import ANONYMOUS, Principal
@@ -84,7 +84,7 @@ class Identify:
             # trust domain) is anonymous: the policy gives it nothing unless it names `anonymous`.
             found = principal_from_auth_context(auth, self.trust_domain, peer)
             return found or Principal("anonymous", via="mtls", peer=peer)
-        if peer.startswith(f"unix-abstract:{PEER_PREFIX}"):  # a peer name is unique to its gate
+        if peer.startswith("unix:/"):  # a relayed connection: its own path in its gate's private directory
             found = next((p for gate in self.gates if (p := gate.principal(peer)) is not None), None)
             if found is not None:
                 return found

@@ -213,6 +213,7 @@ class Collector:
                 self.nodes, self.cluster, call=self._call_for_scrape,
                 cri_stats=getattr(self.resolver, "stats", None),
                 push_stats=self.pusher.stats if self.pusher is not None else None,
+                audit_head=self.security.audit_head,
                 max_process_series=self.metrics_max_process_series)
             # Bound before the loop runs (a taken port fails start() at once); a scrape that comes
             # before the loop is up is answered 503 by _call_for_scrape.
@@ -258,6 +259,7 @@ class Collector:
         self.ingest.shutdown()
         self.query.shutdown()
         await server.stop(self._grace_s)
+        self.security.stopping()  # the audit chain's collector.stop, while the store still takes it
         await asyncio.to_thread(self.store.close)  # commits what was accepted; acks no longer matter
 
     def stop(self, grace_s: float = 1.0) -> None:

@@ -79,12 +79,15 @@ class CollectorMetrics:
     def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, *,
                  call: Callable[[Callable[[], Any]], Any] = _run_here,
                  cri_stats: Callable[[], CriStats] | None = None, push_stats: Callable[[], Any] | None = None,
+                 audit_head: Callable[[], tuple[int, int]] | None = None,
                  max_process_series: int = DEFAULT_MAX_PROCESS_SERIES) -> None:
+        """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head."""
         if max_process_series < 0:
             raise ValueError(f"--metrics-max-process-series {max_process_series}: must be 0 or more")
         self.nodes, self.cluster = nodes, cluster
         self.call = call
         self.cri_stats, self.push_stats = cri_stats, push_stats
+        self.audit_head = audit_head
         self.max_process_series = max_process_series
         self._lock = threading.Lock()
         self._consumers: dict[str, NodeConsumers] = {}
@@ -216,6 +219,14 @@ class _GlobalCollector:
                                 value=cri.pending)
         yield GaugeMetricFamily("ghostgpu_metrics_process_series_capped",
                                 _help("ghostgpu_metrics_process_series_capped"), value=m.capped)
+        if m.audit_head is not None:
+            # A witness outside the collector: Prometheus keeps the head, so a chain cut back while the
+            # collector was stopped shows as the head going back (alert GhostGPUAuditRewound).
+            head_seq, records = m.audit_head()
+            name = "ghostgpu_audit_head_seq"
+            yield GaugeMetricFamily(name, _help(name), value=head_seq)
+            yield CounterMetricFamily("ghostgpu_audit_records_total", _help("ghostgpu_audit_records_total"),
+                                      value=records)
         if m.push_stats is not None:
             yield from _alertmanager(m.push_stats())
 

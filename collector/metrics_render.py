@@ -50,6 +50,11 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
     # Global, from the Collector's own prometheus_client registry (collector/metrics.py).
     "ghostgpu_build_info": ("gauge", "The collector's ghostgpu version, API version and Python (=1)"),
     "ghostgpu_tracers_connected": ("gauge", "Tracer streams open now"),
+    "ghostgpu_audit_head_seq": (
+        "gauge", "Seq of the newest record of the audit chain (it only grows, across restarts too; "
+        "going back means records were cut)"),
+    "ghostgpu_audit_records_total": (
+        "counter", "Audit records this collector process appended, its collector.start record included"),
     "ghostgpu_cri_calls_total": ("counter", "CRI calls made to resolve containers"),
     "ghostgpu_cri_call_duration_seconds": ("histogram", "Latency of each CRI call"),
     "ghostgpu_cri_cache_entries": ("gauge", "Containers in the CRI answer cache"),

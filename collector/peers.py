@@ -6,12 +6,14 @@ address. So:
 
 - **Unix sockets** are served through `UnixGate`: the collector accepts on the public path itself,
   reads SO_PEERCRED (pid, uid, gid) of each connection, and relays it to the gRPC server's private
-  socket (a 0700 directory only the collector can enter) from a socket bound to an abstract name
-  it made up, `ghostgpu-peer-TOKEN-N`. gRPC then reports `unix-abstract:ghostgpu-peer-TOKEN-N` as the
-  peer, which maps back to the uid. Nobody else can reach the private socket, and an abstract name
-  is held by one socket at a time, so the mapping cannot be forged.
+  socket from a socket bound to a path of its own in the same private directory (0700, the
+  collector's: nobody else can enter it, so nobody else can bind a name there or reach the server),
+  `DIR/peer-N`. gRPC then reports `unix:DIR/peer-N` as the peer, which maps back to the uid. The path
+  is unlinked as soon as the relay is connected (the socket keeps its name) and N never repeats.
+  Abstract names (`\0...`) are not used: anyone sees them in /proc/net/unix and may bind one first,
+  which refused every relayed connection (issue 17, item 10).
 - **Loopback TCP**: the peer's socket is on this host, in this network namespace, so the kernel
-  names the uid that owns it (sock_diag by the exact socket, collector/sockdiag.py; /proc/net/tcp
+  names the uid that owns it (sock_diag by the exact socket, ghostgpu/common/sockdiag.py; /proc/net/tcp
   where netlink is refused), as identd did. Looked up per call, not cached: a port freed and reused
   by another user must not inherit the first one's identity.
 """
@@ -22,54 +24,20 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import socket
 import struct
 import tempfile
 import threading
 
-from ghostgpu.collector.sockdiag import DiagUnavailable, socket_uid
-
 from ghostgpu.common.principal import Principal
+from ghostgpu.common.sockdiag import TCP_ESTABLISHED_ST, DiagUnavailable, parse_tcp_row, socket_uid
 
 log = logging.getLogger(__name__)
 
-PEER_PREFIX = "ghostgpu-peer-"
+PEER_NAME = "peer-"  # DIR/peer-N: a relayed connection's own socket in the private directory
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (include/linux/socket.h)
-_ESTABLISHED = 1  # TCP_ESTABLISHED in /proc/net/tcp's st column (include/net/tcp_states.h)
 RELAY_CHUNK_BYTES = 256 * 1024
-
-
-def _hex_ip(text: str) -> str:
-    """/proc/net/tcp's address: IPv4 as one little-endian 32-bit word, IPv6 as four of them."""
-    raw = bytes.fromhex(text)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    if len(words) == 4:
-        return socket.inet_ntop(socket.AF_INET, words)
-    ip6 = socket.inet_ntop(socket.AF_INET6, words)
-    return ip6[7:] if ip6.startswith("::ffff:") and "." in ip6 else ip6  # a v4-mapped peer
-
-
-TcpRow = tuple[str, int, str, int, int, int]  # local ip, local port, remote ip, remote port, state, uid
-
-
-def parse_tcp_row(line: str) -> TcpRow | None:
-    """One row of /proc/net/tcp or tcp6; None for the header or a line cut by a concurrent change
-    (the next lookup reads it whole)."""
-    fields = line.split()
-    if len(fields) < 8:
-        return None
-    try:
-        (lip, lport), (rip, rport) = (f.split(":") for f in fields[1:3])
-        return _hex_ip(lip), int(lport, 16), _hex_ip(rip), int(rport, 16), int(fields[3], 16), int(fields[7])
-    except ValueError:
-        return None
-
-
-def parse_proc_net_tcp(text: str) -> list[TcpRow]:
-    """The rows of /proc/net/tcp or tcp6, past its header line."""
-    return [row for line in text.splitlines()[1:] if (row := parse_tcp_row(line)) is not None]
 
 
 def parse_peer(peer: str) -> tuple[str, int] | None:
@@ -91,7 +59,7 @@ def is_loopback(host: str) -> bool:
 def loopback_uid(peer: str, server_ports: set[int], proc_net: str | None = None) -> int | None:
     """The uid owning a loopback TCP peer's socket, None when it is not a loopback peer or not found
     (it closed meanwhile). Only an established socket whose far end is one of our ports counts.
-    Asked of the kernel by the exact socket (collector/sockdiag.py); /proc/net/tcp (or `proc_net`,
+    Asked of the kernel by the exact socket (ghostgpu/common/sockdiag.py); /proc/net/tcp (or `proc_net`,
     for tests) only where netlink cannot be asked."""
     where = parse_peer(peer)
     if where is None or not is_loopback(where[0]):
@@ -122,7 +90,7 @@ def _proc_net_uid(host: str, port: int, server_ports: set[int], proc_net: str) -
         except OSError:
             continue  # no IPv6 on this kernel
         for lip, lport, _rip, rport, state, uid in rows:
-            if lport == port and lip == host and rport in server_ports and state == _ESTABLISHED:
+            if lport == port and lip == host and rport in server_ports and state == TCP_ESTABLISHED_ST:
                 return uid
     return None
 
@@ -136,8 +104,8 @@ class UnixGate:
     def __init__(self, public_path: str) -> None:
         self.public_path = public_path
         self._dir = tempfile.mkdtemp(prefix="ghostgpu-grpc-")  # 0700: only this user enters
+        os.chmod(self._dir, 0o700)  # whatever the umask (mkdtemp asks for 0700 already)
         self.internal_address = f"unix://{self._dir}/grpc.sock"
-        self._token = secrets.token_hex(6)
         self._next = 0
         self._peers: dict[str, Principal] = {}
         self._lock = threading.Lock()
@@ -146,7 +114,7 @@ class UnixGate:
         self._thread: threading.Thread | None = None
 
     def principal(self, peer: str) -> Principal | None:
-        """The uid principal of a connection relayed here, from gRPC's `unix-abstract:...` peer."""
+        """The uid principal of a connection relayed here, from gRPC's `unix:DIR/peer-N` peer."""
         _, _, name = peer.partition(":")
         with self._lock:
             return self._peers.get(name)
@@ -207,13 +175,17 @@ class UnixGate:
             return
         with self._lock:
             self._next += 1
-            name = f"{PEER_PREFIX}{self._token}-{self._next}"
+            name = os.path.join(self._dir, f"{PEER_NAME}{self._next}")
             self._peers[name] = Principal("uid", str(uid), via="unix", peer=f"unix pid {pid}")
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            inner.bind("\0" + name)
-            inner.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(inner, self.internal_address[len("unix://"):])
+            inner.bind(name)  # in the 0700 directory: no other user can have taken it
+            try:
+                inner.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(inner, self.internal_address[len("unix://"):])
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)  # the connected socket keeps its name; the directory stays clean
             r2, w2 = await asyncio.open_unix_connection(sock=inner, limit=RELAY_CHUNK_BYTES)
         except OSError as e:
             log.warning("unix socket %s: cannot reach the gRPC server (%s); dropped a connection",

@@ -10,6 +10,7 @@ certificate signed by the CA is required, and new handshakes pick up rotated fil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,7 +27,10 @@ from ghostgpu.collector.policy import PolicyWatcher
 from ghostgpu.collector.store import Store
 from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE, TcpGate, default_max_connections
 
+from ghostgpu import __version__
 from ghostgpu.common.addresses import is_unix, parse_listen, port_of, unix_path, with_port
+from ghostgpu.common.audit_chain import AuditRecord
+from ghostgpu.common.filemodes import private_file
 from ghostgpu.common.principal import Principal
 from ghostgpu.common.tls import TlsFiles, check_server, plaintext_allowed
 from ghostgpu.common.tls_reload import server_credentials
@@ -79,8 +83,19 @@ class Security:
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         if opts.tls.enabled:
             check_server(opts.tls)  # TlsError (a ValueError) naming the file
-        self.audit_log = AuditLog(opts.audit_log or default_audit_path(db_path), store)
+        audit_path = opts.audit_log or default_audit_path(db_path)
+        if audit_path:
+            with contextlib.suppress(OSError):  # AuditLog says what is wrong with it, naming the file
+                private_file(audit_path)  # 0600, whatever the umask; tightened (one line) if looser
+        self.audit_log = AuditLog(audit_path, store)
         self.audit = self.audit_log.append
+        # Each run of the collector is in the chain: where it took the chain up and where it left it,
+        # so a tail cut while it was stopped shows as a start after no stop (`ghostgpu audit --verify`),
+        # and the head it exports (ghostgpu_audit_head_seq) lets Prometheus see a rewind.
+        self.started: AuditRecord = self.audit(
+            "collector.start", "collector", "ok", resumed_seq=self.audit_log.seq,
+            resumed_sha256=self.audit_log.last_sha256, pid=os.getpid(), version=__version__)
+        self._stop_written = False
         # A bad policy at start is fatal (PolicyError, a ValueError naming the key): better no
         # collector than one that serves a wrong policy.
         self.policy = PolicyWatcher(opts.policy_path, on_event=self._policy_event, own_uid=os.getuid())
@@ -169,7 +184,22 @@ class Security:
             self._checked_policy = policy
             self.authorizer.streams.recheck(policy)
 
+    def audit_head(self) -> tuple[int, int]:
+        """(the chain's newest seq, records this run appended, its start record included): the
+        metrics ghostgpu_audit_head_seq and ghostgpu_audit_records_total."""
+        seq = self.audit_log.seq
+        return seq, seq - self.started.seq + 1
+
+    def stopping(self) -> None:
+        """The run's last record, collector.stop, once: call it while the store still takes writes."""
+        if self._stop_written:
+            return
+        self._stop_written = True
+        self.audit("collector.stop", "collector", "ok", started_seq=self.started.seq,
+                   resumed_seq=self.started.detail["resumed_seq"], records=self.audit_head()[1] + 1)
+
     def close(self) -> None:
+        self.stopping()  # already written unless the collector never served
         for gate in self.gates:
             gate.stop()
         for tcp in self.tcp_gates:

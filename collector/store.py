@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import sqlite3
 import threading
@@ -32,6 +31,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
+
+from ghostgpu.common.filemodes import FILE_MODE, private_file, tighten
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,12 @@ def _open(path: str) -> sqlite3.Connection:
     what = f"--db {path}"
     try:
         if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # 0600 in a directory made 0700, whatever the umask: the findings and the admin-only audit
+            # trail are no other local user's to read. SQLite gives -wal and -shm the file's mode;
+            # ones an older ghostgpu left looser are tightened here, with one line.
+            private_file(path)
+            for suffix in ("-wal", "-shm", "-journal"):
+                tighten(path + suffix, FILE_MODE)
         conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a commit survives a crash of this process

@@ -86,6 +86,9 @@ class TracerConfig:
     tls_key: str = ""
     tls_ca: str = ""
     tls_trust_domain: str = "ghostgpu"
+    # Who besides root may serve a plaintext collector (unix socket, loopback): the tracer checks the
+    # uid serving the address before it sends anything (ghostgpu/common/dial.py). -1: nobody else.
+    collector_uid: int = -1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +135,8 @@ class TracerConfig:
         pages = self.bpf_ringbuf_pages
         if pages <= 0 or pages & (pages - 1):
             raise ConfigError(f"bpf_ringbuf_pages: must be a power of two, got {pages}")
+        if self.collector_uid < -1:
+            raise ConfigError(f"collector_uid: a uid is 0 or more, got {self.collector_uid}")
         if not 1 <= self.trace_max_sessions <= 8:
             raise ConfigError(f"trace_max_sessions: must be 1 to 8, got {self.trace_max_sessions}")
         if self.trace_max_duration_s <= 0 or self.trace_max_records <= 0:

@@ -67,8 +67,9 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
     target = collector_address(collector)
     spool_events = getattr(args, "spool_events", None)
     tls = tracer_tls(cfg)
-    options = StreamOptions(tls=tls) if spool_events is None else StreamOptions(spool_events=spool_events,
-                                                                                  tls=tls)
+    trusted = cfg.collector_uid if cfg.collector_uid >= 0 else None  # a plaintext collector's other uid
+    options = StreamOptions(tls=tls, collector_uid=trusted) if spool_events is None else StreamOptions(
+        spool_events=spool_events, tls=tls, collector_uid=trusted)
     # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.
     relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)
     stream = StreamSink(target, cfg.node_name, relay=relay,

@@ -32,6 +32,7 @@ from ghostgpu.tracer.stream_session import StreamSession
 
 from ghostgpu import __version__
 from ghostgpu.common import protocol
+from ghostgpu.common.dial import CollectorRefused
 from ghostgpu.common.records import AnyRecord, InfoRecord
 from ghostgpu.common.tls import TlsFiles
 from ghostgpu.common.tls_explain import explain_connect_failure
@@ -56,6 +57,7 @@ class StreamOptions:
     info_wait_s: float = 30.0  # wait this long for the agent's first `info` (its bpf/nvml go into Hello)
     close_deadline_s: float = 2.0  # close() flushes for at most this long
     tls: TlsFiles | None = None  # mTLS to the collector (docs/SECURITY.md); None: plaintext
+    collector_uid: int | None = None  # who besides root may serve a plaintext collector (dial.py)
 
 
 class StreamSender:
@@ -167,10 +169,19 @@ class StreamSender:
 
     def _attempt(self) -> str:
         """One connection, from Hello to its end: "failed", "lost" or "stopped" (flushed on close)."""
-        session = StreamSession(self.target, self._on_ack, self._on_command, self._wake, self.options.tls)
+        session = StreamSession(self.target, self._on_ack, self._on_command, self._wake, self.options.tls,
+                                collector_uid=self.options.collector_uid)
         try:
             try:
                 session.open(self._hello())
+            except CollectorRefused as exc:  # a collector another local user serves: nothing sent
+                with self._lock:
+                    self._connect_failures += 1
+                if str(exc) != self._refusal_logged:
+                    log.error("%s; retrying", exc)
+                    self._refusal_logged = str(exc)
+                self._backoff_s = self.options.backoff_max_s
+                return "failed"
             except Exception as exc:  # e.g. a target gRPC cannot parse: say so, retry like any failure
                 log.warning("cannot open a stream to the collector at %s: %s", self.target, exc)
                 return "failed"

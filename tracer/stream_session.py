@@ -48,8 +48,9 @@ def read_boot_id(proc_root: str = "/proc") -> str:
 
 class StreamSession:
     def __init__(self, target: str, on_ack: AckFn, on_command: CommandFn, wake: threading.Event,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, collector_uid: int | None = None) -> None:
         self.tls = tls
+        self.collector_uid = collector_uid
         self.target = target
         self._on_ack = on_ack
         self._on_command = on_command
@@ -71,7 +72,9 @@ class StreamSession:
         # A fresh channel per attempt: a reused one keeps gRPC's own reconnect backoff (up to 120 s),
         # which would override ours after a collector restart. It also re-reads the TLS files, so a
         # rotated node certificate is used from the next connection on.
-        self._channel = open_channel(self.target, self.tls, protocol.channel_options())
+        # Plaintext: CollectorRefused (before anything is sent) when another local uid serves it.
+        self._channel = open_channel(self.target, self.tls, protocol.channel_options(),
+                                     collector_uid=self.collector_uid)
         connect = self._channel.stream_stream(CONNECT_METHOD, request_serializer=None,
                                               response_deserializer=stream_pb2.CollectorMessage.FromString)
         self.outq.put(hello)

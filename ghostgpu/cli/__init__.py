@@ -10,7 +10,12 @@ import sys
 from typing import Any
 
 from ghostgpu import __version__
-from ghostgpu.cli.tls_flags import INSECURE_HELP, add_server_security_flags, add_tls_flags
+from ghostgpu.cli.tls_flags import (
+    INSECURE_HELP,
+    add_collector_uid_flag,
+    add_server_security_flags,
+    add_tls_flags,
+)
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR
 
 
@@ -143,6 +148,7 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
                    help="only this class (repeatable): hidden, ghost, orphaned, unallocated, ...")
     p.add_argument("--node", help="only this node")
     add_tls_flags(p)
+    add_collector_uid_flag(p)
 
 
 def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], verb: bool = False) -> None:
@@ -154,6 +160,7 @@ def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], ver
     p.add_argument("--collector", default=default(None), help="collector address HOST:PORT or "
                    f"unix:///path (default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
     add_tls_flags(p, verb=verb)
+    add_collector_uid_flag(p, verb=verb)
     p.add_argument("-o", "--output", choices=outputs, default=default("table"),
                    help="table (default), json (one document at the end) or jsonl (one record a line)")
     if "jsonl" in outputs:
@@ -200,6 +207,7 @@ def _add_trace_parser(sub: Any) -> None:
     stop.add_argument("--collector", default=argparse.SUPPRESS,
                       help="collector address HOST:PORT or unix:///path")
     add_tls_flags(stop, verb=True)
+    add_collector_uid_flag(stop, verb=True)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -224,6 +232,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_tracer_flags(tracer)
     _add_node_flags(tracer)
     _add_health_flag(tracer)
+    add_collector_uid_flag(tracer)  # config key collector_uid, env GHOSTGPU_COLLECTOR_UID
 
     coll = sub.add_parser("collector", help="the cluster collector: ingests tracers, resolves containers "
                           "through CRI, answers queries")
@@ -269,7 +278,7 @@ def _config(args: argparse.Namespace) -> Any:
 
     keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
             "scan_interval_s", "bpf", "health_listen", "trace_max_sessions", "trace_max_records",
-            "tls_cert", "tls_key", "tls_ca", "tls_trust_domain", "web_config_file")
+            "tls_cert", "tls_key", "tls_ca", "tls_trust_domain", "web_config_file", "collector_uid")
     overrides = {k: getattr(args, k, None) for k in keys}
     if getattr(args, "trace_max_duration", None) is not None:
         overrides["trace_max_duration_s"] = parse_duration_s(args.trace_max_duration, "--trace-max-duration")
@@ -368,5 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "BpfUnavailable":
             print(f"ghostgpu: bpf: {exc}", file=sys.stderr)
             return 3
+        if type(exc).__name__ == "ClientError":  # e.g. a plaintext collector of an untrusted uid
+            print(f"ghostgpu: {exc}", file=sys.stderr)
+            return 1
         raise
 

@@ -6,7 +6,10 @@ Three sources: the collector's ListAudit (admin only), its store file read-only 
 collector needed: the table the collector writes), or its JSON lines file (`--file`, the collector's
 audit file: what a byte-level edit shows in). `--verify` checks the chain (ghostgpu.common.audit_chain)
 and prints "audit chain intact: N records", or the first broken record's seq and why, with exit
-status 1. An unreachable collector or unreadable file is one line and exit status 1; a bad flag 2.
+status 1. With `--db`, `--verify` checks the store's chain and the audit file beside it (or `--file`)
+each on its own and against each other, naming the first record one has and the other lacks: a tail
+cut from one of them shows. An unreachable collector or unreadable file is one line and exit status 1;
+a bad flag 2.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ghostgpu.cli.tls_flags import add_tls_flags
+from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR
-from ghostgpu.common.audit_chain import AuditRecord, BadLine, Verdict, parse_lines, verify
+from ghostgpu.common.audit_chain import AuditRecord, BadLine, Verdict, compare, parse_lines, verify
 
 PAGE_RECORDS = 5000  # per ListAudit call; the collector caps a page at 100,000
 DEFAULT_SINCE = "1h"
@@ -36,15 +39,17 @@ def add_parser(sub: Any) -> None:
     source.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
                         f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR}); needs role admin")
     source.add_argument("--db", metavar="PATH", help="read a collector's store file directly, read-only "
-                        "(its --db); no collector needed")
-    source.add_argument("--file", metavar="PATH", help="read the collector's audit JSON lines file "
-                        "(its --audit-log)")
+                        "(its --db); no collector needed. With --verify the audit file beside it (or "
+                        "--file) is checked against it")
+    p.add_argument("--file", metavar="PATH", help="read the collector's audit JSON lines file "
+                   "(its --audit-log)")
     p.add_argument("--since", help=f"how far back: 30s, 15m, 1h, 7d (default {DEFAULT_SINCE}; with "
                    "--verify the whole trail)")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p.add_argument("--verify", action="store_true", help="check the hash chain: print the first broken "
                    "record's seq and why, and exit 1")
     add_tls_flags(p)
+    add_collector_uid_flag(p)
 
 
 def _since_ns(args: argparse.Namespace) -> int:
@@ -118,6 +123,8 @@ def render_verdict(verdict: Verdict, items: list[Item], output: str) -> str:
                            "records": len(items),
                            "first_seq": records[0].seq if records else None,
                            "last_seq": records[-1].seq if records else None}, indent=2)
+    if not verdict.ok and verdict.first_bad_seq is None:
+        return f"audit chain not verified: {verdict.why}"
     if not verdict.ok:
         return f"audit chain broken at record {verdict.first_bad_seq}: {verdict.why}"
     if records and records[0].seq > 1:  # a --since window, or a store that starts mid-chain
@@ -129,6 +136,11 @@ def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], 
     """`query_factory(args)` builds the client (ghostgpu.cli.client.Query.from_args by default: --collector
     and the TLS flags)."""
     since_ns = _since_ns(args)  # a bad --since fails before any connection (ValueError: exit 2)
+    if args.file and (args.collector or (args.db and not args.verify)):
+        raise ValueError("--file: give it alone, or with --db and --verify (the file checked against "
+                         "the store)")
+    if args.db and args.verify:
+        return verify_db(args.db, args.file, since_ns, args.output)
     try:
         if args.file:
             items = read_file(args.file, since_ns)
@@ -151,7 +163,9 @@ def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], 
         print(f"ghostgpu: {exc}", file=sys.stderr)
         return 1
     if args.verify:
-        verdict = verify(items)
+        # The whole trail (no --since) must begin at record 1; a file moved away while the collector
+        # was stopped may begin at a collector.start instead.
+        verdict = verify(items, from_start=since_ns == 0, rotated_ok=bool(args.file))
         print(render_verdict(verdict, items, args.output))
         return 0 if verdict.ok else 1
     for bad in (i for i in items if isinstance(i, BadLine)):
@@ -161,4 +175,60 @@ def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], 
         print(json.dumps([r.to_json() for r in records], indent=2))
     else:
         print(render_table(records))
+    return 0
+
+
+def default_file_of(db: str) -> str:
+    """The audit file a collector writes beside its --db when not given --audit-log."""
+    from ghostgpu.collector.security import default_audit_path
+
+    return default_audit_path(db) or ""
+
+
+def verify_db(db: str, file: str | None, since_ns: int, output: str) -> int:
+    """`--db PATH --verify`: the store's chain, the audit file's chain, and the two against each other
+    (docs/SECURITY.md, "Audit"). Exit status 1 at the first problem, naming it."""
+    from ghostgpu.collector.store import StoreError
+
+    path = file or default_file_of(db)
+    try:
+        stored = read_db(db, since_ns)
+    except StoreError as exc:
+        print(f"ghostgpu: {exc}", file=sys.stderr)
+        return 1
+    whole = since_ns == 0
+    verdict = verify(stored, from_start=whole)
+    if not verdict.ok:
+        print(render_verdict(Verdict(False, verdict.first_bad_seq, f"in the store: {verdict.why}"), stored,
+                             output))
+        return 1
+    try:
+        filed = read_file(path)
+    except FileNotFoundError:
+        if not stored:  # an empty trail: nothing was ever written to either
+            print(render_verdict(verdict, stored, output))
+            return 0
+        filed = None
+    except OSError:
+        filed = None
+    if filed is None:
+        why = (f"audit file {path}: cannot read it: the store cannot be checked against it (deleted?); "
+               "pass the collector's --audit-log as --file")
+        print(render_verdict(Verdict(False, None, why), stored, output))
+        return 1
+    if not whole:  # the store's window: the file's records from the window's first seq on
+        first = next((r.seq for r in stored if isinstance(r, AuditRecord)), None)
+        filed = [r for r in filed if not isinstance(r, AuditRecord) or first is None or r.seq >= first]
+        if first is None:
+            filed = [r for r in filed if isinstance(r, AuditRecord) and r.ts_unix_ns >= since_ns]
+    file_verdict = verify(filed, from_start=whole, rotated_ok=True)
+    if not file_verdict.ok:
+        print(render_verdict(Verdict(False, file_verdict.first_bad_seq, f"in {path}: {file_verdict.why}"),
+                             filed, output))
+        return 1
+    both = compare(stored, filed, path)
+    if not both.ok:
+        print(render_verdict(both, stored, output))
+        return 1
+    print(render_verdict(Verdict(True, None, f"{verdict.why}; audit file {path} agrees"), stored, output))
     return 0

@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 
 from ghostgpu.cli import view
-from ghostgpu.cli.tls_flags import tls_from_args
+from ghostgpu.cli.tls_flags import collector_uid_from_args, tls_from_args
 from ghostgpu.common.addresses import collector_address
 from ghostgpu.common.convert import class_to_proto, cluster_consumer_from_proto
 from ghostgpu.common.convert_trace import record_from_proto, scope_to_proto, session_from_proto
-from ghostgpu.common.dial import open_channel
+from ghostgpu.common.dial import CollectorRefused, open_channel
 from ghostgpu.common.model import ClusterConsumer, ConsumerClass
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, MAX_ANSWER_BYTES, channel_options
 from ghostgpu.common.tls import TlsFiles
@@ -105,22 +105,32 @@ class Query:
     address: str
     timeout_s: float = CALL_TIMEOUT_S
     tls: TlsFiles | None = None  # mTLS (docs/SECURITY.md); None or no files: plaintext
+    collector_uid: int | None = None  # --collector-uid: who besides root may serve it in plaintext
 
     def __post_init__(self) -> None:
         # Who we are is the collector's to find out (a certificate, SO_PEERCRED, the loopback
-        # socket's owner): nothing here claims an identity.
-        self.channel = open_channel(self.address, self.tls, channel_options(MAX_ANSWER_BYTES))
+        # socket's owner): nothing here claims an identity. Who it is, in plaintext, is ours
+        # (ghostgpu/common/dial.py): a collector another local user serves is refused here.
+        try:
+            self.channel = open_channel(self.address, self.tls, channel_options(MAX_ANSWER_BYTES),
+                                        collector_uid=self.collector_uid)
+        except CollectorRefused as exc:
+            raise ClientError(str(exc)) from None
         self.stub = query_pb2_grpc.QueryStub(self.channel)
         self.metadata = ((API_VERSION_METADATA, str(API_VERSION)),)
 
     @classmethod
-    def from_flag(cls, value: str | None, tls: TlsFiles | None = None) -> Query:
-        return cls(collector_address(value), tls=tls)
+    def from_flag(cls, value: str | None, tls: TlsFiles | None = None,
+                  collector_uid: int | None = None) -> Query:
+        return cls(collector_address(value), tls=tls, collector_uid=collector_uid)
 
     @classmethod
     def from_args(cls, args: Any) -> Query:
-        """--collector and the TLS flags (GHOSTGPU_COLLECTOR, GHOSTGPU_TLS_* where not given)."""
-        return cls.from_flag(getattr(args, "collector", None), tls_from_args(args))
+        """--collector, the TLS flags and --collector-uid (GHOSTGPU_COLLECTOR, GHOSTGPU_TLS_*,
+        GHOSTGPU_COLLECTOR_UID where not given). ClientError when the plaintext collector there is
+        served by a uid this client does not trust."""
+        return cls.from_flag(getattr(args, "collector", None), tls_from_args(args),
+                             collector_uid_from_args(args))
 
     def close(self) -> None:
         self.channel.close()

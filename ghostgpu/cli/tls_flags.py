@@ -33,6 +33,33 @@ def add_tls_flags(p: argparse.ArgumentParser, *, verb: bool = False) -> None:
                    "env GHOSTGPU_TLS_TRUST_DOMAIN)")
 
 
+def add_collector_uid_flag(p: argparse.ArgumentParser, *, verb: bool = False) -> None:
+    """--collector-uid: a client's (ps, findings, trace, audit, the tracer) word on who may serve a
+    plaintext collector (unix socket, loopback) besides root (ghostgpu/common/dial.py)."""
+    p.add_argument("--collector-uid", dest="collector_uid", type=int, metavar="UID",
+                   default=argparse.SUPPRESS if verb else None,
+                   help="trust a plaintext collector (unix socket, loopback) served by this uid too; by "
+                   "default only root's (or your own) is talked to (env GHOSTGPU_COLLECTOR_UID)")
+
+
+def collector_uid_from_args(args: Any) -> int | None:
+    """--collector-uid, else GHOSTGPU_COLLECTOR_UID; ValueError (one line) for a bad value."""
+    import os
+
+    value = getattr(args, "collector_uid", None)
+    if value is None:
+        text = os.environ.get("GHOSTGPU_COLLECTOR_UID", "").strip()
+        if not text:
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"GHOSTGPU_COLLECTOR_UID {text!r}: not a uid (a number)") from None
+    if value < 0:
+        raise ValueError(f"--collector-uid {value}: a uid is 0 or more")
+    return int(value)
+
+
 def add_server_security_flags(p: argparse.ArgumentParser) -> None:
     """The collector's (and `up`'s): who may connect, and the record of what they did."""
     with contextlib.suppress(argparse.ArgumentError):  # `up` has it from its tracer's flags already

@@ -166,7 +166,9 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
 def _open_db(db: str) -> str:
     if db != ":memory:":
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(db)), exist_ok=True)
+            from ghostgpu.common.filemodes import make_private_dirs
+
+            make_private_dirs(os.path.dirname(os.path.abspath(db)))  # new levels 0700: the store is private
         except OSError as e:
             raise UpError(f"cannot create the directory of the collector database {db}: {e.strerror}; "
                           f"run as root or pass --db PATH (or --db :memory:)") from e

@@ -11,6 +11,14 @@ zeros before record 1), so editing, removing or reordering any record breaks the
 record or the next, and a reader can say which. The chain is tamper-evident, not tamper-proof: whoever
 can rewrite the whole file from the edited record on can forge it; ship the file off the node (or
 keep the last sha256 elsewhere) to close that.
+
+Each run of the collector opens with `collector.start` (detail: `resumed_seq`, `resumed_sha256`, the
+head it took the chain up from) and, stopped cleanly, ends with `collector.stop` (`started_seq`,
+`resumed_seq`). So a tail cut while the collector was stopped shows at its next start: a start whose
+previous record is no stop (`verify`). A crash looks the same, and a cut after which the collector
+never starts again, or one that ends exactly at a stop record, leaves nothing in the chain to see:
+only a witness outside the node can tell (the metric ghostgpu_audit_head_seq in Prometheus, the
+file shipped away). `compare` checks the store's copy and the file's against each other.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ FIELDS = ("seq", "ts_unix_ns", "action", "subject", "result", "detail", "prev_sh
 # Every action the collector audits (docs/SECURITY.md, "Audit"). An unknown one still verifies: a
 # newer collector may add actions, and the chain does not depend on their names.
 ACTIONS = ("trace.start", "trace.stop", "trace.expire", "denied", "policy.reload", "policy.reload_error",
-           "tls.reload", "tls.reload_error", "tracer.connect", "tracer.disconnect", "tracer.refused")
+           "tls.reload", "tls.reload_error", "tracer.connect", "tracer.disconnect", "tracer.refused",
+           "collector.start", "collector.stop")
+START, STOP = "collector.start", "collector.stop"
 
 
 def canonical_json(obj: Any) -> str:
@@ -123,13 +133,19 @@ class Verdict(NamedTuple):
     why: str
 
 
-def verify(records: Iterable[AuditRecord | BadLine]) -> Verdict:
-    """Check the chain. The first record may start mid-chain (a --since window, a pruned store): its
-    own prev_sha256 cannot be checked then, unless it is record 1. A broken record is named by the seq
-    its place in the chain gives it (the previous record's seq + 1), so an edit of the seq itself
-    still names the right record."""
+def verify(records: Iterable[AuditRecord | BadLine], from_start: bool = False,
+           rotated_ok: bool = False) -> Verdict:
+    """Check the chain. The first record may start mid-chain (a --since window): its own prev_sha256
+    cannot be checked then, unless it is record 1. `from_start`: the whole trail, so it must begin
+    at record 1 (a store is never pruned: a later first record means its head records were
+    deleted); `rotated_ok` lets it begin at a collector.start instead (an audit file moved away
+    while the collector was stopped, docs/SECURITY.md). A broken record is named by the seq its
+    place in the chain gives it (the previous record's seq + 1), so an edit of the seq itself still
+    names the right record. A collector.start after a run that had one must follow a collector.stop
+    (see the module doc)."""
     prev: AuditRecord | None = None
     count = 0
+    seen_start = False
     for item in records:
         expected = prev.seq + 1 if prev is not None else None
         if isinstance(item, BadLine):
@@ -142,6 +158,9 @@ def verify(records: Iterable[AuditRecord | BadLine]) -> Verdict:
         if prev is None:
             if item.seq == 1 and item.prev_sha256 != GENESIS_SHA256:
                 return Verdict(False, 1, "record 1: prev_sha256 is not the chain's start (64 zeros)")
+            if from_start and item.seq != 1 and not (rotated_ok and item.action == START):
+                return Verdict(False, 1, f"records 1..{item.seq - 1} are missing: the trail begins at record "
+                               f"{item.seq} (its first records were deleted)")
         elif item.seq != expected:
             why = (f"records {expected}..{item.seq - 1} are missing" if item.seq > expected
                    else f"seq {item.seq} comes again or out of order")
@@ -149,5 +168,51 @@ def verify(records: Iterable[AuditRecord | BadLine]) -> Verdict:
         elif item.prev_sha256 != prev.sha256:
             return Verdict(False, seq, f"record {seq}: prev_sha256 is not record {prev.seq}'s sha256 "
                            "(a record was edited, removed or put in its place)")
+        if item.action == START:
+            why = _start_problem(item, prev, seen_start)
+            if why:
+                return Verdict(False, seq, f"record {seq}: {why}")
+            seen_start = True
         prev, count = item, count + 1
     return Verdict(True, None, f"audit chain intact: {count} records")
+
+
+def _start_problem(start: AuditRecord, prev: AuditRecord | None, seen_start: bool) -> str:
+    """Why a collector.start record does not fit where it is ("" when it does)."""
+    resumed = start.detail.get("resumed_seq")
+    if prev is not None and resumed is not None and (resumed != prev.seq
+                                                     or start.detail.get("resumed_sha256") != prev.sha256):
+        return (f"the collector says it took the chain up after record {resumed}, but record {prev.seq} "
+                "comes before it (records were removed and the chain forged)")
+    if prev is not None and seen_start and prev.action != STOP:
+        return (f"the collector started again after record {prev.seq}, which is no collector.stop: it "
+                f"crashed or was killed, or the records after {prev.seq} were cut while it was stopped; "
+                "compare the head Prometheus saw last (ghostgpu_audit_head_seq) before trusting the trail")
+    return ""
+
+
+def compare(store: list[AuditRecord | BadLine], file: list[AuditRecord | BadLine],
+            file_name: str = "the audit file") -> Verdict:
+    """The store's copy of the chain against the file's (both already verified on their own): the
+    first record one has and the other lacks, or that differs. The file may lack the store's first
+    records when it begins at a collector.start (it was moved away while the collector was
+    stopped); past its first record it must hold every record the store holds, and the store every
+    record it holds."""
+    in_store = {r.seq: r for r in store if isinstance(r, AuditRecord)}
+    in_file = {r.seq: r for r in file if isinstance(r, AuditRecord)}
+    file_first = min(in_file, default=None)
+    rotated = file_first is not None and in_file[file_first].action == START
+    for seq in sorted(in_store.keys() | in_file.keys()):
+        s, f = in_store.get(seq), in_file.get(seq)
+        if s is not None and f is None:
+            if rotated and file_first is not None and seq < file_first:
+                continue
+            return Verdict(False, seq, f"record {seq} ({s.action}) is in the store but not in {file_name} "
+                           "(cut from the file, or the file is another collector's)")
+        if f is not None and s is None:
+            return Verdict(False, seq, f"record {seq} ({f.action}) is in {file_name} but not in the store "
+                           "(cut from the store, or lost by a crash before the store committed it)")
+        if s is not None and f is not None and s.sha256 != f.sha256:
+            return Verdict(False, seq, f"record {seq} differs between the store and {file_name}")
+    return Verdict(True, None, f"{len(in_store)} records in the store, {len(in_file)} in {file_name}, "
+                   "each in both")

@@ -44,10 +44,13 @@ def trail(now_ns: int) -> list[AuditRecord]:
 
 @pytest.fixture
 def db(tmp_path: Path) -> Iterator[tuple[str, Store]]:
-    """A collector's store file holding the trail, still open (WAL) as a running collector keeps it."""
+    """A collector's store file holding the trail, still open (WAL) as a running collector keeps it,
+    and the audit file beside it holding the same records."""
     path = str(tmp_path / "collector.db")
     store = Store(path, event_log_max=1000, retention_days=7)
-    store.submit([Store.op_audit(row_from_record(r)) for r in trail(time.time_ns())])
+    records = trail(time.time_ns())
+    store.submit([Store.op_audit(row_from_record(r)) for r in records])
+    (tmp_path / "collector.audit.jsonl").write_text("".join(r.line() + "\n" for r in records))
     store.barrier().result(10)
     yield path, store
     store.close()
@@ -60,7 +63,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_db_verify_intact(db: tuple[str, Store], capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(capsys, "--db", db[0], "--verify") == (0, "audit chain intact: 5 records\n", "")
+    beside = db[0].replace(".db", ".audit.jsonl")
+    assert run(capsys, "--db", db[0], "--verify") == (
+        0, f"audit chain intact: 5 records; audit file {beside} agrees\n", "")
 
 
 def test_db_verify_names_the_edited_record(db: tuple[str, Store], capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,17 +74,17 @@ def test_db_verify_names_the_edited_record(db: tuple[str, Store], capsys: pytest
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE audit SET subject = 'user:carol' WHERE seq = 3")
     code, out, _ = run(capsys, "--db", path, "--verify")
-    assert (code, out) == (1, "audit chain broken at record 3: record 3: its content does not match its "
-                              "sha256 (edited)\n")
+    assert (code, out) == (1, "audit chain broken at record 3: in the store: record 3: its content does not "
+                              "match its sha256 (edited)\n")
     code, out, _ = run(capsys, "--db", path, "--verify", "-o", "json")
     assert code == 1 and json.loads(out) == {"ok": False, "first_bad_seq": 3, "records": 5, "first_seq": 1,
-                                             "last_seq": 5, "why": "record 3: its content does not match "
-                                             "its sha256 (edited)"}
+                                             "last_seq": 5, "why": "in the store: record 3: its content "
+                                             "does not match its sha256 (edited)"}
     with sqlite3.connect(path) as conn:
         conn.execute("DELETE FROM audit WHERE seq = 3")
     code, out, _ = run(capsys, "--db", path, "--verify")
-    assert (code, out) == (1, "audit chain broken at record 3: record 3: records 3..3 are missing (after "
-                              "record 2)\n")
+    assert (code, out) == (1, "audit chain broken at record 3: in the store: record 3: records 3..3 are "
+                              "missing (after record 2)\n")
 
 
 def test_db_table_json_and_since(db: tuple[str, Store], capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,8 +100,10 @@ def test_db_table_json_and_since(db: tuple[str, Store], capsys: pytest.CaptureFi
     assert code == 0 and [r["seq"] for r in records] == [1, 2, 3, 4, 5]
     assert list(records[0]) == KEYS and records[0]["detail"] == {"peer": "ipv4:10.0.0.5:4000"}
 
+    beside = db[0].replace(".db", ".audit.jsonl")
     assert run(capsys, "--db", db[0], "--verify", "--since", "1h") == (
-        0, "audit chain intact: 3 records (seq 3..5; earlier records not read)\n", "")
+        0, f"audit chain intact: 3 records; audit file {beside} agrees (seq 3..5; earlier records not "
+           "read)\n", "")
 
 
 def test_an_empty_trail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -153,9 +160,13 @@ def test_an_old_store_without_the_audit_table(tmp_path: Path, capsys: pytest.Cap
 
 def test_one_source_at_most(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
-        main(["audit", "--db", "a.db", "--file", "a.jsonl"])
+        main(["audit", "--db", "a.db", "--collector", "127.0.0.1:1"])
     assert exit_.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+    # --file goes with --db only to be checked against it (--verify)
+    for argv in (["--db", "a.db", "--file", "a.jsonl"], ["--collector", "127.0.0.1:1", "--file", "a.jsonl"]):
+        assert main(["audit", *argv]) == 2
+        assert "--file: give it alone, or with --db and --verify" in capsys.readouterr().err
 
 
 @contextlib.contextmanager

@@ -145,9 +145,13 @@ def test_label_values_are_escaped_as_the_text_format_wants(raw: str, written: st
 def test_page_parses_and_every_family_is_declared() -> None:
     w = busy_world()
     m = w.metrics(cri_stats=lambda: CriStats(calls_total=3, call_seconds_total=0.02,
-                                             call_latency_bucket_counts=(1,) * 3 + (3,) * 9))
+                                             call_latency_bucket_counts=(1,) * 3 + (3,) * 9),
+                  audit_head=lambda: (41, 3))  # the audit chain's head: a witness outside the collector
     text = m.page().decode()
     assert text.endswith("\n")
+    got_audit = samples(text)
+    assert got_audit["ghostgpu_audit_head_seq"] == [({}, 41)]
+    assert got_audit["ghostgpu_audit_records_total"] == [({}, 3)]
     got = samples(text)
     consumers = {(s["node"], s["gpu"], s["class"]): v for s, v in got["ghostgpu_consumers"]}
     assert consumers == {("n1", "0", "hidden"): 1, ("n1", "1", "visible"): 1, ("n1", "1", "unattributed"): 2}

@@ -12,14 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ghostgpu.collector.peers import (
-    PEER_PREFIX,
-    UnixGate,
-    is_loopback,
-    loopback_uid,
-    parse_peer,
-    parse_proc_net_tcp,
-)
+from ghostgpu.collector.peers import UnixGate, is_loopback, loopback_uid, parse_peer
+
+from ghostgpu.common.sockdiag import parse_proc_net_tcp
 
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 # 127.0.0.1:41234 -> 127.0.0.1:7450 established, uid 1000; the listener 127.0.0.1:7450, uid 0.
@@ -132,9 +127,14 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
         assert oct(os.stat(tmp_path / "public.sock").st_mode & 0o777) == oct(0o666)
         with grpc.insecure_channel(f"unix://{tmp_path}/public.sock") as ch:
             assert ch.unary_unary("/t.T/Who")(b"", timeout=10) == f"uid:{os.getuid()}".encode()
-        assert seen[0].startswith(f"unix-abstract:{PEER_PREFIX}")
+        # The relay's own socket is a path in the gate's 0700 directory, never an abstract name
+        # (which anyone could bind first: issue 17, item 10).
+        assert seen[0].startswith(f"unix:{os.path.dirname(gate.internal_address[len('unix://'):])}/peer-")
+        assert os.stat(os.path.dirname(seen[0][len("unix:"):])).st_mode & 0o777 == 0o700
+        assert not os.path.exists(seen[0][len("unix:"):])  # unlinked once connected
         # A peer name the gate never made is nobody.
-        assert gate.principal(f"unix-abstract:{PEER_PREFIX}forged-1") is None
+        assert gate.principal(seen[0] + "0") is None
+        assert gate.principal("unix-abstract:ghostgpu-peer-x-1") is None
     finally:
         gate.stop()
         held["loop"].call_soon_threadsafe(held["done"].set)  # type: ignore[attr-defined]
@@ -145,7 +145,7 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
 def test_sock_diag_asks_for_the_exact_socket_and_reads_its_uid() -> None:
     import struct
 
-    from ghostgpu.collector.sockdiag import DiagUnavailable, build_request, parse_reply
+    from ghostgpu.common.sockdiag import DiagUnavailable, build_request, parse_reply
 
     req = build_request("127.0.0.1", 41202, "127.0.0.1", 7450, seq=7)
     assert len(req) == 16 + 56 and struct.unpack_from("=IHHII", req) == (72, 20, 1, 7, 0)
@@ -161,7 +161,7 @@ def test_sock_diag_asks_for_the_exact_socket_and_reads_its_uid() -> None:
 
 
 def test_sock_diag_names_the_owner_of_a_real_socket() -> None:
-    from ghostgpu.collector.sockdiag import socket_uid
+    from ghostgpu.common.sockdiag import socket_uid
 
     with _connected() as (host, cport, port):
         assert socket_uid(host, cport, "127.0.0.1", port) == os.getuid()

@@ -25,6 +25,7 @@ SEVERITIES = {
     "GhostGPUUnattributedConsumer": "warning", "GhostGPUTracerDown": "critical",
     "GhostGPUTracerSilent": "warning", "GhostGPUEventsLost": "warning",
     "GhostGPUCriResolutionFailing": "warning", "GhostGPUMetricsCapped": "warning",
+    "GhostGPUAuditRewound": "critical",
 }
 FINDING_CLASS = {"GhostGPUHiddenConsumer": "hidden", "GhostGPUOrphanedConsumer": "orphaned",
                  "GhostGPUGhostMemory": "ghost", "GhostGPUUnallocatedAccess": "unallocated",
@@ -61,6 +62,8 @@ def test_each_alert_has_severity_for_and_texts(alert: str) -> None:
         assert "ghostgpu_nonvisible_consumer_" in rule["expr"], "findings alerts read the per-process series"
     elif alert == "GhostGPUMetricsCapped":  # a collector-wide gauge: the collector is the place
         assert "instance" in named
+    elif alert == "GhostGPUAuditRewound":  # one series per collector across restarts (pods change)
+        assert {"job", "namespace"} <= named
     else:
         assert "node" in named
 

@@ -220,7 +220,8 @@ def test_the_audit_chain_verifies(secure: Secure, capsys: pytest.CaptureFixture[
     t.connect()
     t.stop()
     wait_until(lambda: secure.audit_records("tracer.disconnect"), "the disconnect audited")
-    assert cli.main(["audit", "--db", str(Path(secure.audit).with_name("c.db")), "--verify"]) == 0
+    assert cli.main(["audit", "--db", str(Path(secure.audit).with_name("c.db")), "--file", str(secure.audit),
+                     "--verify"]) == 0
     assert "intact" in capsys.readouterr().out
 
 
