@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ghostgpu.tracer import records
-from ghostgpu.tracer.agent_scan import ScanDuties
+from ghostgpu.tracer.agent_scan import EXIT_WAIT_S, ScanDuties
 from ghostgpu.tracer.cgroup import CgroupIdResolver
 from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
@@ -65,6 +65,7 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
         self._full_scan_ns = 0  # boot ns when the last full /proc scan began (classify: holders_complete_ns)
+        self._outer_scan_ns: int | None = None  # start of the periodic or full scan under way, if any
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -320,6 +321,7 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
 
     def _classify(self) -> None:
         self._dirty = False
+        self._await_dead_holders()
         new = self.current_consumers()
         changed, resolved = diff_consumers(self.consumers, new)
         for consumer in changed:
@@ -327,6 +329,18 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         for consumer in resolved:
             self.sink.emit(records.consumer_record("resolved", consumer))
         self.consumers = {c.key: c for c in new}
+
+    def _await_dead_holders(self) -> None:
+        """A holder whose identity, re-read on one of its events (the RENAME of its exec, another
+        OPEN, a FORK), says zombie has exited after that event: its EXEC and EXIT are queued behind
+        it, not applied yet. Classified now it would read as orphaned, a finding for an exit in
+        progress. It waits for that EXIT like any dying holder the kernel knows (1 s, then /proc
+        settles it), unclassified. A zombie leader whose threads live on is not dead: it stays."""
+        now_s = time.monotonic()
+        for pid, holder in self.state.holders.items():
+            if (holder.process.state in ("Z", "X") and pid not in self._exit_due
+                    and not self.identities.alive(pid)):
+                self._exit_due[pid] = now_s + EXIT_WAIT_S
 
     def _notice(self, what: str, message: str) -> None:
         if what != "nvml":  # the NVML source logs its own one line

@@ -11,9 +11,9 @@ from typing import Any
 
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.containment import Containment, HealthReport
-from ghostgpu.tracer.events import EventKind, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, ProcView, SourceEvent, boot_ns
 from ghostgpu.tracer.holders import HolderTable
-from ghostgpu.tracer.identity import Identities
+from ghostgpu.tracer.identity import ALIVE, EXITING, Identities
 from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
 from ghostgpu.tracer.rescan import RescanPlanner
 
@@ -36,6 +36,7 @@ class ScanDuties:
     _exit_due: dict[int, float]
     _dirty: bool
     _full_scan_ns: int
+    _outer_scan_ns: int | None
 
     def _rescan(self) -> None:
         """The periodic rescan: the holders and the processes whose fd table changed since the last
@@ -69,17 +70,33 @@ class ScanDuties:
             self._full_scan_ns = ts_ns
         holders = self.state.holders
         before = dict(holders) if pids is None else {p: holders[p] for p in pids if p in holders}
+        # A FORK/EXEC rescan run by the drain below reconciles before this scan does: it must keep
+        # the marks of what the kernel said since this scan began, or this older view undoes them.
+        own = full or periodic  # never run inside another scan (only FORK/EXEC rescans are)
+        if own:
+            self._outer_scan_ns = ts_ns
         scan_start_s = time.monotonic()
         view = self.scanner.scan(sorted(pids) if pids is not None else None)
         if full and self.health is not None:
             self.health.scan_observed(time.monotonic() - scan_start_s)
-        if self.bpf is not None and (full or periodic):
+        if self.bpf is not None and own:
             # And what the kernel said while /proc was read: do_exit fires the exit tracepoint before
             # exit_files() closes the fds the scan then missed, so the exact EXIT wins (reconcile
             # skips what newer events touched). Not in a FORK/EXEC rescan: it runs inside a batch.
             self._drain(0)
         events = self.state.reconcile(view, ts_ns, scanned_pids=pids,
-                                      exit_reported=pids if self.bpf is not None else None)
+                                      exit_reported=pids if self.bpf is not None else None,
+                                      keep_since_ns=None if own else self._outer_scan_ns)
+        if own:
+            self._outer_scan_ns = None
+        # A rescanned pid found holding nothing has its kernel count set to 0: after a FORK or EXEC
+        # (an exec that dropped its close-on-exec fds), or a holder a periodic rescan found empty
+        # (fds closed by close_range, which the kernel does not trace). Not any other process a
+        # periodic rescan read: one that opens a device meanwhile would lose its count.
+        # Seeded before the records go out: a holder the scan reports is known to the kernel by
+        # then, so whatever it does after its open record (exit, close, exec) is the kernel's.
+        zero = (pids & before.keys()) if periodic and pids else pids
+        created = self.bpf.seed_view(view, zero) if self.bpf is not None else set()
         if events and self.bpf is not None:
             if pids is None:
                 self._read_ioctls()
@@ -101,22 +118,7 @@ class ScanDuties:
                     for hold in holder.holds.values():
                         hold.first_seen_ns = min(hold.first_seen_ns, started_ns)
             self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
-        # A rescanned pid found holding nothing has its kernel count set to 0: after a FORK or EXEC
-        # (an exec that dropped its close-on-exec fds), or a holder a periodic rescan found empty
-        # (fds closed by close_range, which the kernel does not trace). Not any other process a
-        # periodic rescan read: one that opens a device meanwhile would lose its count.
-        zero = (pids & before.keys()) if periodic and pids else pids
-        created = self.bpf.seed_view(view, zero) if self.bpf is not None else set()
-        # A process that died between the /proc read and the seed exited while the kernel had no
-        # entry for it (it reports EXIT only for a tgid in procs): nobody else will report it, so
-        # it is settled here at once. So is a holder whose identity, re-read after its fds, says
-        # zombie: it died during the scan, and would otherwise read as orphaned until its EXIT.
-        forked = set() if periodic else (pids or set())
-        for pid in sorted(created - forked):
-            if not self.identities.alive(pid):
-                self._settle_exit(pid)
-        for pid in sorted(view.keys() - created - forked):
-            self._settle_if_gone(pid)
+        self._settle_unseeded(created, view, set() if periodic else (pids or set()))
         # A pid rescanned after its FORK or EXEC had a procs entry all along (the child inherits
         # it at fork, an exec keeps it), and so does a holder a periodic rescan found gone: the
         # kernel reports its exit, with exact time. Wait for that EXIT (often already queued) and
@@ -130,6 +132,36 @@ class ScanDuties:
         # A scan also refreshes identities (a parent that died, a leader turned zombie) without
         # any hold changing: re-classify after every one.
         self._dirty = True
+
+    def _settle_unseeded(self, created: set[int], view: ProcView, forked: set[int]) -> None:
+        """Settle from /proc the exits the kernel will not report, and only those: of a process that
+        died before the seed made its procs entry (the exit tracepoint reports only tgids in procs),
+        and of a holder whose identity, re-read after its fds, says zombie (else it reads as
+        orphaned until its EXIT). Dead now is not dead before the seed: a process that exits just
+        after it, or a known holder that turned zombie after the scan's last drain, is reported by
+        the tracepoint like any holder, and a /proc guess first would shadow that exact EXIT (it
+        then finds no holder and is dropped). `forked`: a FORK/EXEC rescan's pids, whose kernel
+        entry was there all along (see _scan)."""
+        # How far each exit is, read before the drain: what that drain does not bring, the
+        # tracepoint of a DEAD process (behind it) never will.
+        stages = {pid: self.identities.exit_stage(pid) for pid in sorted(created - forked)}
+        dying = {pid: stage for pid, stage in stages.items() if stage != ALIVE}
+        zombies = [pid for pid in sorted(view.keys() - created - forked)
+                   if (held := self.state.holders.get(pid)) is not None and held.process.state in ("Z", "X")]
+        if (dying or zombies) and self.bpf is not None:
+            # Inside a periodic or full scan, or at start: never within a batch of events (a
+            # FORK/EXEC rescan's view is its forked pids, so both are empty there).
+            self._drain(0)
+        now_s = time.monotonic()
+        for pid, stage in dying.items():
+            if stage == EXITING and pid in self.state.holders:
+                # Inside do_exit, its tracepoint maybe still ahead and sure to find the seeded
+                # entry: wait for that EXIT, settle from /proc only if it never comes.
+                self._exit_due.setdefault(pid, now_s + EXIT_WAIT_S)
+            else:
+                self._settle_exit(pid)  # or, if the kernel's EXIT came first, forget its entries
+        for pid in zombies:
+            self._settle_if_gone(pid)
 
     def _read_ioctls(self, pid: int | None = None) -> None:
         """All processes' counters (the periodic read), or one process's at its close or exit."""

@@ -234,6 +234,7 @@ class HolderTable:
         scanned_pids: set[int] | None = None,
         changes: list[Change] | None = None,
         exit_reported: set[int] | None = None,
+        keep_since_ns: int | None = None,
     ) -> list[SourceEvent]:
         """Bring the table in line with a /proc scan that started at ts_ns; return the events applied.
 
@@ -241,6 +242,8 @@ class HolderTable:
         touched at or after ts_ns are left alone: the event is newer than what the scan read.
         Table changes are appended to `changes` when given. A pid in exit_reported that is gone
         is left as it is: the kernel reports its EXIT, with the exact time (the caller waits for it).
+        keep_since_ns: the start of a scan still in progress around this one (a FORK/EXEC rescan
+        run while that scan applied the kernel's events): the marks it needs are kept.
         """
         events: list[SourceEvent] = []
         out: list[Change] = changes if changes is not None else []
@@ -308,7 +311,7 @@ class HolderTable:
                 continue
             for path in old:
                 emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=holder.holds[path].device))
-        self._prune(ts_ns)
+        self._prune(ts_ns if keep_since_ns is None else min(ts_ns, keep_since_ns))
         return events
 
     def _reused(self, pid: int) -> bool:
@@ -319,8 +322,10 @@ class HolderTable:
                 and fresh.start_ticks != old_ticks)
 
     def _prune(self, before_ns: int) -> None:
-        # Scans are reconciled in the order they started: marks older than this one's start
-        # can no longer shadow anything.
+        # Scans are reconciled in the order they started, but for one nested in another (the
+        # caller says so with keep_since_ns): marks older than the oldest start can no longer
+        # shadow anything. Dropping an EXIT's or a CLOSE's mark the outer scan still needs would
+        # let its older view bring the holder or the hold back.
         self._touched_ns = {k: t for k, t in self._touched_ns.items() if t >= before_ns}
         self._exited_ns = {k: t for k, t in self._exited_ns.items() if t >= before_ns}
         self._fresh.clear()

@@ -31,18 +31,31 @@ def group_dead(stat_text: str) -> bool:
     return group is None or (group[0] in ("Z", "X") and group[1] <= 1)
 
 
+ALIVE, EXITING, DEAD = "alive", "exiting", "dead"
+
+
+def exit_stage(stat_text: str) -> str:
+    """How far the thread group is through its exit, from /proc/<tgid>/stat ("" once reaped):
+    ALIVE; EXITING, its last task inside do_exit (PF_EXITING) but not a zombie yet, so the exit
+    tracepoint may still be ahead of it; DEAD, a zombie or reaped (or unreadable): exit_notify() ran,
+    so the exit tracepoint, which do_exit fires before it, is behind it. A multi-threaded group
+    whose leader alone exits keeps num_threads above 1: alive."""
+    group = _group_fields(stat_text)
+    if group is None or not group[2].isdigit():
+        return DEAD
+    state, threads, flags = group
+    if threads > 1:
+        return ALIVE
+    if state in ("Z", "X"):
+        return DEAD
+    return EXITING if int(flags) & PF_EXITING else ALIVE
+
+
 def group_gone(stat_text: str) -> bool:
     """group_dead, or its last task is inside do_exit (PF_EXITING): the thread group holds nothing
     any more. exit_files() has closed its fds by then, or is about to, so a rescan that finds none
-    must read it as an exit, not a close. A multi-threaded group whose leader alone exits keeps
-    num_threads above 1: not gone."""
-    group = _group_fields(stat_text)
-    if group is None or not group[2].isdigit():
-        return True
-    state, threads, flags = group
-    if threads > 1:
-        return False
-    return state in ("Z", "X") or bool(int(flags) & PF_EXITING)
+    must read it as an exit, not a close."""
+    return exit_stage(stat_text) != ALIVE
 
 
 class Identities:
@@ -68,6 +81,11 @@ class Identities:
         gone holds nothing any more, though /proc/PID stays until its parent reaps it: under churn a
         scan lands in that window often, and reading it as alive turned exits into closes."""
         return not group_gone(self._stat(pid))
+
+    def exit_stage(self, pid: int) -> str:
+        """ALIVE, EXITING or DEAD (see exit_stage): whether the kernel's exit tracepoint may still
+        be ahead of a process /proc no longer shows alive."""
+        return exit_stage(self._stat(pid))
 
     def start_ticks(self, pid: int) -> int | None:
         """The PID's start time (clock ticks since boot) while it exists, else None."""

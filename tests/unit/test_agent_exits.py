@@ -237,6 +237,105 @@ def test_exit_between_the_scan_and_the_seed_is_settled_at_once(node: Node) -> No
     assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
 
 
+@pytest.mark.parametrize("scan", ["incremental", "full"])
+def test_exit_right_after_the_seed_is_the_kernels(node: Node, scan: str) -> None:
+    """A rescan finds a holder the kernel never saw open its device (a relative path, an fd passed
+    over a socket) and seeds it; the process exits right after that seed, before the agent checks
+    whether it still lives (test_rescan.py's relative-path holder is released as soon as its open
+    record is out). The seed's procs entry made the kernel's exit hook report that exit: its EXIT,
+    exact, is the one exit record, not a /proc guess that shadows it (the queued EXIT would then
+    find no holder and be dropped)."""
+    node.spawn(NEWCOMER)
+    seed_view = node.bpf.seed_view
+    tables = node.bpf.tables
+    assert tables is not None
+
+    def exits_after_the_seed(view: Any, pids: Any) -> set[int]:
+        created = seed_view(view, pids)
+        if NEWCOMER in created:  # do_exit now: the exit hook finds the entry (bpf/sched.bpf.c)
+            node.die(NEWCOMER)
+            del node.bpf.kernel.map("procs")[bytes(ctypes.c_uint32(NEWCOMER))]
+            tables.holder_bytes[NEWCOMER] = 0
+            node.kernel_says(EventKind.EXIT, NEWCOMER)
+        return created
+
+    node.bpf.seed_view = exits_after_the_seed  # type: ignore[method-assign]
+    if scan == "incremental":
+        node.tracer._scan(pids={HOLDER, NEWCOMER}, periodic=True)
+    else:
+        node.tracer._scan()
+    node.tracer.step(0)
+    assert node.events(NEWCOMER) == ["open", "exit"]
+    assert node.sources(NEWCOMER, "exit") == ["bpf"]
+    assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
+    assert node.events(HOLDER) == ["open"]  # the live holder beside it is untouched
+
+
+def test_a_holder_a_rescan_reports_is_known_to_the_kernel_by_its_open_record(node: Node) -> None:
+    """Whoever acts on a rescan's open record (test_rescan.py releases the holder to exit) finds
+    the process seeded already: what it does next is the kernel's to report."""
+    node.spawn(NEWCOMER)
+    known_at_open: list[bool] = []
+
+    def record(rec: dict[str, Any]) -> None:
+        if rec["event"] == "open" and rec["pid"] == NEWCOMER:
+            known_at_open.append(node.bpf.kernel.get("procs", ctypes.c_uint32(NEWCOMER)) is not None)
+        node.records.append(rec)
+
+    node.tracer.sink = CallbackSink(record)
+    node.tracer._scan(pids={HOLDER, NEWCOMER}, periodic=True)
+    assert known_at_open == [True]
+
+
+def test_exit_with_its_tracepoint_still_ahead_waits_for_the_kernel(node: Node) -> None:
+    """The process seeded by the rescan is inside do_exit when the agent looks (PF_EXITING, not a
+    zombie yet), its exit tracepoint still ahead: it will find the seeded entry and report the exit.
+    The agent waits for that EXIT instead of settling from /proc, and does not classify the dying
+    holder meanwhile."""
+    node.spawn(NEWCOMER)
+    seed_view = node.bpf.seed_view
+
+    def exiting_after_the_seed(view: Any, pids: Any) -> set[int]:
+        created = seed_view(view, pids)
+        if NEWCOMER in created:
+            node.spawn(NEWCOMER, state="R", flags=PF_EXITING, fd=False)
+        return created
+
+    node.bpf.seed_view = exiting_after_the_seed  # type: ignore[method-assign]
+    node.tracer._scan(pids={HOLDER, NEWCOMER}, periodic=True)
+    assert node.events(NEWCOMER) == ["open"] and NEWCOMER in node.tracer._exit_due
+    assert NEWCOMER not in {c.pid for c in node.tracer.current_consumers()}
+    node.die(NEWCOMER)  # the tracepoint: the seeded entry is there, so the kernel says EXIT
+    del node.bpf.kernel.map("procs")[bytes(ctypes.c_uint32(NEWCOMER))]
+    node.kernel_says(EventKind.EXIT, NEWCOMER)
+    node.tracer.step(0)
+    assert node.events(NEWCOMER) == ["open", "exit"] and node.sources(NEWCOMER, "exit") == ["bpf"]
+    assert node.kernel_entries(NEWCOMER) == 0 and not node.tracer._exit_due
+
+
+def test_known_holder_turning_zombie_during_a_rescan_is_the_kernels_exit(node: Node) -> None:
+    """A holder the kernel knows exits after the rescan's last drain: the scan read its fds, then
+    its identity says zombie. Its exit hook already ran, so its EXIT is queued: that is the exit
+    record, not a /proc settlement that would shadow it."""
+    node.spawn(NEWCOMER)
+    node.tracer._scan()
+    assert node.bpf.kernel.get("procs", ctypes.c_uint32(NEWCOMER)) is not None
+    real_identify = node.tracer.state._identify
+
+    def zombie_by_now(pid: int, cgroup_id: int) -> Any:
+        if pid == NEWCOMER and node.bpf.kernel.get("procs", ctypes.c_uint32(NEWCOMER)) is not None:
+            node.spawn(NEWCOMER, state="Z")  # do_exit ran: the hook deleted the entry and said EXIT
+            del node.bpf.kernel.map("procs")[bytes(ctypes.c_uint32(NEWCOMER))]
+            node.kernel_says(EventKind.EXIT, NEWCOMER)
+        return real_identify(pid, cgroup_id)
+
+    node.tracer.state._identify = zombie_by_now
+    node.tracer._scan(pids={HOLDER, NEWCOMER}, periodic=True)
+    node.tracer.step(0)
+    assert node.events(NEWCOMER) == ["open", "exit"] and node.sources(NEWCOMER, "exit") == ["bpf"]
+    assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
+
+
 def test_fork_child_gone_before_its_rescan(node: Node) -> None:
     """A holder forks; the child exits before the agent rescans it. The kernel had marked the
     child a holder at fork, and reported its EXIT: that EXIT settles it, once."""
@@ -247,3 +346,52 @@ def test_fork_child_gone_before_its_rescan(node: Node) -> None:
     node.tracer.step(0)
     assert node.events(NEWCOMER) == ["exit"] and node.sources(NEWCOMER, "exit") == ["bpf"]
     assert NEWCOMER not in node.tracer.state.holders and node.kernel_entries(NEWCOMER) == 0
+
+
+def test_a_rename_read_after_the_exit_is_not_an_orphan(node: Node) -> None:
+    """Exec renames the process (task_rename, then the EXEC record); by the time the agent handles
+    the RENAME and re-reads who it is, the 10 ms job is a zombie, its EXEC and EXIT still to be
+    polled. The classification in between must not call that exit in progress orphaned: the holder
+    waits for its EXIT, and that EXIT is the one exit record."""
+    node.kernel_says(EventKind.RENAME, HOLDER)
+    node.spawn(HOLDER, state="Z", fd=False)
+    node.tracer.step(0)
+    assert HOLDER not in {c.pid for c in node.tracer.current_consumers()}
+    node.kernel_says(EventKind.EXEC, HOLDER)
+    node.kernel_says(EventKind.EXIT, HOLDER)
+    node.tracer.step(0)
+    assert node.events(HOLDER) == ["open", "exec", "exit"] and node.sources(HOLDER, "exit") == ["bpf"]
+    classes = [r["class"] for r in node.records if r["event"] == "finding" and r["pid"] == HOLDER]
+    assert "orphaned" not in classes, classes
+    assert HOLDER not in node.tracer.state.holders and not node.tracer._exit_due
+
+
+@pytest.mark.parametrize("kernel_saw", ["exit", "close"])
+def test_a_nested_rescan_keeps_what_the_kernel_said_meanwhile(node: Node, kernel_saw: str) -> None:
+    """A periodic rescan reads a holder's fds; before it reconciles, its drain applies the holder's
+    EXIT (or the CLOSE of its last fd) and then another holder's EXEC, whose rescan reconciles
+    first. That inner rescan must not forget the EXIT's (CLOSE's) mark: the outer scan's older view
+    would bring the holder back from the dead (the hold back to a process that closed it)."""
+    node.spawn(NEWCOMER)
+    node.tracer._scan()
+    device = node.tracer.catalog.ref_for(node.gpu)
+    scan = node.tracer.scanner.scan
+
+    def read_then_the_kernel_speaks(pids: Any = None) -> Any:
+        view = scan(pids)
+        if pids is not None and NEWCOMER in pids:
+            if kernel_saw == "exit":
+                node.die(NEWCOMER)
+                node.kernel_says(EventKind.EXIT, NEWCOMER)
+            else:
+                node.spawn(NEWCOMER, fd=False)
+                node.bpf.queued.append(SourceEvent(EventKind.CLOSE, "bpf", boot_ns(), NEWCOMER, tid=NEWCOMER,
+                                                   fd=3, device=device))
+            node.kernel_says(EventKind.EXEC, HOLDER)  # its rescan runs inside the drain
+        return view
+
+    node.tracer.scanner.scan = read_then_the_kernel_speaks  # type: ignore[method-assign]
+    node.tracer._scan(pids={HOLDER, NEWCOMER}, periodic=True)
+    assert node.events(NEWCOMER) == ["open", kernel_saw]
+    assert NEWCOMER not in node.tracer.state.holders
+    assert node.events(HOLDER) == ["open", "exec"] and HOLDER in node.tracer.state.holders

@@ -1,9 +1,10 @@
-"""group_gone: when a thread group holds nothing any more, from /proc/<tgid>/stat alone."""
+"""group_gone and exit_stage: when a thread group holds nothing any more, and whether its exit
+tracepoint may still be ahead of it, from /proc/<tgid>/stat alone."""
 
 from __future__ import annotations
 
 import pytest
-from ghostgpu.tracer.identity import PF_EXITING, group_gone
+from ghostgpu.tracer.identity import ALIVE, DEAD, EXITING, PF_EXITING, exit_stage, group_gone
 
 
 def stat(state: str, threads: int, flags: int = 0x400040, comm: str = "python3") -> str:
@@ -30,3 +31,21 @@ def stat(state: str, threads: int, flags: int = 0x400040, comm: str = "python3")
 )
 def test_group_gone(text: str, gone: bool) -> None:
     assert group_gone(text) is gone
+
+
+@pytest.mark.parametrize(
+    ("text", "stage"),
+    [
+        ("", DEAD),  # reaped
+        (stat("S", 1), ALIVE),
+        (stat("R", 1, flags=0x400040 | PF_EXITING), EXITING),  # inside do_exit: not a zombie yet
+        (stat("R", 3, flags=PF_EXITING), ALIVE),
+        (stat("Z", 1, flags=PF_EXITING), DEAD),  # exit_notify() ran: the exit tracepoint is behind it
+        (stat("Z", 3), ALIVE),
+        (stat("X", 0), DEAD),
+        (stat("S", 1, flags=-1), DEAD),
+    ],
+)
+def test_exit_stage(text: str, stage: str) -> None:
+    assert exit_stage(text) == stage
+    assert group_gone(text) is (stage != ALIVE)
