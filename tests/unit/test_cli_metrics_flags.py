@@ -19,7 +19,8 @@ from ghostgpu.cli import up
 COLLECTOR_FLAGS = ["--metrics-listen", "127.0.0.1:0", "--metrics-max-process-series", "5",
                    "--alertmanager", "http://a:9093,http://b:9093", "--alertmanager", "http://c:9093",
                    "--alertmanager-resend-s", "15", "--alert-label", "cluster=eu-1",
-                   "--alert-label", "env=a=b", "--web-config-file", "/etc/ghostgpu/web.yml"]
+                   "--alert-label", "env=a=b", "--web-config-file", "/etc/ghostgpu/web.yml",
+                   "--http-max-connections", "64", "--http-max-connections-per-source", "8"]
 
 
 @pytest.fixture
@@ -41,7 +42,8 @@ def test_collector_and_up_take_the_metrics_and_alertmanager_flags(command: str) 
     assert opts == {"metrics_listen": "127.0.0.1:0", "metrics_max_process_series": 5,
                     "alertmanager": ["http://a:9093", "http://b:9093", "http://c:9093"],
                     "alert_resend_s": 15.0, "alert_labels": {"cluster": "eu-1", "env": "a=b"},
-                    "web_config_file": "/etc/ghostgpu/web.yml"}
+                    "web_config_file": "/etc/ghostgpu/web.yml", "http_max_connections": 64,
+                    "http_max_connections_per_source": 8}
 
 
 def test_defaults_serve_nothing_and_push_nothing() -> None:
@@ -49,7 +51,8 @@ def test_defaults_serve_nothing_and_push_nothing() -> None:
     assert isinstance(opts.pop("heap"), HeapPolicy)
     assert opts == {
         "metrics_listen": None, "metrics_max_process_series": 1000, "alertmanager": [],
-        "alert_resend_s": 60.0, "alert_labels": {}, "web_config_file": None}
+        "alert_resend_s": 60.0, "alert_labels": {}, "web_config_file": None, "http_max_connections": None,
+        "http_max_connections_per_source": None}
     assert parse("tracer").health_listen is None and parse("up").health_listen is None
 
 
