@@ -263,7 +263,8 @@ def collector(tmp_path: Path, pki: Pki) -> Iterator[tuple[Collector, Path]]:
 ])
 def test_an_identity_less_certificate_gets_nothing_from_a_real_collector(
         collector: tuple[Collector, Path], pki: Pki, case: str, fields: dict[str, Any]) -> None:
-    """The built-in policy makes uid 0 admin: a certificate taken for `uid:0` would be admin, whoever runs this."""
+    """The built-in policy makes uid 0 admin: a certificate taken for `uid:0` would be admin, whoever
+    runs this."""
     c, audit = collector
     files = pki.write(f"client-{case}", bare_leaf(pki, **fields))
     with QueryClient(c.address, tls=files) as client:
