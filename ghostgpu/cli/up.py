@@ -41,6 +41,7 @@ from ghostgpu.cli.client import ClientError, FindingWaker, Query, show
 from ghostgpu.cli.demo import Demo, DemoError
 from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR, dial_address, is_unix, port_free, unix_address
+from ghostgpu.common.fdlimit import raise_fd_limit
 from ghostgpu.common.model import ConsumerClass
 from ghostgpu.v1 import query_pb2, stream_pb2
 
@@ -151,10 +152,14 @@ def tracer_command(args: argparse.Namespace, address: str, node: str, cri_endpoi
                        ("--health-listen", "health_listen"), ("--trace-max-sessions", "trace_max_sessions"),
                        ("--trace-max-duration", "trace_max_duration"),
                        ("--trace-max-records", "trace_max_records"),
-                       ("--web-config-file", "web_config_file")):
+                       ("--web-config-file", "web_config_file"),
+                       ("--http-max-connections", "http_max_connections"),
+                       ("--http-max-connections-per-source", "http_max_connections_per_source")):
         value = getattr(args, dest, None)
         if value is not None:
             cmd += [flag, str(value)]
+    if getattr(args, "insecure", False):  # one --insecure for up's listeners and its tracer's health port
+        cmd.append("--insecure")
     for flag, dest in (("--vendor", "vendors"), ("--device-prefix", "device_prefixes")):
         for value in getattr(args, dest, None) or []:
             cmd += [flag, value]
@@ -222,6 +227,7 @@ def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callab
     collector: Any = None
     tracer: TracerSupervisor | None = None
     try:
+        raise_fd_limit()  # before the collector listens: a flood of connections takes descriptors
         max_restarts = getattr(args, "tracer_max_restarts", DEFAULT_MAX_RESTARTS)
         if max_restarts < 0:
             raise FlagError(f"--tracer-max-restarts {max_restarts}: must be 0 (never restart) or more")

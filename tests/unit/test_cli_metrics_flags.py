@@ -77,6 +77,17 @@ def test_up_passes_health_listen_to_its_tracer() -> None:
     assert "--health-listen" not in up.tracer_command(parse("up"), "127.0.0.1:7450", "n1", None)
 
 
+def test_up_passes_the_http_caps_and_insecure_to_its_tracer() -> None:
+    args = parse("up", "--health-listen", "0.0.0.0:9401", "--insecure", "--http-max-connections", "64",
+                 "--http-max-connections-per-source", "4")
+    cmd = up.tracer_command(args, "127.0.0.1:7450", "n1", None)
+    assert cmd[cmd.index("--http-max-connections") + 1] == "64"
+    assert cmd[cmd.index("--http-max-connections-per-source") + 1] == "4"
+    assert "--insecure" in cmd
+    plain = up.tracer_command(parse("up"), "127.0.0.1:7450", "n1", None)
+    assert not {"--insecure", "--http-max-connections", "--http-max-connections-per-source"} & set(plain)
+
+
 def test_tracer_health_listen_reaches_the_config() -> None:
     cfg = cli._config(parse("tracer", "--health-listen", "127.0.0.1:9401", "--node-name", "n1"))
     assert cfg.health_listen == "127.0.0.1:9401"
