@@ -41,6 +41,8 @@ import tempfile
 import threading
 import time
 
+from ghostgpu.common.loopthread import serve_until_stopped
+
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0  # gRPC's deadline for TLS and HTTP/2 settings (grpc.server_handshake_timeout_ms)
@@ -184,23 +186,12 @@ class TcpGate:
         loop = self._loop = asyncio.new_event_loop()
         loop.set_exception_handler(lambda _l, ctx: log.debug("tcp gate: %s", ctx.get("message")))
 
+        def abort_links() -> None:
+            for link in list(self._links):
+                link.close()
+
         def run() -> None:
-            asyncio.set_event_loop(loop)
-            accepting = loop.create_task(self._accept())
-            try:
-                loop.run_forever()
-            finally:
-                accepting.cancel()
-                for link in list(self._links):
-                    link.close()
-                pending = asyncio.all_tasks(loop)
-                for task in pending:
-                    task.cancel()
-                if pending:
-                    loop.run_until_complete(asyncio.wait(pending, timeout=2.0))
-                loop.run_until_complete(asyncio.sleep(0))  # let the aborted transports close
-                self._sock.close()
-                loop.close()
+            serve_until_stopped(loop, self._accept, self._sock, before_cancel=abort_links)
 
         self._thread = threading.Thread(target=run, name="ghostgpu-tcp-gate", daemon=True)
         self._thread.start()

@@ -55,6 +55,7 @@ from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
 
 from ghostgpu.common.addresses import dial_address, host_port, parse_listen
+from ghostgpu.common.loopthread import serve_until_stopped
 from ghostgpu.common.tls import plaintext_allowed
 from ghostgpu.common.webguard import WebGuard
 
@@ -194,19 +195,7 @@ class HttpServer:
     def _run(self) -> None:
         loop = self._loop
         assert loop is not None
-        asyncio.set_event_loop(loop)
-        accepting = loop.create_task(self._accept())
-        try:
-            loop.run_forever()
-        finally:
-            accepting.cancel()
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.wait(pending, timeout=2.0))
-            self._sock.close()
-            loop.close()
+        serve_until_stopped(loop, self._accept, self._sock)
 
     async def _accept(self) -> None:
         """Accept here, so that the caps see a connection before its TLS handshake."""
