@@ -16,7 +16,6 @@ Removing the pod resolves both. Nothing sleeps: every wait polls with a deadline
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.audit_log import audit_records
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, tls_flags
 from tests.helpers.containerd import Containerd, Pod
@@ -66,8 +66,7 @@ class Stack:
     audit_log: Path  # the collector's, beside its database
 
     def audit(self, action: str) -> list[dict[str, Any]]:
-        lines = self.audit_log.read_text().splitlines() if self.audit_log.exists() else []
-        return [r for r in map(json.loads, filter(None, lines)) if r["action"] == action]
+        return audit_records(self.audit_log, action)
 
     def gpu_pod(self, name: str) -> tuple[Pod, str, int]:
         """A pod with container `cuda` holding host /dev/null as its /dev/nvidia0, a GPU job (gpuwork

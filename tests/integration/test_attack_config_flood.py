@@ -16,7 +16,6 @@ sleeps to wait for a result: every wait polls with a deadline.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import time
@@ -31,6 +30,7 @@ from ghostgpu.common.dial import open_channel
 from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.common.tls import TlsFiles
 from ghostgpu.v1 import stream_pb2
+from tests.helpers.audit_log import audit_records
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli, tls_flags
 from tests.helpers.polling import wait_until
@@ -84,9 +84,7 @@ class Env:
                                     args=[*tls_flags(self.server), "--policy", str(self.policy)])
 
     def audit(self, action: str | None = None) -> list[dict[str, Any]]:
-        path = self.col.db_path.with_suffix(".audit.jsonl")
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [r for r in map(json.loads, filter(None, lines)) if action is None or r["action"] == action]
+        return audit_records(self.col.db_path.with_suffix(".audit.jsonl"), action)
 
     def audit_lines(self) -> list[str]:
         path = self.col.db_path.with_suffix(".audit.jsonl")

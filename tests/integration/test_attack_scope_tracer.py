@@ -8,7 +8,6 @@ it is in a container of the caller's namespaces, and the kernel keeps a pid scop
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.helpers.audit_log import audit_records
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, tls_flags
 from tests.helpers.container import FakeContainer
@@ -56,9 +56,7 @@ class Node:
         return TraceClient(self.collector.address, tls=self.pki.write(f"user-{name}", self.pki.user(name)))
 
     def audit(self, action: str) -> list[dict[str, Any]]:
-        path = self.collector.db_path.with_suffix(".audit.jsonl")
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [r for r in map(json.loads, filter(None, lines)) if r["action"] == action]
+        return audit_records(self.collector.db_path.with_suffix(".audit.jsonl"), action)
 
 
 @pytest.fixture

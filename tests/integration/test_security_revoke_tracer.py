@@ -7,7 +7,6 @@ certificate expiry and the tracer's backoff in one process."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.audit_log import audit_records
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, tls_flags
 from tests.helpers.polling import wait_until
@@ -36,9 +36,7 @@ rules:
 
 
 def audit_file(col: CollectorProcess, action: str) -> list[dict[str, Any]]:
-    path = col.db_path.with_suffix(".audit.jsonl")
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, filter(None, lines)) if r["action"] == action]
+    return audit_records(col.db_path.with_suffix(".audit.jsonl"), action)
 
 
 @pytest.fixture

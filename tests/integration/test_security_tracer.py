@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import require_root
+from tests.helpers.audit_log import audit_records
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli, tls_flags
 from tests.helpers.container import FakeContainer
@@ -48,9 +49,7 @@ AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear
 
 def audit_file(col: CollectorProcess, action: str) -> list[dict[str, Any]]:
     """The collector's audit JSON lines (beside its database), records of `action`."""
-    path = col.db_path.with_suffix(".audit.jsonl")
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, filter(None, lines)) if r["action"] == action]
+    return audit_records(col.db_path.with_suffix(".audit.jsonl"), action)
 
 
 def audit_db(col: CollectorProcess, action: str) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ what stops them"). The real tracer's side of item 1 is tests/integration/test_at
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +15,10 @@ from typing import Any
 import grpc
 import pytest
 from ghostgpu.collector.main import Collector
-from ghostgpu.collector.security import SecurityOptions
 
 from ghostgpu.common.tls import TlsFiles
 from ghostgpu.v1 import trace_pb2
+from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import Pki
 from tests.helpers.collector_env import running_collector
 from tests.helpers.cri_fake import FakeCri
@@ -68,18 +67,12 @@ class Attack:
                            tls=self.pki.write(f"user-{name}", self.pki.user(name, groups=list(groups))))
 
     def records(self, action: str) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.audit.read_text().splitlines() if line.strip()]
-        return [r for r in lines if r["action"] == action]
+        return audit_records(self.audit, action)
 
 
 @pytest.fixture
 def attack(tmp_path: Path) -> Iterator[Attack]:
-    pki = Pki(tmp_path / "pki")
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
-    audit = tmp_path / "audit.jsonl"
-    opts = SecurityOptions(tls=pki.write("collector", pki.collector()), policy_path=str(policy),
-                           audit_log=str(audit))
+    pki, opts, audit = secure_options(tmp_path, POLICY)
     fake = FakeCri().start()
     fake.add_sandbox("sb-ml", "trainer-0", "ml-train", "uid-trainer-0")
     fake.add_container(ML, "sb-ml", "main")

@@ -9,7 +9,6 @@ dropping or loosening the node binding (collector/ingest.py) fails every one of 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,10 @@ from typing import Any
 import grpc
 import pytest
 from ghostgpu.collector.main import Collector
-from ghostgpu.collector.security import SecurityOptions
 
 from ghostgpu.common.model import ConsumerClass
 from ghostgpu.common.tls import TlsFiles
+from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import Pki
 from tests.helpers.collector_env import QueryClient
 from tests.helpers.polling import wait_until
@@ -49,18 +48,12 @@ class Env:
         return QueryClient(self.collector.address, tls=self.pki.write("user-alice", self.pki.user("alice")))
 
     def records(self, action: str) -> list[dict[str, Any]]:
-        lines = [json.loads(x) for x in self.audit.read_text().splitlines() if x.strip()]
-        return [r for r in lines if r["action"] == action]
+        return audit_records(self.audit, action)
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    pki = Pki(tmp_path / "pki")
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
-    audit = tmp_path / "audit.jsonl"
-    opts = SecurityOptions(tls=pki.write("collector", pki.collector()), policy_path=str(policy),
-                           audit_log=str(audit))
+    pki, opts, audit = secure_options(tmp_path, POLICY)
     c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), security=opts).start()
     try:
         yield Env(c, pki, audit)

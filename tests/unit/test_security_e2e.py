@@ -15,11 +15,11 @@ from typing import Any
 import grpc
 import pytest
 from ghostgpu.collector.main import Collector
-from ghostgpu.collector.security import SecurityOptions
 
 from ghostgpu import cli
 from ghostgpu.common.model import ConsumerClass
 from ghostgpu.common.tls import TlsFiles
+from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import EXPIRED, Pki, serial_of, write_file
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until
@@ -57,18 +57,13 @@ class Secure:
         return TraceClient(self.collector.address, tls=tls)
 
     def audit_records(self, action: str | None = None) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.audit.read_text().splitlines() if line.strip()]
-        return [r for r in lines if action is None or r["action"] == action]
+        return audit_records(self.audit, action)
 
 
 @pytest.fixture
 def secure(tmp_path: Path) -> Iterator[Secure]:
-    pki = Pki(tmp_path / "pki")
-    server = pki.write("collector", pki.collector())
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
-    audit = tmp_path / "audit.jsonl"
-    opts = SecurityOptions(tls=server, policy_path=str(policy), audit_log=str(audit))
+    pki, opts, audit = secure_options(tmp_path, POLICY)
+    policy = Path(opts.policy_path or "")
     fake = FakeCri().start()
     fake.add_sandbox("sb-ml", "trainer-0", "ml-train", "uid-trainer-0")
     fake.add_container(A, "sb-ml", "main")
@@ -76,7 +71,7 @@ def secure(tmp_path: Path) -> Iterator[Secure]:
     fake.add_container("b2" * 32, "sb-prod", "main")
     c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), trace_limits=FAST, security=opts).start()
     try:
-        yield Secure(c, pki, server, policy, audit, fake)
+        yield Secure(c, pki, opts.tls, policy, audit, fake)
     finally:
         c.stop(grace_s=0.5)
         fake.close()

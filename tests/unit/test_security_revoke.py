@@ -11,7 +11,6 @@ with a deadline."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -22,12 +21,12 @@ from typing import Any
 import grpc
 import pytest
 from ghostgpu.collector.main import Collector
-from ghostgpu.collector.security import SecurityOptions
 from ghostgpu.tracer.stream import StreamSink
 from ghostgpu.tracer.stream_sender import StreamOptions
 
 from ghostgpu.common.tls import TlsFiles
 from ghostgpu.v1 import query_pb2
+from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import Pki, write_file
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import poll, wait_until
@@ -88,18 +87,13 @@ class Secure:
         return t0
 
     def audit_records(self, action: str | None = None) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.audit.read_text().splitlines() if line.strip()]
-        return [r for r in lines if action is None or r["action"] == action]
+        return audit_records(self.audit, action)
 
 
 @pytest.fixture
 def secure(tmp_path: Path) -> Iterator[Secure]:
-    pki = Pki(tmp_path / "pki")
-    server = pki.write("collector", pki.collector())
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
-    audit = tmp_path / "audit.jsonl"
-    opts = SecurityOptions(tls=server, policy_path=str(policy), audit_log=str(audit))
+    pki, opts, audit = secure_options(tmp_path, POLICY)
+    policy = Path(opts.policy_path or "")
     fake = FakeCri().start()
     fake.add_sandbox("sb-ml", "trainer-0", "ml-train", "uid-trainer-0")
     fake.add_container(A, "sb-ml", "main")
