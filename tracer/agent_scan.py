@@ -75,20 +75,23 @@ class ScanDuties:
         own = full or periodic  # never run inside another scan (only FORK/EXEC rescans are)
         if own:
             self._outer_scan_ns = ts_ns
-        scan_start_s = time.monotonic()
-        view = self.scanner.scan(sorted(pids) if pids is not None else None)
-        if full and self.health is not None:
-            self.health.scan_observed(time.monotonic() - scan_start_s)
-        if self.bpf is not None and own:
-            # And what the kernel said while /proc was read: do_exit fires the exit tracepoint before
-            # exit_files() closes the fds the scan then missed, so the exact EXIT wins (reconcile
-            # skips what newer events touched). Not in a FORK/EXEC rescan: it runs inside a batch.
-            self._drain(0)
-        events = self.state.reconcile(view, ts_ns, scanned_pids=pids,
-                                      exit_reported=pids if self.bpf is not None else None,
-                                      keep_since_ns=None if own else self._outer_scan_ns)
-        if own:
-            self._outer_scan_ns = None
+        try:
+            scan_start_s = time.monotonic()
+            view = self.scanner.scan(sorted(pids) if pids is not None else None)
+            if full and self.health is not None:
+                self.health.scan_observed(time.monotonic() - scan_start_s)
+            if self.bpf is not None and own:
+                # And what the kernel said while /proc was read: do_exit fires the exit tracepoint
+                # before exit_files() closes the fds the scan then missed, so the exact EXIT wins
+                # (reconcile skips what newer events touched). Not in a FORK/EXEC rescan: it runs
+                # inside a batch.
+                self._drain(0)
+            events = self.state.reconcile(view, ts_ns, scanned_pids=pids,
+                                          exit_reported=pids if self.bpf is not None else None,
+                                          keep_since_ns=None if own else self._outer_scan_ns)
+        finally:
+            if own:  # also when the scan failed: a stale start would keep every later mark
+                self._outer_scan_ns = None
         # A rescanned pid found holding nothing has its kernel count set to 0: after a FORK or EXEC
         # (an exec that dropped its close-on-exec fds), or a holder a periodic rescan found empty
         # (fds closed by close_range, which the kernel does not trace). Not any other process a

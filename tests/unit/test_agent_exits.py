@@ -395,3 +395,18 @@ def test_a_nested_rescan_keeps_what_the_kernel_said_meanwhile(node: Node, kernel
     assert node.events(NEWCOMER) == ["open", kernel_saw]
     assert NEWCOMER not in node.tracer.state.holders
     assert node.events(HOLDER) == ["open", "exec"] and HOLDER in node.tracer.state.holders
+
+
+def test_a_failed_scan_leaves_no_outer_start_behind(node: Node) -> None:
+    """A periodic scan that raises (a /proc read gone wrong) still clears the start it set for the
+    FORK/EXEC rescans nested in it: kept, it would stop every later rescan from pruning its marks."""
+    node.spawn(NEWCOMER)
+    node.tracer._scan()
+
+    def broken(pids: Any = None) -> Any:
+        raise OSError("a /proc read failed")
+
+    node.tracer.scanner.scan = broken  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        node.tracer._scan(pids={NEWCOMER}, periodic=True)
+    assert node.tracer._outer_scan_ns is None
