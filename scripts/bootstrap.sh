@@ -86,14 +86,20 @@ kernel_headers_package() {
 }
 
 link_kernel_headers() {
-  # bcc wants /lib/modules/$(uname -r)/{build,source}. Distro kernels ship matching headers; custom
-  # kernels (this VM's 6.18) do not. Our BPF reads only tracepoint arguments and helper results, never
-  # kernel structs, so the newest installed Debian headers are safe to compile against. Debian splits
-  # them: -amd64 holds the generated config (build), -common the sources (source).
+  # bcc wants /lib/modules/$(uname -r)/{build,source}. A distro kernel has its own headers package,
+  # which makes those links itself; a custom kernel (a cloud VM's own build, say) has none. Our BPF
+  # reads only tracepoint arguments and helper results, never kernel structs, so then the newest
+  # Debian headers are safe to compile against. Debian splits them: -amd64 holds the generated config
+  # (build), -common the sources (source).
   local mod="/lib/modules/$(uname -r)"
   if [ -e "$mod/build/include/generated" ] && [ -e "$mod/source/include/linux/kconfig.h" ]; then
     step_note="already there"
     return 0
+  fi
+  local own="linux-headers-$(uname -r)"
+  if apt-cache show "$own" >/dev/null 2>&1 || { quiet apt-get update -q && apt-cache show "$own" >/dev/null 2>&1; }; then
+    apt_install "$own" || return 1
+    if [ -e "$mod/build/include/generated" ]; then step_note="$own"; return 0; fi
   fi
   apt_install "$(kernel_headers_package)" || return 1
   local arch common
@@ -111,13 +117,15 @@ mount_tracefs() {
   mount -t tracefs tracefs /sys/kernel/tracing
 }
 
-# venv_install VENV SPEC ROLE: a venv with system site packages (bcc lives in Debian's
-# /usr/lib/python3/dist-packages), then `pip install SPEC` unless ROLE's stamp says SPEC is in. The
-# stamp holds SPEC and the sources' key, so a changed pyproject.toml (or, for a copy, any source)
-# installs again. Every command is checked by hand: `set -e` does not reach into a function that
-# step runs as an `if` condition.
+# venv_install VENV ROLE PIP_ARGS...: a venv with system site packages (bcc lives in Debian's
+# /usr/lib/python3/dist-packages), then `pip install PIP_ARGS` unless ROLE's stamp says they are in.
+# The stamp holds PIP_ARGS and the sources' key, so a changed pyproject.toml (or, for a copy, any
+# source) installs again. Every command is checked by hand: `set -e` does not reach into a function
+# that step runs as an `if` condition.
 venv_install() {
-  local dir="$1" spec="$2" key="$2 $(sources_key "$2")" stamp="$1/.ghostgpu-$3"
+  local dir="$1" stamp="$1/.ghostgpu-$2"
+  shift 2
+  local key="$* $(sources_key "$1")"
   if [ -x "$dir/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
     step_note="already installed"
     return 0
@@ -125,8 +133,7 @@ venv_install() {
   if [ ! -x "$dir/bin/python" ]; then
     quiet /usr/bin/python3 -m venv --system-site-packages "$dir" || return 1
   fi
-  # shellcheck disable=SC2086  # SPEC is `-e PATH` or `PATH`: two words or one
-  quiet "$dir/bin/pip" install --disable-pip-version-check $spec || return 1
+  quiet "$dir/bin/pip" install --disable-pip-version-check "$@" || return 1
   printf '%s' "$key" >"$stamp"
 }
 
@@ -159,16 +166,16 @@ runtime_venv() {
   # The checkout's venv is editable (the tests import the working tree); a copy elsewhere is a wheel
   # install, bpf/*.bpf.c under its share/ghostgpu/bpf (pyproject data-files).
   if [ "$tool_venv" != "$venv" ]; then
-    venv_install "$shared_prefix" "$here" copy
+    venv_install "$shared_prefix" copy "$here"
   elif [ -f "$venv/.ghostgpu-dev" ] && [ "$(cat "$venv/.ghostgpu-dev")" = "-e $here[dev] $(sources_key -e)" ]; then
     step_note="already installed (with the test packages)"
   else
-    venv_install "$venv" "-e $here" runtime
+    venv_install "$venv" runtime -e "$here"
   fi
 }
 
 dev_venv() {
-  venv_install "$venv" "-e $here[dev]" dev
+  venv_install "$venv" dev -e "$here[dev]"
 }
 
 put_on_path() {
