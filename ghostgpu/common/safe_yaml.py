@@ -1,7 +1,7 @@
 """The one YAML loader of the project's config files (the policy, the web config): small, flat
 documents that never need YAML's sharing features, read so that a hostile file costs nothing.
 
-    text = read_capped(path)          # OSError, UnicodeDecodeError, or YamlRefused past 64 KiB
+    text = read_capped(path)          # OSError, UnicodeDecodeError, YamlRefused (not a file, past 64 KiB)
     doc = load(text)                  # yaml.YAMLError (syntax), or YamlRefused (one line, with the line)
 
 Refused, each as a YamlRefused whose text is one line starting `line L column C: ` and naming what
@@ -12,7 +12,8 @@ was refused:
 - a key given twice in one mapping (`role: viewer` then `role: admin`): PyYAML keeps the last one
   silently, so the file would not mean what its first reader sees;
 - nesting deeper than MAX_DEPTH (the composer recurses per level).
-read_capped reads at most MAX_CONFIG_BYTES (64 KiB; the files are a few KiB at most).
+read_capped reads at most MAX_CONFIG_BYTES (64 KiB; the files are a few KiB at most), of a regular file only:
+it never blocks (a FIFO without a writer would stall the collector's event loop at a policy reload).
 
 Everything else is yaml.SafeLoader's (no Python object tags). Pure Python, not libyaml's CSafeLoader:
 the checks hook the composer and constructor, which libyaml's loader does in C.
@@ -20,6 +21,8 @@ the checks hook the composer and constructor, which libyaml's loader does in C.
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any
 
 import yaml
@@ -102,11 +105,29 @@ def load(text: str) -> Any:
 
 
 def read_capped(path: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
-    """The file's text, read as UTF-8; YamlRefused (one line) when it holds more than `max_bytes`.
-    Reads at most max_bytes + 1 bytes whatever the file is (a FIFO, /dev/zero, a growing file)."""
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+    """The file's text, read as UTF-8; YamlRefused (one line) when it is not a regular file or holds
+    more than `max_bytes`. Never blocks: the policy is re-read on the collector's event loop, and
+    opening a FIFO without a writer would wait forever, so it is opened non-blocking and anything
+    but a regular file (a FIFO, a device such as /dev/zero, a directory) is refused before a read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise YamlRefused(f"not a regular file ({_file_kind(mode)}); point it at the YAML file itself")
+        chunks, left = [], max_bytes + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise YamlRefused(f"larger than {max_bytes // 1024} KiB; a config file this big is refused "
                           "(they are a few KiB): check that it is the right file")
     return data.decode("utf-8")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")

@@ -4,8 +4,10 @@ number, and the policy and the web config both read through it (issue 17, items 
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,8 +77,8 @@ def test_read_capped_reads_at_most_the_cap(tmp_path: Path) -> None:
     big.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
     with pytest.raises(YamlRefused, match=r"^larger than 64 KiB"):
         read_capped(str(big))
-    with pytest.raises(YamlRefused):
-        read_capped("/dev/zero")  # endless: read to the cap and no further
+    with pytest.raises(YamlRefused, match=r"^not a regular file \(a character device\)"):
+        read_capped("/dev/zero")  # endless: refused before any read
     with pytest.raises(UnicodeDecodeError):
         (tmp_path / "bin").write_bytes(b"\xff\xfe")
         read_capped(str(tmp_path / "bin"))
@@ -111,6 +113,23 @@ def test_the_policy_and_the_web_config_are_read_capped(tmp_path: Path) -> None:
         Policy.load(str(big))
     with pytest.raises(WebConfigError, match=r"^web config .*big.yaml: larger than 64 KiB"):
         load_web_config(str(big))
+
+
+@pytest.mark.parametrize(("make", "kind"), [
+    (os.mkfifo, "a FIFO"),  # no writer: a blocking open would wait forever
+    (os.mkdir, "a directory"),
+])
+def test_read_capped_refuses_what_is_not_a_regular_file_at_once(tmp_path: Path, make: Callable[[Path], None],
+                                                                kind: str) -> None:
+    odd = tmp_path / "policy.yaml"
+    make(odd)
+    refused = rf"not a regular file \({kind}\)"
+    with pytest.raises(YamlRefused, match=rf"^{refused}; point it at the YAML file itself$"):
+        read_capped(str(odd))
+    with pytest.raises(PolicyError, match=rf"^policy {re.escape(str(odd))}: {refused}"):
+        Policy.load(str(odd))
+    with pytest.raises(WebConfigError, match=rf"^web config {re.escape(str(odd))}: {refused}"):
+        load_web_config(str(odd))
 
 
 @pytest.mark.parametrize(("text", "needle"), [
