@@ -11,7 +11,7 @@ address. So:
   `DIR/peer-N`. gRPC then reports `unix:DIR/peer-N` as the peer, which maps back to the uid. The path
   is unlinked as soon as the relay is connected (the socket keeps its name) and N never repeats.
   Abstract names (`\0...`) are not used: anyone sees them in /proc/net/unix and may bind one first,
-  which refused every relayed connection (issue 17, item 10).
+  which refused every relayed connection.
 - **Loopback TCP**: the peer's socket is on this host, in this network namespace, so the kernel
   names the uid that owns it (sock_diag by the exact socket, ghostgpu/common/sockdiag.py; /proc/net/tcp
   where netlink is refused), as identd did. Looked up per call, not cached: a port freed and reused

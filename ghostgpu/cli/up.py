@@ -48,12 +48,11 @@ from ghostgpu.v1 import query_pb2, stream_pb2
 DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
 CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
 DEMO_TIMEOUT_S = 60.0
-# Counted from the tracer's first snapshot (its `info`), not from its start, so a slow BPF compile (~2.5-3 s
-# on the 2-core test VM, more when busy) does not eat into it: the tracer sends `info` after its first full
-# /proc scan and the classification of what it found, on the same ordered stream, so a consumer it can
-# see is in the collector's table by then (measured: in the very poll that first saw `info`, 3 runs of 3
-# at load average 7 on that VM). What is left is the collector's CRI lookup of the demo pods and the
-# view's 0.2 s poll; 5 s covers a loaded node many times over and says why within seconds, not at the cap.
+# Counted from the tracer's first snapshot (its `info`), not from its start, so a slow BPF compile does
+# not eat into it: the tracer sends `info` after its first full /proc scan and the classification of
+# what it found, on the same ordered stream, so a consumer it can see is in the collector's table by
+# then. What is left is the collector's CRI lookup of the demo pods and the view's 0.2 s poll; 5 s
+# covers a loaded node many times over and says why within seconds, not at the cap.
 DEMO_UNSEEN_S = 5.0
 REDRAW_S = 1.0
 RECENT_LINES = 10

@@ -1,4 +1,4 @@
-"""Raise this process's soft RLIMIT_NOFILE to its hard limit (issue 17, item 8).
+"""Raise this process's soft RLIMIT_NOFILE to its hard limit.
 
 Every connection costs a descriptor (three for one relayed by the collector's TCP gate), and the
 soft limit is often 1024 where the hard one is far higher (systemd's default is 1024:524288;

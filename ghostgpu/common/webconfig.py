@@ -301,10 +301,9 @@ def server_context(tls: TlsServerConfig, where: str) -> ssl.SSLContext:
     ctx.minimum_version = TLS_VERSIONS[tls.min_version]
     ctx.maximum_version = TLS_VERSIONS[tls.max_version]
     # No TLS 1.3 session tickets. Served by asyncio (CPython 3.11's sslproto, httpserve.py), the tickets
-    # OpenSSL sends after the handshake stalled a new connection's first answer by a delayed ACK (~40 ms)
-    # in some handshakes (4 of 30 with curl, nearly all with Python's client; bench_tls.py's
-    # scrape on a new connection went from 3 to 43 ms p50). Prometheus opens no resumed sessions, and
-    # scrapes reuse one keep-alive connection, so nothing uses them.
+    # OpenSSL sends after the handshake can hold a new connection's first answer back by a delayed ACK
+    # (about 40 ms; bench_tls.py's scrape on a new connection shows it). Prometheus opens no resumed
+    # sessions, and scrapes reuse one keep-alive connection, so nothing uses them.
     ctx.num_tickets = 0
     try:
         if tls.cert_file and tls.key_file:

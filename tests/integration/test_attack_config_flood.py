@@ -1,5 +1,5 @@
 """Attacks on the policy file and the Hello, against the real `ghostgpu collector` over real mTLS
-(issue 17, items 5, 6 and 7; docs/SECURITY.md, "Threats and what stops them").
+(docs/SECURITY.md, "Threats and what stops them").
 
 - A duplicate `role` key: `role: viewer` then `role: admin` in one rule must not make an admin; the
   collector refuses the file at start (exit 2, one line naming the key) and at reload (old policy kept).
@@ -45,7 +45,7 @@ POLICY = """rules:
   - role: tracer
     subjects: ["node:*"]
 """
-# The attack of item 5: the second `role` wins in PyYAML, silently.
+# The duplicate-key attack: the second `role` wins in PyYAML, silently.
 DUPLICATE_ROLE = """rules:
   - role: viewer
     subjects: ["user:bob"]
@@ -117,7 +117,7 @@ def _bob_is_viewer_only(env: Env) -> None:
     assert rc == 1 and "permission denied" in err and "user:bob" in err, (rc, err)
 
 
-# ---- item 5: duplicate keys ----------------------------------------------------------------------
+# ---- duplicate keys -----------------------------------------------------------------------------
 
 def test_a_duplicate_role_key_stops_the_collector_at_start(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
@@ -147,7 +147,7 @@ def test_a_duplicate_role_key_at_reload_keeps_the_old_policy(env: Env) -> None:
     _bob_is_viewer_only(env)  # not admin: the old policy stays in force
 
 
-# ---- item 6: the alias bomb ----------------------------------------------------------------------
+# ---- the alias bomb -----------------------------------------------------------------------------
 
 def test_an_alias_bomb_reloaded_keeps_the_collector_responsive_and_quiet(env: Env) -> None:
     bomb = alias_bomb()
@@ -178,7 +178,7 @@ def test_an_alias_bomb_reloaded_keeps_the_collector_responsive_and_quiet(env: En
     assert all(len(line) <= LOG_LINE_MAX for line in env.stderr_from(offset).splitlines())
 
 
-# ---- item 7: refused Hellos ----------------------------------------------------------------------
+# ---- refused Hellos -----------------------------------------------------------------------------
 
 class Hellos:
     """NodeStream.Connect calls on one mTLS channel, each a lone Hello; the status each ends with."""

@@ -1,4 +1,4 @@
-"""Issue 17, item 1 with the real processes: a trace-operator's `--pid` scope against the real
+"""A trace-operator's `--pid` scope confined to its namespaces, against the real
 `ghostgpu collector` serving mTLS, the real `ghostgpu tracer` (BPF, its node certificate, its CRI
 relay to an in-process runtime, tests/helpers/cri_fake.py, that names the fake containers' pods),
 and fake containers (tests/helpers/container.py): the tracer confirms from the process's cgroup that

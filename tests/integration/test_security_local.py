@@ -1,10 +1,10 @@
-"""Attacks by another local user (issue 17, items 10, 11 and 13), run with the real programs: the real
+"""Attacks by another local user, run with the real programs: the real
 `ghostgpu collector`, `ghostgpu ps`, `ghostgpu audit` and `ghostgpu tracer`, the attacker a process of
 uid 65534 (docs/SECURITY.md, "Threats and what stops them").
 
-- item 10: uid 65534 binds the names the unix gate relays through before the gate does;
-- item 11: uid 65534 reads the collector's store and audit file;
-- item 13: uid 65534 runs a collector of its own on the address root's clients dial.
+- the unix gate: uid 65534 binds the names the unix gate relays through before the gate does;
+- data at rest: uid 65534 reads the collector's store and audit file;
+- a fake collector: uid 65534 runs a collector of its own on the address root's clients dial.
 
 Nothing sleeps to wait for a result: every wait polls with a deadline.
 """
@@ -49,7 +49,7 @@ def one_line(err: str) -> str:
     return err.strip()
 
 
-# ---- item 10: the unix gate's relay names ------------------------------------------------------
+# ---- the unix gate's relay names --------------------------------------------------------------
 
 SQUATTER = r"""
 import os, re, socket, sys, time
@@ -122,7 +122,7 @@ def _relay_sockets() -> int:
                if "ghostgpu-peer-" in line or re.search(r"ghostgpu-grpc-\w+/peer-\d+", line))
 
 
-# ---- item 11: the store and the audit file at rest ---------------------------------------------
+# ---- the store and the audit file at rest ----------------------------------------------------
 
 READ_AUDIT = """
 import sqlite3, sys
@@ -177,7 +177,7 @@ def test_the_store_and_the_audit_file_are_no_other_users_to_read(shared_dir: Pat
     assert out.stdout.split("\n")[:2] == ["refused OperationalError", "refused PermissionError"], out.stdout
 
 
-# ---- item 13: a collector another local user runs ----------------------------------------------
+# ---- a collector another local user runs -----------------------------------------------------
 
 LISTENING = re.compile(r"listening on (.+?); database ")
 

@@ -1,4 +1,4 @@
-"""Revocation with the real processes (issue 17 item 3, docs/SECURITY.md "Revocation"): the real
+"""Revocation with the real processes (docs/SECURITY.md, "Revocation"): the real
 `ghostgpu collector` serving mTLS, the real `ghostgpu tracer` streaming with its node certificate, and
 a real SIGHUP after the policy file lost the tracer's rule. The open stream ends within 1 s of the
 reload (both times read from the collector's audit trail), and the tracer, refused when it comes

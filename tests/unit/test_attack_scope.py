@@ -1,6 +1,6 @@
-"""Issue 17, items 1, 2 and 4, run as the attacker would: a real Collector serving mTLS on loopback
-with a policy file, certificates from a real CA (tests/helpers/certs.py), tracers speaking the
-stream proto (tests/helpers/sim_tracer.py) whose CRI relay answers from an in-process runtime
+"""Trace scopes, session reads and node binding, run as the attacker would: a real Collector serving
+mTLS on loopback with a policy file, certificates from a real CA (tests/helpers/certs.py), tracers
+speaking the stream proto (tests/helpers/sim_tracer.py) whose CRI relay answers from an in-process runtime
 (tests/helpers/cri_fake.py), and the audit log read back from disk (docs/SECURITY.md, "Threats and
 what stops them"). The real tracer's side of item 1 is tests/integration/test_attack_scope_tracer.py.
 """

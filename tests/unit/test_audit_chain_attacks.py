@@ -5,8 +5,8 @@ the store's rows, and each verdict names the record by its seq and says which ch
 check that stops working fails here whichever other check would still notice something.
 
 tests/unit/test_audit.py holds the byte-level edits and the resume after a restart; cutting the
-tail and deleting the head records are issue 17 item 12 (the file and the store checked against
-each other), not a check of one chain.
+tail and deleting the head records are caught by checking the file and the store against each other
+(tests/unit/test_audit_witness.py), not by a check of one chain.
 """
 
 from __future__ import annotations

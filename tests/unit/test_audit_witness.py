@@ -1,4 +1,4 @@
-"""Cutting the audit trail (issue 17, item 12), against the real collector (collector/main.py) and the
+"""Cutting the audit trail, against the real collector (collector/main.py) and the
 real `ghostgpu audit --db PATH --verify`: a tail cut from the audit file, tails cut from both the file
 and the store, head records deleted. The chain records each run's start and stop with the head it
 took up, the store and the file are checked against each other, and /metrics exports the head for

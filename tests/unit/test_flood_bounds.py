@@ -1,4 +1,4 @@
-"""What an attacker's input may cost (issue 17, items 6 and 7): node names checked before they are
+"""What an attacker's input may cost: node names checked before they are
 kept (ghostgpu/common/names.py), audit details capped at 4 KiB (collector/audit.py), refusals
 folded per key and window (collector/authz.py's DenialFold), and a policy reload that fails in any
 way kept to one bounded line (collector/policy.py)."""
@@ -113,6 +113,26 @@ def test_denial_fold_forgets_old_windows_past_its_key_limit() -> None:
     now[0] += 11.0
     assert fold(("node:new", "r")) == 0
     assert len(fold._seen) == 1
+
+
+def test_denial_fold_never_holds_more_than_its_key_limit() -> None:
+    now = [0.0]
+    fold = DenialFold(window_s=10.0, keys_max=100, clock=lambda: now[0])
+    assert fold(("node:n0", "r")) == 0
+    now[0] += 1.0
+    assert fold(("node:n1", "r")) == 0
+    now[0] += 1.0
+    assert fold(("node:n0", "r")) is None  # folded: n0's window still began first
+    for i in range(2, 300):  # every window still open when the table is full
+        assert fold((f"node:n{i}", "r")) == 0
+        assert len(fold._seen) <= 100
+    assert len(fold._seen) == 100
+    assert ("node:n0", "r") not in fold._seen and ("node:n299", "r") in fold._seen  # the oldest went
+    assert fold(("node:n0", "r")) == 0  # recorded again, its forgotten window's count lost
+    assert len(fold._seen) == 100
+    now[0] += 10.0
+    assert fold(("node:n299", "r")) == 0  # a key whose window ended is re-recorded in place
+    assert len(fold._seen) == 100
 
 
 def _write(path: Path, text: str) -> None:

@@ -128,7 +128,7 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
         with grpc.insecure_channel(f"unix://{tmp_path}/public.sock") as ch:
             assert ch.unary_unary("/t.T/Who")(b"", timeout=10) == f"uid:{os.getuid()}".encode()
         # The relay's own socket is a path in the gate's 0700 directory, never an abstract name
-        # (which anyone could bind first: issue 17, item 10).
+        # (which anyone could bind first).
         assert seen[0].startswith(f"unix:{os.path.dirname(gate.internal_address[len('unix://'):])}/peer-")
         assert os.stat(os.path.dirname(seen[0][len("unix:"):])).st_mode & 0o777 == 0o700
         assert not os.path.exists(seen[0][len("unix:"):])  # unlinked once connected

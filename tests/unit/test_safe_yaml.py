@@ -1,6 +1,6 @@
 """ghostgpu/common/safe_yaml.py: the config files' YAML loader refuses what a hostile file would use
 (anchors, aliases, merge keys, duplicate keys, deep nesting, a huge file) in one line with the line
-number, and the policy and the web config both read through it (issue 17, items 5 and 6)."""
+number, and the policy and the web config both read through it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Revocation against the real collector over real mTLS (issue 17 item 3, docs/SECURITY.md "Revocation"):
+"""Revocation against the real collector over real mTLS (docs/SECURITY.md, "Revocation"):
 streams that were allowed when they opened end when a policy reload takes the role away
 (PERMISSION_DENIED, within 1 s) or when the client certificate they came with expires
 (UNAUTHENTICATED, at its notAfter); each end is audited; the tracer whose stream was revoked comes
