@@ -60,8 +60,14 @@ class DenialFold:
         if now_s - last_s < self.window_s:
             self._seen[key] = (last_s, folded + 1)
             return None
-        if len(self._seen) >= self.keys_max:  # many subjects: forget the old windows
+        if key not in self._seen and len(self._seen) >= self.keys_max:  # many subjects: forget old windows
             self._seen = {k: v for k, v in self._seen.items() if now_s - v[0] < self.window_s}
+            # Every window still open (more keys per window than keys_max): the table must not grow
+            # past its bound anyway, so the oldest window goes; its key's next refusal is recorded
+            # again, without the count folded into the forgotten window.
+            while len(self._seen) >= self.keys_max:
+                del self._seen[next(iter(self._seen))]
+        self._seen.pop(key, None)  # re-inserted: the table stays in the order the windows began
         self._seen[key] = (now_s, 0)
         return folded
 
