@@ -23,7 +23,7 @@ from typing import Any
 
 from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
 from ghostgpu.common.addresses import DEFAULT_COLLECTOR
-from ghostgpu.common.audit_chain import AuditRecord, BadLine, Verdict, compare, parse_lines, verify
+from ghostgpu.common.audit_chain import AuditRecord, BadLine, Verdict, check, compare, parse_lines, verify
 
 PAGE_RECORDS = 5000  # per ListAudit call; the collector caps a page at 100,000
 DEFAULT_SINCE = "1h"
@@ -116,13 +116,19 @@ def render_table(records: list[AuditRecord]) -> str:
     return table(columns, records, "(no audit records in this window)")
 
 
-def render_verdict(verdict: Verdict, items: list[Item], output: str) -> str:
+def render_verdict(verdict: Verdict, items: list[Item], output: str,
+                   warnings: list[str] | None = None) -> str:
+    """The verdict's line, then one `warning: ` line per warning (an unclean stop: check())."""
     records = [r for r in items if isinstance(r, AuditRecord)]
     if output == "json":
         return json.dumps({"ok": verdict.ok, "first_bad_seq": verdict.first_bad_seq, "why": verdict.why,
-                           "records": len(items),
+                           "warnings": warnings or [], "records": len(items),
                            "first_seq": records[0].seq if records else None,
                            "last_seq": records[-1].seq if records else None}, indent=2)
+    return "\n".join([_verdict_line(verdict, records), *(f"warning: {w}" for w in warnings or ())])
+
+
+def _verdict_line(verdict: Verdict, records: list[AuditRecord]) -> str:
     if not verdict.ok and verdict.first_bad_seq is None:
         return f"audit chain not verified: {verdict.why}"
     if not verdict.ok:
@@ -165,8 +171,8 @@ def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], 
     if args.verify:
         # The whole trail (no --since) must begin at record 1; a file moved away while the collector
         # was stopped may begin at a collector.start instead.
-        verdict = verify(items, from_start=since_ns == 0, rotated_ok=bool(args.file))
-        print(render_verdict(verdict, items, args.output))
+        verdict, warnings = check(items, from_start=since_ns == 0, rotated_ok=bool(args.file))
+        print(render_verdict(verdict, items, args.output, warnings))
         return 0 if verdict.ok else 1
     for bad in (i for i in items if isinstance(i, BadLine)):
         print(f"ghostgpu: audit: {bad.why}; `ghostgpu audit --verify` checks the chain", file=sys.stderr)
@@ -197,7 +203,7 @@ def verify_db(db: str, file: str | None, since_ns: int, output: str) -> int:
         print(f"ghostgpu: {exc}", file=sys.stderr)
         return 1
     whole = since_ns == 0
-    verdict = verify(stored, from_start=whole)
+    verdict, warnings = check(stored, from_start=whole)  # the file's are the same records (compare)
     if not verdict.ok:
         print(render_verdict(Verdict(False, verdict.first_bad_seq, f"in the store: {verdict.why}"), stored,
                              output))
@@ -230,5 +236,6 @@ def verify_db(db: str, file: str | None, since_ns: int, output: str) -> int:
     if not both.ok:
         print(render_verdict(both, stored, output))
         return 1
-    print(render_verdict(Verdict(True, None, f"{verdict.why}; audit file {path} agrees"), stored, output))
+    print(render_verdict(Verdict(True, None, f"{verdict.why}; audit file {path} agrees"), stored, output,
+                         warnings))
     return 0

@@ -14,11 +14,15 @@ keep the last sha256 elsewhere) to close that.
 
 Each run of the collector opens with `collector.start` (detail: `resumed_seq`, `resumed_sha256`, the
 head it took the chain up from) and, stopped cleanly, ends with `collector.stop` (`started_seq`,
-`resumed_seq`). So a tail cut while the collector was stopped shows at its next start: a start whose
-previous record is no stop (`verify`). A crash looks the same, and a cut after which the collector
-never starts again, or one that ends exactly at a stop record, leaves nothing in the chain to see:
-only a witness outside the node can tell (the metric ghostgpu_audit_head_seq in Prometheus, the
-file shipped away). `compare` checks the store's copy and the file's against each other.
+`resumed_seq`). A start whose previous record is no stop, but whose resumed head is that record, is
+an unclean stop: the collector crashed, was killed or ran out of memory, or the tail was cut while it
+was stopped (the next start takes up whatever head it finds). `check` reports it as a warning, not a
+break: a crash must not make the trail unverifiable forever, and the chain itself cannot tell the two
+apart. A start whose resumed head is not the record before it is a break (records removed and the
+chain forged). A cut after which the collector never starts again, or one that ends exactly at a stop
+record, leaves nothing in the chain to see either: only a witness outside the node can tell (the
+metric ghostgpu_audit_head_seq in Prometheus, the file shipped away). `compare` checks the store's
+copy and the file's against each other.
 """
 
 from __future__ import annotations
@@ -135,60 +139,77 @@ class Verdict(NamedTuple):
 
 def verify(records: Iterable[AuditRecord | BadLine], from_start: bool = False,
            rotated_ok: bool = False) -> Verdict:
-    """Check the chain. The first record may start mid-chain (a --since window): its own prev_sha256
-    cannot be checked then, unless it is record 1. `from_start`: the whole trail, so it must begin
-    at record 1 (a store is never pruned: a later first record means its head records were
-    deleted); `rotated_ok` lets it begin at a collector.start instead (an audit file moved away
-    while the collector was stopped, docs/SECURITY.md). A broken record is named by the seq its
-    place in the chain gives it (the previous record's seq + 1), so an edit of the seq itself still
-    names the right record. A collector.start after a run that had one must follow a collector.stop
-    (see the module doc)."""
+    """check()'s verdict, without its warnings."""
+    return check(records, from_start, rotated_ok)[0]
+
+
+def check(records: Iterable[AuditRecord | BadLine], from_start: bool = False,
+          rotated_ok: bool = False) -> tuple[Verdict, list[str]]:
+    """Check the chain: its verdict, and one warning line per unclean stop before any break. The
+    first record may start mid-chain (a --since window): its own prev_sha256 cannot be checked then,
+    unless it is record 1. `from_start`: the whole trail, so it must begin at record 1 (a store is
+    never pruned: a later first record means its head records were deleted); `rotated_ok` lets it
+    begin at a collector.start instead (an audit file moved away while the collector was stopped,
+    docs/SECURITY.md). A broken record is named by the seq its place in the chain gives it (the
+    previous record's seq + 1), so an edit of the seq itself still names the right record. A
+    collector.start after a run that had one takes the chain up from the record before it; without a
+    collector.stop between them, that is an unclean stop (see the module doc)."""
     prev: AuditRecord | None = None
     count = 0
     seen_start = False
+    warnings: list[str] = []
     for item in records:
         expected = prev.seq + 1 if prev is not None else None
         if isinstance(item, BadLine):
             # A bad first line: a file the collector wrote holds record N on line N.
             seq = expected if expected is not None else item.line_no
-            return Verdict(False, seq, f"record {seq}: {item.why}")
+            return Verdict(False, seq, f"record {seq}: {item.why}"), warnings
         seq = expected if expected is not None else item.seq
         if not item.intact:
-            return Verdict(False, seq, f"record {seq}: its content does not match its sha256 (edited)")
+            why = f"record {seq}: its content does not match its sha256 (edited)"
+            return Verdict(False, seq, why), warnings
         if prev is None:
             if item.seq == 1 and item.prev_sha256 != GENESIS_SHA256:
-                return Verdict(False, 1, "record 1: prev_sha256 is not the chain's start (64 zeros)")
+                why = "record 1: prev_sha256 is not the chain's start (64 zeros)"
+                return Verdict(False, 1, why), warnings
             if from_start and item.seq != 1 and not (rotated_ok and item.action == START):
                 return Verdict(False, 1, f"records 1..{item.seq - 1} are missing: the trail begins at record "
-                               f"{item.seq} (its first records were deleted)")
+                               f"{item.seq} (its first records were deleted)"), warnings
         elif item.seq != expected:
             why = (f"records {expected}..{item.seq - 1} are missing" if item.seq > expected
                    else f"seq {item.seq} comes again or out of order")
-            return Verdict(False, expected, f"record {expected}: {why} (after record {prev.seq})")
+            return Verdict(False, expected, f"record {expected}: {why} (after record {prev.seq})"), warnings
         elif item.prev_sha256 != prev.sha256:
             return Verdict(False, seq, f"record {seq}: prev_sha256 is not record {prev.seq}'s sha256 "
-                           "(a record was edited, removed or put in its place)")
+                           "(a record was edited, removed or put in its place)"), warnings
         if item.action == START:
-            why = _start_problem(item, prev, seen_start)
+            why, unclean = _start_problem(item, prev, seen_start)
             if why:
-                return Verdict(False, seq, f"record {seq}: {why}")
+                return Verdict(False, seq, f"record {seq}: {why}"), warnings
+            if unclean:
+                warnings.append(f"record {seq}: {unclean}")
             seen_start = True
         prev, count = item, count + 1
-    return Verdict(True, None, f"audit chain intact: {count} records")
+    return Verdict(True, None, f"audit chain intact: {count} records"), warnings
 
 
-def _start_problem(start: AuditRecord, prev: AuditRecord | None, seen_start: bool) -> str:
-    """Why a collector.start record does not fit where it is ("" when it does)."""
+def _start_problem(start: AuditRecord, prev: AuditRecord | None, seen_start: bool) -> tuple[str, str]:
+    """Why a collector.start record does not fit where it is, and why it warns ("" for neither)."""
+    if prev is None:
+        return "", ""
     resumed = start.detail.get("resumed_seq")
-    if prev is not None and resumed is not None and (resumed != prev.seq
-                                                     or start.detail.get("resumed_sha256") != prev.sha256):
+    if resumed is not None and (resumed != prev.seq or start.detail.get("resumed_sha256") != prev.sha256):
         return (f"the collector says it took the chain up after record {resumed}, but record {prev.seq} "
-                "comes before it (records were removed and the chain forged)")
-    if prev is not None and seen_start and prev.action != STOP:
-        return (f"the collector started again after record {prev.seq}, which is no collector.stop: it "
-                f"crashed or was killed, or the records after {prev.seq} were cut while it was stopped; "
-                "compare the head Prometheus saw last (ghostgpu_audit_head_seq) before trusting the trail")
-    return ""
+                "comes before it (records were removed and the chain forged)"), ""
+    if not seen_start or prev.action == STOP:
+        return "", ""
+    if resumed is None:  # no head to say the chain was taken up where the last run left it
+        return (f"the collector started again after record {prev.seq}, which is no collector.stop, and "
+                "does not say which head it took the chain up from"), ""
+    return "", (f"unclean stop: the collector started again after record {prev.seq}, which is no "
+                "collector.stop: it crashed, was killed or ran out of memory, or the records after "
+                f"{prev.seq} were cut while it was stopped; compare the head Prometheus saw last "
+                "(ghostgpu_audit_head_seq) before trusting the trail")
 
 
 def compare(store: list[AuditRecord | BadLine], file: list[AuditRecord | BadLine],

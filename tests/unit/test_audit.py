@@ -14,10 +14,12 @@ import pytest
 from ghostgpu.collector.audit import AuditError, AuditLog, record_from_row, select_audit
 from ghostgpu.collector.store import Store
 
+from ghostgpu.cli import main
 from ghostgpu.common.audit_chain import (
     GENESIS_SHA256,
     AuditRecord,
     BadLine,
+    check,
     parse_lines,
     record_sha256,
     verify,
@@ -126,6 +128,66 @@ def test_the_chain_resumes_after_a_restart(tmp_path: Path, store: Store) -> None
         assert [r.seq for r in items] == [1, 2, 3, 4, 5]  # type: ignore[union-attr]
         assert verify(items) == (True, None, "audit chain intact: 5 records")
     assert stored(store) == file_items(path)  # the same records, both ways
+
+
+def runs(actions: str, resumed: dict[int, int | None] | None = None) -> list[AuditRecord]:
+    """Records 1..N, one per letter: S collector.start, P collector.stop, d denied. A start takes the
+    chain up from the record before it, or from `resumed[seq]` (None: a start that names no head)."""
+    names = {"S": "collector.start", "P": "collector.stop", "d": "denied"}
+    out: list[AuditRecord] = []
+    for seq, letter in enumerate(actions, 1):
+        detail: dict[str, object] = {}
+        at = (resumed or {}).get(seq, seq - 1)
+        if letter == "S" and at is not None:
+            detail = {"resumed_seq": at, "resumed_sha256": out[at - 1].sha256 if at else GENESIS_SHA256}
+        out.append(AuditRecord.make(seq, seq, names[letter], "", "ok", detail,
+                                    out[-1].sha256 if out else GENESIS_SHA256))
+    return out
+
+
+UNCLEAN = ("record {seq}: unclean stop: the collector started again after record {prev}, which is no "
+           "collector.stop: it crashed, was killed or ran out of memory, or the records after {prev} were "
+           "cut while it was stopped; compare the head Prometheus saw last (ghostgpu_audit_head_seq) "
+           "before trusting the trail")
+
+
+@pytest.mark.parametrize(("actions", "resumed", "verdict", "warned"), [
+    ("SdPSdP", None, (True, None, "audit chain intact: 6 records"), []),  # clean restarts
+    ("SdSdP", None, (True, None, "audit chain intact: 5 records"), [(3, 2)]),  # killed after record 2
+    ("SSSP", None, (True, None, "audit chain intact: 4 records"), [(2, 1), (3, 2)]),  # crashing at start
+    ("dSdP", None, (True, None, "audit chain intact: 4 records"), []),  # the first run's start not seen
+    ("SddS", {4: 2}, (False, 4, "record 4: the collector says it took the chain up after record 2, but "
+                      "record 3 comes before it (records were removed and the chain forged)"), []),
+    ("SdPS", {4: 1}, (False, 4, "record 4: the collector says it took the chain up after record 1, but "
+                      "record 3 comes before it (records were removed and the chain forged)"), []),
+    ("SdSdSd", {5: 3}, (False, 5, "record 5: the collector says it took the chain up after record 3, but "
+                        "record 4 comes before it (records were removed and the chain forged)"), [(3, 2)]),
+    ("SdS", {3: None}, (False, 3, "record 3: the collector started again after record 2, which is no "
+                        "collector.stop, and does not say which head it took the chain up from"), []),
+])
+def test_a_start_without_a_stop_before_it_is_an_unclean_stop_when_it_took_up_that_head(
+        actions: str, resumed: dict[int, int | None] | None, verdict: tuple[bool, int | None, str],
+        warned: list[tuple[int, int]]) -> None:
+    records = runs(actions, resumed)
+    assert check(records, from_start=True) == (verdict, [UNCLEAN.format(seq=s, prev=p) for s, p in warned])
+    assert verify(records, from_start=True) == verdict
+
+
+@pytest.mark.parametrize(("actions", "resumed", "code", "first_line", "warnings"), [
+    ("SdSdP", None, 0, "audit chain intact: 5 records", 1),
+    ("SddS", {4: 2}, 1, "audit chain broken at record 4: record 4: the collector says it took the chain up "
+                        "after record 2, but record 3 comes before it (records were removed and the chain "
+                        "forged)", 0),
+])
+def test_verify_exits_0_on_an_unclean_stop_and_1_on_a_head_that_does_not_fit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], actions: str,
+        resumed: dict[int, int | None] | None, code: int, first_line: str, warnings: int) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text("".join(r.line() + "\n" for r in runs(actions, resumed)))
+    assert main(["audit", "--file", str(path), "--verify"]) == code
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == first_line
+    assert len(lines) == 1 + warnings and all(line.startswith("warning: record ") for line in lines[1:])
 
 
 def test_the_store_carries_the_chain_when_the_file_is_gone(tmp_path: Path, store: Store) -> None:

@@ -78,6 +78,7 @@ def test_db_verify_names_the_edited_record(db: tuple[str, Store], capsys: pytest
                               "match its sha256 (edited)\n")
     code, out, _ = run(capsys, "--db", path, "--verify", "-o", "json")
     assert code == 1 and json.loads(out) == {"ok": False, "first_bad_seq": 3, "records": 5, "first_seq": 1,
+                                             "warnings": [],
                                              "last_seq": 5, "why": "in the store: record 3: its content "
                                              "does not match its sha256 (edited)"}
     with sqlite3.connect(path) as conn:
