@@ -79,12 +79,19 @@ class OpenStreams:
         self.audit = audit
         self.revoked_total = 0
         self._open: set[OpenStream] = set()
+        # client address -> its open streams: what the TCP gate asks (`holds`) before closing a
+        # proven connection for room (collector/tcpgate.py)
+        self._peers: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # notAfter -> the streams of that certificate and the one timer that ends them
         self._expiry: dict[float, tuple[asyncio.TimerHandle, set[OpenStream]]] = {}
 
     def __len__(self) -> int:
         return len(self._open)
+
+    def holds(self, peer: str) -> bool:
+        """Whether the client at `peer` has a stream open. Any thread: one dict lookup."""
+        return peer in self._peers
 
     # ---- the handler's side (collector/authz.py) -----------------------------------------------
 
@@ -122,6 +129,7 @@ class OpenStreams:
         self._loop = loop
         stream = OpenStream(principal, method, asyncio.current_task(), not_after_s)
         self._open.add(stream)
+        self._peers[principal.peer] = self._peers.get(principal.peer, 0) + 1
         if not_after_s is not None:
             entry = self._expiry.get(not_after_s)
             if entry is None:
@@ -133,6 +141,12 @@ class OpenStreams:
 
     def _remove(self, stream: OpenStream) -> None:
         self._open.discard(stream)
+        peer = stream.principal.peer
+        left = self._peers.get(peer, 1) - 1
+        if left > 0:
+            self._peers[peer] = left
+        else:
+            self._peers.pop(peer, None)
         if stream.not_after_s is None:
             return
         entry = self._expiry.get(stream.not_after_s)

@@ -146,7 +146,8 @@ class Security:
             if value < 1:
                 raise SecurityError(f"{flag} {value}: must be 1 or more")
         host, port = parse_listen(addr, "--listen", SecurityError)
-        gate = TcpGate(host, port, cap, opts.max_connections_per_source)  # OSError: the caller names --listen
+        gate = TcpGate(host, port, cap, opts.max_connections_per_source,  # OSError: the caller names --listen
+                       holds_stream=self.authorizer.streams.holds)
         try:
             credentials = server_credentials(opts.tls, self._tls_event)
             if not server.add_secure_port(gate.internal_address, credentials):

@@ -14,8 +14,11 @@ the gRPC server's private unix socket in a 0700 directory only the collector can
   `max_connections_per_source` unproven connections per source address: past it the oldest
   unproven one of that address is closed for the new one.
 - **Per listener**: at most `max_connections` connections. Past it, the oldest unproven connection
-  (of any address) is closed for the new one; only when every connection is proven (tracers and
-  clients that showed a certificate of the CA) is the new one refused.
+  (of any address) is closed for the new one; when every connection is proven, the oldest one that
+  holds no open response stream (`holds_stream`, asked of collector/revoke.py `OpenStreams`) is:
+  any certificate of the CA proves a connection, even one the policy then denies every call, so
+  proven alone must not keep a slot for good. Only when every connection holds a stream (tracers,
+  watchers the policy let in) is the new one refused.
 
 So idle unauthenticated connections push out each other, never a tracer's or an admin's: a client
 that connects and completes its handshake (milliseconds) is in before a flood can close it. Each
@@ -40,6 +43,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from ghostgpu.common.loopthread import serve_until_stopped
 
@@ -68,10 +72,11 @@ def default_max_connections(fd_limit: int | None = None) -> int:
 class _Link:
     """One relayed connection (loop thread only)."""
 
-    __slots__ = ("inner", "name", "outer", "peer", "proven", "source", "started")
+    __slots__ = ("inner", "name", "outer", "peer", "proven", "sock", "source", "started")
 
-    def __init__(self, source: str, peer: str, started: float) -> None:
+    def __init__(self, source: str, peer: str, started: float, sock: socket.socket) -> None:
         self.source, self.peer, self.started = source, peer, started
+        self.sock: socket.socket | None = sock  # the accepted socket until its transport owns it
         self.proven = False
         self.name = ""
         self.outer: asyncio.Transport | None = None
@@ -81,6 +86,8 @@ class _Link:
         for t in (self.outer, self.inner):
             if t is not None:
                 t.abort()
+        if self.outer is None and self.sock is not None:
+            self.sock.close()  # closed before its relay ran (or while it connected): nothing else would
 
 
 class _Half(asyncio.Protocol):
@@ -133,7 +140,7 @@ class TcpGate:
 
     def __init__(self, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
-                 unproven_s: float = UNPROVEN_S) -> None:
+                 unproven_s: float = UNPROVEN_S, holds_stream: Callable[[str], bool] | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # Bound now: a taken port is the caller's one-line error before anything starts.
         self._sock = socket.create_server((host, port), family=family, backlog=4096,
@@ -143,6 +150,9 @@ class TcpGate:
         self.max_connections = max_connections
         self.max_per_source = min(max_connections_per_source, max_connections)
         self.unproven_s = unproven_s
+        # Whether a client address (`ipv4:HOST:PORT`) has a response stream open; asked from this
+        # loop's thread, so it must be a lock-free read (OpenStreams.holds). None: none ever does.
+        self.holds_stream = holds_stream or (lambda _peer: False)
         self._dir = tempfile.mkdtemp(prefix="ghostgpu-grpc-tls-")
         os.chmod(self._dir, 0o700)
         self.internal_path = f"{self._dir}/grpc.sock"
@@ -221,15 +231,21 @@ class TcpGate:
             host, port = str(addr[0]), int(addr[1])
             kind = "ipv6" if sock.family == socket.AF_INET6 else "ipv4"
             peer = f"ipv6:[{host}]:{port}" if kind == "ipv6" else f"ipv4:{host}:{port}"
-            link = _Link(host, peer, loop.time())
+            link = _Link(host, peer, loop.time(), sock)
             if not self._admit(link, loop.time()):
                 sock.close()
                 continue
             task = loop.create_task(self._relay(link, sock))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            # A ready socket's sock_accept returns without suspending: yield, or a backlog is drained
+            # (and its links evicted by each other) before any relay runs.
+            await asyncio.sleep(0)
 
     async def _relay(self, link: _Link, sock: socket.socket) -> None:
+        if link not in self._links:  # closed for room before it started: never bind or connect
+            sock.close()
+            return
         loop = asyncio.get_running_loop()
         self._next += 1
         name = f"{self._dir}/{TCP_NAME}{self._next}"
@@ -249,14 +265,13 @@ class TcpGate:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(name)  # the connected socket keeps its name; nobody can bind it again
-        link.name = name
-        with self._names_lock:
-            self._by_name[name] = link
         if link not in self._links:  # closed for room while it connected
             inner.close()
             sock.close()
-            self._forget(link)
             return
+        link.name = name
+        with self._names_lock:
+            self._by_name[name] = link
         up, down = _Half(self, link), _Half(self, link)
         up.other, down.other = down, up
         try:
@@ -282,8 +297,10 @@ class TcpGate:
         if len(self._links) >= self.max_connections:
             victim = next(iter(self._unproven), None)
             if victim is None:
+                victim = next((lk for lk in self._links if not self.holds_stream(lk.peer)), None)
+            if victim is None:
                 self.refused += 1
-                self._cap_line(link.source, "refused a new connection: every one is a proven client")
+                self._cap_line(link.source, "refused a new connection: every one holds an open stream")
                 return False
             self._close_for_room(victim, link.source)
         self._links[link] = None
@@ -295,7 +312,7 @@ class TcpGate:
         self._forget(victim)
         victim.close()
         self.closed_for_room += 1
-        self._cap_line(source, "closed an unauthenticated connection for a new one")
+        self._cap_line(source, "closed an idle connection for a new one")
 
     def _prune(self, now: float) -> None:
         """Drop from the unproven tables what is proven or has aged past the handshake deadline."""
@@ -319,9 +336,9 @@ class TcpGate:
     def _forget(self, link: _Link) -> None:
         if self._links.pop(link, 0) is None:
             self._unprove(link)
-            if link.name:
-                with self._names_lock:
-                    self._by_name.pop(link.name, None)
+        if link.name:  # whether or not it was still listed: a relay may name it after it was closed
+            with self._names_lock:
+                self._by_name.pop(link.name, None)
 
     def _cap_line(self, source: str, what: str) -> None:
         now = time.monotonic()

@@ -117,10 +117,11 @@ class _BadRequest(Exception):
 class _Conn:
     """One accepted connection, as the caps see it (touched on the loop thread only)."""
 
-    __slots__ = ("busy", "served", "source", "task")
+    __slots__ = ("busy", "served", "sock", "source", "task")
 
     def __init__(self, source: str, task: asyncio.Task[None] | None) -> None:
         self.source, self.task = source, task
+        self.sock: socket.socket | None = None  # until its task starts and owns it
         self.busy = False  # a request is being answered: never closed to make room
         self.served = 0
 
@@ -212,7 +213,11 @@ class HttpServer:
             if not self._admit(conn):
                 sock.close()
                 continue
+            conn.sock = sock
             conn.task = loop.create_task(self._client(conn, sock))
+            # A ready socket's sock_accept returns without suspending: yield, or a backlog is drained
+            # (and its connections closed for room by each other) before any of them is served.
+            await asyncio.sleep(0)
 
     @property
     def address(self) -> str:
@@ -238,8 +243,7 @@ class HttpServer:
 
         def shut() -> None:
             for conn in list(self._conns):
-                if conn.task is not None:
-                    conn.task.cancel()
+                _close(conn)
             loop.stop()
 
         with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
@@ -290,6 +294,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.header_timeout_s  # handshake and first request head
         transport: asyncio.BaseTransport | None = None
+        conn.sock = None  # this task's now: its finally closes it
         try:
             context = self.guard.context() if self.guard is not None else None
             reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=loop)
@@ -378,8 +383,7 @@ class HttpServer:
                     self._cap_line(conn.source, "refused a new connection")
                     return False
                 self._forget(victim)
-                if victim.task is not None:
-                    victim.task.cancel()
+                _close(victim)
                 self.closed_for_room += 1
                 self._cap_line(conn.source, "closed an idle connection for a new one")
         self._conns[conn] = None
@@ -403,6 +407,16 @@ class HttpServer:
                         self.name, host_port(self.host, self.port), what, len(self._conns),
                         self.max_connections, len(self._by_source.get(source, ())), source or "?",
                         self.max_per_source, self.closed_for_room, self.refused)
+
+
+def _close(conn: _Conn) -> None:
+    """End a connection's task; close its socket if the task never started (a task cancelled before
+    its first step never runs its `finally`)."""
+    if conn.task is not None:
+        conn.task.cancel()
+    if conn.sock is not None:
+        conn.sock.close()
+        conn.sock = None
 
 
 def _oldest_idle(conns: Mapping[_Conn, None]) -> _Conn | None:
