@@ -6,11 +6,14 @@
     guard.refuse(path, authorization, source)  # per request: (429 | 401, body, headers) or None
     guard.headers()                        # http_server_config.headers for every response
 
-Reload, as exporter-toolkit does per request and per handshake: every call stats the config file
-and the files it names (mtime, size, inode: a mounted Secret's symlink swap changes the inode) and
-re-reads them only when one changed. A good new set serves the next connection; open connections
-keep theirs. A bad one (half-written cert, key of another cert) keeps the old set and logs one line
-per change. Whether the port speaks TLS is decided at start: a reload cannot turn it on or off.
+Reload, as exporter-toolkit does, but never on the caller's thread: context() and refuse() run on
+the HTTP loop thread, which serves every connection and kubelet's probes, and a reload (YAML, every
+bcrypt hash, an SSLContext) would stall them all. So a call stats the config file and the files it
+names (mtime, size, inode: a mounted Secret's symlink swap changes the inode) at most once per
+RELOAD_CHECK_INTERVAL_S, and when one changed re-reads them on a thread of its own; calls meanwhile
+get the current set. A good new set serves the connections after it is in; open connections keep
+theirs. A bad one (half-written cert, key of another cert) keeps the old set and logs one line per
+change. Whether the port speaks TLS is decided at start: a reload cannot turn it on or off.
 
 Basic auth: bcrypt is slow on purpose (~50 ms at cost 10), and Prometheus sends the same credentials
 every scrape, so successes are cached by SHA-256 of (user, hash, password), as exporter-toolkit does;
@@ -48,6 +51,7 @@ log = logging.getLogger("ghostgpu.http")
 AUTH_CACHE_MAX = 100  # verified (user, password) pairs remembered; a scraper uses one
 BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no more; bcrypt 5 raises past it
 RATE_SOURCES_MAX = 10_000  # per-address buckets kept; the least recently used is forgotten past it
+RELOAD_CHECK_INTERVAL_S = 1.0  # how often the config's files are stat'ed for a change
 # bcrypt of "ghostgpu: no such user" at cost 10: what an unknown user's password is checked against.
 _NO_USER_HASH = b"$2b$10$A0xTZaiBgu17k1.wZ1wW5Okv9RoZKhTpFzXmnzxoV/ANa5kAeaAUK"
 Signature = tuple[tuple[str, int, int, int] | tuple[str], ...]
@@ -156,10 +160,14 @@ class SourceRateLimiter:
 
 
 class WebGuard:
-    def __init__(self, path: str, open_paths: Iterable[str] = ()) -> None:
+    def __init__(self, path: str, open_paths: Iterable[str] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.open_paths = frozenset(open_paths)
         self._lock = threading.Lock()
+        self._clock = clock
+        self._next_check_s = clock() + RELOAD_CHECK_INTERVAL_S
+        self._reloading = False  # a reload thread is running: no second one
         config = load_web_config(path)  # WebConfigError: the caller says it and exits 2
         self._check_bcrypt(config)
         self.tls = config.tls is not None
@@ -201,13 +209,29 @@ class WebGuard:
         return server_context(config.tls, f"web config {config.path}") if config.tls is not None else None
 
     def _refresh(self) -> None:
-        """Re-read the config and its files when one of them changed since the last look."""
-        signature = file_signature(self._config.files)
-        if signature == self._signature:
+        """At most once per RELOAD_CHECK_INTERVAL_S: stat the config and its files, and when one
+        changed since the last look, reload them on a thread of their own (see the module doc)."""
+        now = self._clock()
+        if now < self._next_check_s:
             return
         with self._lock:
+            if now < self._next_check_s or self._reloading:
+                return
+            self._next_check_s = now + RELOAD_CHECK_INTERVAL_S
+            signature = file_signature(self._config.files)
             if signature == self._signature or signature == self._bad_signature:
                 return
+            self._reloading = True
+        try:
+            threading.Thread(target=self._reload, args=(signature,), name="web-config-reload",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had: try again at the next look
+            with self._lock:
+                self._reloading = False
+
+    def _reload(self, signature: Signature) -> None:
+        """Re-read the config and its files (`signature`: how they looked when the change was seen)."""
+        try:
             try:
                 config = load_web_config(self.path)
                 self._check_bcrypt(config)
@@ -228,9 +252,13 @@ class WebGuard:
             self.limiter = SourceRateLimiter(config.rate_interval_s, config.rate_burst)
             self.reloads += 1
             log.info("%s: reloaded", self.where)
+        finally:
+            with self._lock:
+                self._reloading = False
 
     def context(self) -> ssl.SSLContext | None:
-        """The SSLContext a new connection is wrapped with (None: plain HTTP)."""
+        """The SSLContext a new connection is wrapped with (None: plain HTTP); cheap, never reloads
+        on the caller's thread."""
         self._refresh()
         return self._context
 

@@ -8,6 +8,7 @@ import base64
 import http.client
 import logging
 import ssl
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ import pytest
 from cryptography import x509
 from ghostgpu.tracer.health import PROBE_PATHS
 
+from ghostgpu.common import webguard
 from ghostgpu.common.httpserve import TEXT, HttpServer, Response
 from ghostgpu.common.webconfig import WebConfigError, load_web_config, parse_web_config
-from ghostgpu.common.webguard import BasicAuth, RateLimiter
+from ghostgpu.common.webguard import BasicAuth, RateLimiter, WebGuard
 from tests.helpers.certs import Pki, serial_of, write_file
 from tests.helpers.polling import wait_until
 
@@ -191,10 +193,17 @@ def test_rotated_certificate_serves_new_connections_and_a_bad_one_keeps_the_old(
     rotated = pki.collector()
     write_file(pki.dir / "web.key", rotated.key_pem, 0o600)
     write_file(pki.dir / "web.crt", rotated.cert_pem)
-    assert get(server, "/healthz", pki.ca_path)[2] == serial_of(rotated.cert_pem)
+    # Seen within a second, reloaded off the loop thread: a later connection gets it.
+    wait_until(lambda: get(server, "/healthz", pki.ca_path)[2] == serial_of(rotated.cert_pem),
+               "the rotated certificate to be served")
     # cert-manager half-way: a new certificate whose key has not been written yet.
     caplog.set_level(logging.WARNING, "ghostgpu.http")
     write_file(pki.dir / "web.crt", pki.collector().cert_pem)
+    assert server.guard is not None
+    guard = server.guard
+    # Each connection serves the rotated certificate, before and after the bad one was seen.
+    wait_until(lambda: get(server, "/healthz", pki.ca_path)[2] == serial_of(rotated.cert_pem)
+               and guard.reload_errors == 1, "the bad certificate to be refused")
     assert get(server, "/healthz", pki.ca_path)[2] == serial_of(rotated.cert_pem)
     assert get(server, "/healthz", pki.ca_path)[2] == serial_of(rotated.cert_pem)
     lines = [r.getMessage() for r in caplog.records if "keeping the previous web config" in r.getMessage()]
@@ -253,3 +262,40 @@ def test_a_bad_file_fails_start_before_binding(tmp_path: Path) -> None:
     config.write_text("tls_server_config: {cert_file: nope.crt, key_file: nope.key}\n")
     with pytest.raises(WebConfigError, match=r"tls_server_config\.cert_file: /.*/nope\.crt: no such file"):
         serve(config)
+
+
+def test_a_reload_runs_off_the_callers_thread_and_the_files_are_looked_at_once_a_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """context() and refuse() run on the HTTP loop thread, which serves every connection and the
+    probes: they get the current set at once while a reload (YAML, bcrypt, an SSLContext) runs."""
+    config = tmp_path / "web.yml"
+    write_file(config, b"http_server_config: {headers: {X-Frame-Options: deny}}\n")
+    now = [0.0]
+    guard = WebGuard(str(config), clock=lambda: now[0])
+    release, entered, loaded = threading.Event(), threading.Event(), load_web_config
+
+    calls: list[str] = []
+
+    def slow_load(path: str) -> Any:
+        calls.append(path)
+        entered.set()
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(10.0)
+        return loaded(path)
+
+    monkeypatch.setattr(webguard, "load_web_config", slow_load)
+    write_file(config, b"http_server_config: {headers: {X-Frame-Options: sameorigin}}\n")
+    assert guard.context() is None and not entered.is_set()  # not a second since the last look
+    now[0] += webguard.RELOAD_CHECK_INTERVAL_S
+    assert guard.context() is None and guard.refuse("/metrics", None) is None  # at once: the old set
+    assert entered.wait(10.0) and guard.headers() == {"X-Frame-Options": "deny"}
+    now[0] += webguard.RELOAD_CHECK_INTERVAL_S
+    guard.context()  # a reload is running: no second one
+    release.set()
+    wait_until(lambda: guard.reloads == 1, "the reload to finish")
+    assert guard.headers() == {"X-Frame-Options": "sameorigin"} and len(calls) == 1
+    write_file(config, b"http_server_config: {headers: {X-Frame-Options: [no]}}\n")
+    now[0] += webguard.RELOAD_CHECK_INTERVAL_S
+    guard.context()
+    wait_until(lambda: guard.reload_errors == 1, "the bad file to be refused")
+    assert guard.headers() == {"X-Frame-Options": "sameorigin"} and guard.reloads == 1  # the old set kept
