@@ -12,8 +12,11 @@ would then receive a tracer's Hello, snapshot and events and answer its commands
 what it likes. So before a plaintext channel is opened, the kernel is asked who serves it, as the
 collector asks who its clients are:
 - a unix socket: SO_PEERCRED of a connection to it (the uid of the process that listens);
-- loopback TCP: the uid owning the socket listening on the port, the one a connection there
-  reaches (sock_diag, /proc/net/tcp where netlink is refused; ghostgpu/common/sockdiag.py).
+- TCP to this host: the uid owning the socket listening on the port, the one a connection there
+  reaches (sock_diag, /proc/net/tcp where netlink is refused; ghostgpu/common/sockdiag.py). This
+  host is loopback in any spelling (127/8, ::1, a v4-mapped ::ffff:127.0.0.1, and the wildcards
+  0.0.0.0 and ::, which a connect() takes to this host) and every address of its own interfaces
+  (one it can bind): a local user can squat a port on those as well.
 Accepted: root, this process's own uid (a process of one's own uid can do what it likes to one
 anyway), and `collector_uid` (`--collector-uid`, for a collector run as another user, e.g. 65532).
 Anything else raises CollectorRefused, one line. A collector that does not answer is left to gRPC
@@ -26,6 +29,7 @@ holds cannot be bound; a socket in a root-owned directory cannot be replaced).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import struct
@@ -34,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from ghostgpu.common.addresses import dial_address
 from ghostgpu.common.sockdiag import DiagUnavailable, listener_uid, proc_net_listener_uid
 from ghostgpu.common.tls import TlsFiles, channel_credentials
 
@@ -76,19 +81,19 @@ def check_plaintext_collector(target: str, collector_uid: int | None = None) -> 
 
 
 def serving_uid(target: str) -> int | None:
-    """The uid serving a unix socket or loopback TCP `target`; None when nobody answers or the
+    """The uid serving a unix socket or TCP `target` on this host; None when nobody answers or the
     target is neither."""
     if target.startswith("unix://"):
         return _unix_uid(target[len("unix://"):])
     if target.startswith("unix:"):
         return _unix_uid(target[len("unix:"):])
-    host, _, port_text = target.rpartition(":")
+    host, _, port_text = dial_address(target).rpartition(":")
     host = host.strip("[]")
     try:
         port = int(port_text)
     except ValueError:
         return None
-    uids = [uid for uid in _loopback_uids(host, port) if uid is not None]
+    uids = [uid for uid in _local_uids(host, port) if uid is not None]
     # Every address the name resolves to counts: gRPC may dial any of them.
     untrusted = [uid for uid in uids if uid not in (0, os.geteuid())]
     return untrusted[0] if untrusted else (uids[0] if uids else None)
@@ -106,17 +111,50 @@ def _unix_uid(path: str) -> int | None:
         return uid
 
 
-def _loopback_uids(host: str, port: int) -> list[int | None]:
+def _local_uids(host: str, port: int) -> list[int | None]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
     out: list[int | None] = []
     for ip in dict.fromkeys(str(info[4][0]) for info in infos):
-        if ip == "::1" or ip.startswith("127."):
+        loopback = loopback_of(ip)
+        if loopback is not None:
+            out.append(_listener(loopback, port))
+        elif _on_this_host(ip):  # one of this host's own addresses: a local socket may listen there
             out.append(_listener(ip, port))
-        # not loopback: nothing local to ask (plaintext to the network is --insecure's business)
+        # another host: nothing local to ask (plaintext to the network is --insecure's business)
     return out
+
+
+def loopback_of(ip: str) -> str | None:
+    """The loopback address a connection to `ip` reaches when `ip` is loopback in any spelling:
+    127/8 and ::1 as they are, v4-mapped ones (::ffff:127.0.0.1) as IPv4, the wildcards (0.0.0.0,
+    ::, ::ffff:0.0.0.0) as 127.0.0.1 or ::1, where Linux takes a connect() to them; None for any other."""
+    try:
+        addr: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.is_loopback:
+        return str(addr)
+    if addr.is_unspecified:
+        return "127.0.0.1" if addr.version == 4 else "::1"
+    return None
+
+
+def _on_this_host(ip: str) -> bool:
+    """Whether `ip` is an address of this host's interfaces: only those can be bound. (A socket
+    listening on a wildcard would also answer sock_diag for another host's address and port, so
+    this is asked first.)"""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _listener(ip: str, port: int) -> int | None:
