@@ -97,21 +97,24 @@ class _Half(asyncio.Protocol):
         self.gate, self.link = gate, link
         self.transport: asyncio.Transport | None = None
         self.other: _Half | None = None
+        self.out: asyncio.Transport | None = None  # the other side's transport, once both are up
         self._early: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        other = self.other
-        if other is None or other.transport is None:
+        out = self.out  # the hot path: one attribute, no lookups through the other half
+        if out is None:
             self._early.append(data)
             return
-        other.transport.write(data)
+        out.write(data)
 
     def flush_early(self) -> None:
-        if self._early and self.other is not None and self.other.transport is not None:
-            self.other.transport.write(b"".join(self._early))
+        if self.other is not None and self.other.transport is not None:
+            self.out = self.other.transport
+            if self._early:
+                self.out.write(b"".join(self._early))
         self._early.clear()
 
     def eof_received(self) -> bool:
