@@ -1,4 +1,4 @@
-"""Connection floods against the real `ghostgpu collector` process (issue 17, item 8), on 127.0.0.1 only,
+"""Connection floods against the real `ghostgpu collector` process, on 127.0.0.1 only,
 bounded in count and time:
 
 - 1,080 idle TCP connections that never start a TLS handshake, from 40 loopback addresses, to the

@@ -1,5 +1,5 @@
 """Attacks on the HTTP ports (the tracer's health port, the collector's /metrics), run for real on
-127.0.0.1 with bounded counts (issue 17, items 8, 9 and 14): slowloris, a stalled request head,
+127.0.0.1 with bounded counts: slowloris, a stalled request head,
 basic auth edge cases, junk requests against the rate limit, and plaintext off loopback."""
 
 from __future__ import annotations
