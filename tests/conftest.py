@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -76,3 +78,14 @@ def require_root() -> None:
     """Skip (or, under CI, fail) a test that needs root."""
     if os.geteuid() != 0:
         pytest.skip("needs root (BPF, mknod, namespaces); run as root or via scripts/bootstrap.sh test")
+
+
+@pytest.fixture
+def open_sockets() -> Iterator[list[socket.socket]]:
+    """Client sockets a test opens (a flood, a backlog): all closed at its end, whatever happened."""
+    socks: list[socket.socket] = []
+    try:
+        yield socks
+    finally:
+        for s in socks:
+            s.close()

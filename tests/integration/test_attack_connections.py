@@ -16,13 +16,13 @@ import resource
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli, tls_flags
+from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer
 
 POLICY = """
@@ -76,18 +76,19 @@ def pki(tmp_path: Path) -> Pki:
     return Pki(tmp_path / "pki")
 
 
-@pytest.fixture
-def flood() -> Iterator[list[socket.socket]]:
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for s in socks:
-            s.close()
+def _accept_queue(port: int) -> int:
+    """Connections waiting in the accept queue of the listener on `port` (a LISTEN row's rx_queue in
+    /proc/net/tcp); -1 while no such listener is there."""
+    with open("/proc/net/tcp") as f:
+        for row in f.read().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return int(fields[4].split(":")[1], 16)
+    return -1
 
 
 def test_idle_flood_on_the_mtls_port_locks_out_neither_admins_nor_tracers(
-        tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch, flood: list[socket.socket]) -> None:
+        tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch, open_sockets: list[socket.socket]) -> None:
     _raise_own_fd_limit(FLOOD + 512)
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
@@ -110,9 +111,11 @@ def test_idle_flood_on_the_mtls_port_locks_out_neither_admins_nor_tracers(
             except OSError:
                 s.close()
                 continue
-            flood.append(s)
-        assert len(flood) >= FLOOD * 0.9, f"only {len(flood)} of {FLOOD} flood connections got through"
-        time.sleep(1.0)  # let the collector take them all (an attacker would keep them: no deadline wait)
+            open_sockets.append(s)
+        assert len(open_sockets) >= FLOOD * 0.9, (
+            f"only {len(open_sockets)} of {FLOOD} flood connections got through")
+        # The collector has taken them all off its accept queue (an attacker would keep them open).
+        wait_until(lambda: _accept_queue(port) == 0, "the flood accepted by the collector", 30.0)
         assert col.running, col.stderr()
         # The flood is still open (the last ones are younger than gRPC's handshake deadline), and:
         out = ghostgpu_cli("ps", "--collector", col.address, "-o", "json", *admin, timeout_s=60.0)

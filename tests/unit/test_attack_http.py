@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import bcrypt
@@ -80,16 +79,6 @@ def many_fds() -> None:
                                                     else need, hard))
 
 
-@pytest.fixture
-def idle_sockets() -> Iterator[list[socket.socket]]:
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for s in socks:
-            s.close()
-
-
 def flood(server: HttpServer, socks: list[socket.socket], count: int, first: bytes = b"") -> None:
     host, port = server.address.rsplit(":", 1)
     for _ in range(count):
@@ -104,14 +93,14 @@ def flood(server: HttpServer, socks: list[socket.socket], count: int, first: byt
 
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
 def test_slowloris_adds_no_thread_and_the_probes_answer(tls: bool, web_config: Path, many_fds: None,
-                                                        idle_sockets: list[socket.socket]) -> None:
+                                                        open_sockets: list[socket.socket]) -> None:
     server = start_health_server("127.0.0.1:0", healthy(), web_config=str(web_config) if tls else None)
     try:
         assert get(server, "/healthz")[0] == 200
         before = threading.active_count()
         # 1,000 connections: half send nothing (not even a TLS hello), half a request line and stop.
-        flood(server, idle_sockets, SLOWLORIS // 2)
-        flood(server, idle_sockets, SLOWLORIS // 2, b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        flood(server, open_sockets, SLOWLORIS // 2)
+        flood(server, open_sockets, SLOWLORIS // 2, b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
         added = threading.active_count() - before
         assert added <= WORKERS, f"{added} threads added by {SLOWLORIS} idle connections"
         for probe in ("/healthz", "/readyz"):  # kubelet's probe, from the same address as the flood
@@ -124,11 +113,11 @@ def test_slowloris_adds_no_thread_and_the_probes_answer(tls: bool, web_config: P
         server.stop()
 
 
-def test_a_request_head_must_arrive_within_the_header_deadline(idle_sockets: list[socket.socket]) -> None:
+def test_a_request_head_must_arrive_within_the_header_deadline(open_sockets: list[socket.socket]) -> None:
     server = start_health_server("127.0.0.1:0", healthy())
     try:
-        flood(server, idle_sockets, 1, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
-        s = idle_sockets[0]
+        flood(server, open_sockets, 1, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        s = open_sockets[0]
         s.settimeout(HEADER_TIMEOUT_S + 5.0)
         started = time.monotonic()
         assert s.recv(1024) == b""  # closed by the server

@@ -5,47 +5,16 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
-
-import pytest
 
 from ghostgpu.common.httpserve import HttpServer
+from tests.helpers.polling import wait_until
+from tests.helpers.sockets import peer_closed
 
 DEADLINE_S = 10.0
 
 
-@pytest.fixture
-def clients() -> Iterator[list[socket.socket]]:
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _poll(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        time.sleep(0.01)
-
-
-def _closed(s: socket.socket) -> bool:
-    s.setblocking(False)
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionError:
-        return True
-    finally:
-        s.settimeout(DEADLINE_S)
-
-
-def test_a_backlog_past_the_per_source_cap_closes_every_evicted_socket(clients: list[socket.socket]) -> None:
+def test_a_backlog_past_the_per_source_cap_closes_every_evicted_socket(
+        open_sockets: list[socket.socket]) -> None:
     per_source = 3
     server = HttpServer("127.0.0.1:0", {}, max_connections_per_source=per_source).start()
     try:
@@ -60,12 +29,12 @@ def test_a_backlog_past_the_per_source_cap_closes_every_evicted_socket(clients: 
         loop.call_soon_threadsafe(hold)
         assert holding.wait(DEADLINE_S)
         for _ in range(40):
-            clients.append(socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S))
+            open_sockets.append(socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S))
         go.set()
-        _poll("every connection closed for room is closed",
-              lambda: all(_closed(s) for s in clients[:-per_source]))
-        assert not any(_closed(s) for s in clients[-per_source:])
+        wait_until(lambda: all(peer_closed(s, DEADLINE_S) for s in open_sockets[:-per_source]),
+                   "every connection closed for room is closed", DEADLINE_S)
+        assert not any(peer_closed(s, DEADLINE_S) for s in open_sockets[-per_source:])
         assert server.connections == per_source
-        assert server.closed_for_room == len(clients) - per_source
+        assert server.closed_for_room == len(open_sockets) - per_source
     finally:
         server.stop()

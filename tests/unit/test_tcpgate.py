@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-import pytest
 from ghostgpu.collector.revoke import OpenStreams
 from ghostgpu.collector.tcpgate import TcpGate
 
 from ghostgpu.common.principal import Principal
+from tests.helpers.polling import wait_until
+from tests.helpers.sockets import peer_closed
 
 T = TypeVar("T")
 DEADLINE_S = 10.0
@@ -48,16 +48,6 @@ class _Backend:
             s.close()
 
 
-@pytest.fixture
-def clients() -> Iterator[list[socket.socket]]:
-    socks: list[socket.socket] = []
-    try:
-        yield socks
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _gate(**kwargs: Any) -> tuple[TcpGate, _Backend]:
     gate = TcpGate("127.0.0.1", 0, **kwargs)
     backend = _Backend(gate.internal_path)
@@ -84,31 +74,10 @@ def _tables(gate: TcpGate) -> dict[str, int]:
     return _on_loop(gate, read)
 
 
-def _poll(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        time.sleep(0.01)
-
-
-def _connect(gate: TcpGate, clients: list[socket.socket]) -> socket.socket:
+def _connect(gate: TcpGate, open_sockets: list[socket.socket]) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", gate.port), timeout=DEADLINE_S)
-    clients.append(s)
+    open_sockets.append(s)
     return s
-
-
-def _closed(s: socket.socket) -> bool:
-    """Whether the gate closed its end (EOF or reset), without waiting."""
-    s.setblocking(False)
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionError:
-        return True
-    finally:
-        s.settimeout(DEADLINE_S)
 
 
 def _peer(s: socket.socket) -> str:
@@ -130,27 +99,25 @@ def _blocked(gate: TcpGate) -> threading.Event:
 
 
 def test_links_closed_for_room_before_or_while_connecting_leave_no_entry_and_no_socket(
-        clients: list[socket.socket]) -> None:
+        open_sockets: list[socket.socket]) -> None:
     per_source = 3
     gate, backend = _gate(max_connections=1000, max_connections_per_source=per_source)
     try:
         go = _blocked(gate)
         for _ in range(60):  # one source, a backlog of 20 times its cap
-            _connect(gate, clients)
+            _connect(gate, open_sockets)
         go.set()
-        _poll("the per-source cap's survivors relayed", lambda: _tables(gate) == {
-            "links": per_source, "unproven": per_source, "by_source": per_source,
-            "by_name": per_source, "named_live": per_source})
+        live = {"links": per_source, "unproven": per_source, "by_source": per_source,
+                "by_name": per_source, "named_live": per_source}
+        wait_until(lambda: _tables(gate) == live, "the per-source cap's survivors relayed", DEADLINE_S)
         # and once more without a backlog: each new one closes the oldest while it may be connecting
         for _ in range(60):
-            _connect(gate, clients)
-        _poll("the tables back to the live count", lambda: _tables(gate) == {
-            "links": per_source, "unproven": per_source, "by_source": per_source,
-            "by_name": per_source, "named_live": per_source})
-        _poll("every link closed for room closed its client's socket",
-              lambda: all(_closed(s) for s in clients[:-per_source]))
-        assert not any(_closed(s) for s in clients[-per_source:])
-        assert gate.closed_for_room == len(clients) - per_source
+            _connect(gate, open_sockets)
+        wait_until(lambda: _tables(gate) == live, "the tables back to the live count", DEADLINE_S)
+        wait_until(lambda: all(peer_closed(s, DEADLINE_S) for s in open_sockets[:-per_source]),
+                   "every link closed for room closed its client's socket", DEADLINE_S)
+        assert not any(peer_closed(s, DEADLINE_S) for s in open_sockets[-per_source:])
+        assert gate.closed_for_room == len(open_sockets) - per_source
         assert gate.connections == per_source
     finally:
         gate.stop()
@@ -158,30 +125,30 @@ def test_links_closed_for_room_before_or_while_connecting_leave_no_entry_and_no_
 
 
 def test_proven_links_are_closed_for_room_unless_they_hold_an_open_stream(
-        clients: list[socket.socket]) -> None:
+        open_sockets: list[socket.socket]) -> None:
     streaming: set[str] = set()
     gate, backend = _gate(max_connections=3, max_connections_per_source=3,
                           holds_stream=streaming.__contains__)
     try:
-        tracer, viewer, denied = (_connect(gate, clients) for _ in range(3))
-        _poll("three links relayed", lambda: _tables(gate)["by_name"] == 3)
+        tracer, viewer, denied = (_connect(gate, open_sockets) for _ in range(3))
+        wait_until(lambda: _tables(gate)["by_name"] == 3, "three links relayed", DEADLINE_S)
         names = _on_loop(gate, lambda: list(gate._by_name))
         assert sorted(gate.peer(f"unix:{n}") or "" for n in names) == sorted(
             _peer(s) for s in (tracer, viewer, denied))  # an RPC over each: all proven
         streaming.add(_peer(tracer))  # only the tracer's RPC is a stream the policy let in
-        newcomer = _connect(gate, clients)
+        newcomer = _connect(gate, open_sockets)
         # The full gate closed the oldest proven link that holds no stream, the viewer's, not the tracer's.
-        _poll("the viewer's link closed", lambda: _closed(viewer))
-        assert not _closed(tracer) and not _closed(denied) and not _closed(newcomer)
+        wait_until(lambda: peer_closed(viewer, DEADLINE_S), "the viewer's link closed", DEADLINE_S)
+        assert not any(peer_closed(s, DEADLINE_S) for s in (tracer, denied, newcomer))
         assert gate.refused == 0
 
         for s in (denied, newcomer):
             streaming.add(_peer(s))
         _on_loop(gate, lambda: [setattr(lk, "proven", True) for lk in gate._links])
-        late = _connect(gate, clients)
-        _poll("refused: every link holds a stream", lambda: _closed(late))
+        late = _connect(gate, open_sockets)
+        wait_until(lambda: peer_closed(late, DEADLINE_S), "refused: every link holds a stream", DEADLINE_S)
         assert gate.refused == 1
-        assert not any(_closed(s) for s in (tracer, denied, newcomer))
+        assert not any(peer_closed(s, DEADLINE_S) for s in (tracer, denied, newcomer))
     finally:
         gate.stop()
         backend.close()
