@@ -10,13 +10,11 @@ collector over real TLS.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import json
 import os
 import socket
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from ghostgpu.common.principal import Principal
 from ghostgpu.v1 import query_pb2
 from tests.helpers.certs import Pki
 from tests.helpers.collector_env import QueryClient
+from tests.helpers.who_server import WHO, who_server
 
 TD = "ghostgpu"
 REMOTE = "ipv4:10.0.0.9:5555"
@@ -191,33 +190,15 @@ def test_the_unix_socket_peer_is_the_uid_its_gate_saw(tmp_path: Path) -> None:
         seen.append(identify(context))
         return b""
 
-    started = threading.Event()
-    held: dict[str, Any] = {}
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "t.T", {"Who": grpc.unary_unary_rpc_method_handler(who)}),))
-        server.add_insecure_port(gate.internal_address)
-        await server.start()
-        held.update(done=asyncio.Event(), loop=asyncio.get_running_loop())
-        started.set()
-        await held["done"].wait()
-        await server.stop(None)
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    gate.start()
-    try:
-        with grpc.insecure_channel(f"unix://{tmp_path}/public.sock") as ch:
-            ch.unary_unary("/t.T/Who")(b"", timeout=10)
-        with grpc.insecure_channel(gate.internal_address) as ch:
-            ch.unary_unary("/t.T/Who")(b"", timeout=10)
-    finally:
-        gate.stop()
-        held["loop"].call_soon_threadsafe(held["done"].set)
-        thread.join(10)
+    with who_server(gate.internal_address, who):
+        gate.start()
+        try:
+            with grpc.insecure_channel(f"unix://{tmp_path}/public.sock") as ch:
+                ch.unary_unary(WHO)(b"", timeout=10)
+            with grpc.insecure_channel(gate.internal_address) as ch:
+                ch.unary_unary(WHO)(b"", timeout=10)
+        finally:
+            gate.stop()
     relayed, direct = seen
     assert (relayed.kind, relayed.name, relayed.via) == ("uid", str(os.getuid()), "unix")
     assert (direct.kind, direct.via) == ("anonymous", "plaintext")

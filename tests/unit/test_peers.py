@@ -15,6 +15,7 @@ import pytest
 from ghostgpu.collector.peers import UnixGate, is_loopback, loopback_uid, parse_peer
 
 from ghostgpu.common.sockdiag import parse_proc_net_tcp
+from tests.helpers.who_server import WHO, who_server
 
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 # 127.0.0.1:41234 -> 127.0.0.1:7450 established, uid 1000; the listener 127.0.0.1:7450, uid 0.
@@ -92,9 +93,6 @@ def test_loopback_uid_of_a_real_connection_is_our_uid() -> None:
 
 def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
     """A real gRPC server behind the gate; the handler asks the gate who its peer is."""
-    import asyncio
-    import threading
-
     seen: list[str] = []
     gate = UnixGate(str(tmp_path / "public.sock"))
 
@@ -104,41 +102,22 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
         seen.append(peer)
         return (principal.subject if principal else "nobody").encode()
 
-    started = threading.Event()
-    held: dict[str, object] = {}
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "t.T", {"Who": grpc.unary_unary_rpc_method_handler(who)}),))
-        server.add_insecure_port(gate.internal_address)
-        await server.start()
-        done = asyncio.Event()
-        held.update(done=done, loop=asyncio.get_running_loop())
-        started.set()
-        await done.wait()
-        await server.stop(None)
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    gate.start()
-    try:
-        assert oct(os.stat(tmp_path / "public.sock").st_mode & 0o777) == oct(0o666)
-        with grpc.insecure_channel(f"unix://{tmp_path}/public.sock") as ch:
-            assert ch.unary_unary("/t.T/Who")(b"", timeout=10) == f"uid:{os.getuid()}".encode()
-        # The relay's own socket is a path in the gate's 0700 directory, never an abstract name
-        # (which anyone could bind first).
-        assert seen[0].startswith(f"unix:{os.path.dirname(gate.internal_address[len('unix://'):])}/peer-")
-        assert os.stat(os.path.dirname(seen[0][len("unix:"):])).st_mode & 0o777 == 0o700
-        assert not os.path.exists(seen[0][len("unix:"):])  # unlinked once connected
-        # A peer name the gate never made is nobody.
-        assert gate.principal(seen[0] + "0") is None
-        assert gate.principal("unix-abstract:ghostgpu-peer-x-1") is None
-    finally:
-        gate.stop()
-        held["loop"].call_soon_threadsafe(held["done"].set)  # type: ignore[attr-defined]
-        thread.join(10)
+    with who_server(gate.internal_address, who):
+        gate.start()
+        try:
+            assert oct(os.stat(tmp_path / "public.sock").st_mode & 0o777) == oct(0o666)
+            with grpc.insecure_channel(f"unix://{tmp_path}/public.sock") as ch:
+                assert ch.unary_unary(WHO)(b"", timeout=10) == f"uid:{os.getuid()}".encode()
+            # The relay's own socket is a path in the gate's 0700 directory, never an abstract name
+            # (which anyone could bind first).
+            assert seen[0].startswith(f"unix:{os.path.dirname(gate.internal_address[len('unix://'):])}/peer-")
+            assert os.stat(os.path.dirname(seen[0][len("unix:"):])).st_mode & 0o777 == 0o700
+            assert not os.path.exists(seen[0][len("unix:"):])  # unlinked once connected
+            # A peer name the gate never made is nobody.
+            assert gate.principal(seen[0] + "0") is None
+            assert gate.principal("unix-abstract:ghostgpu-peer-x-1") is None
+        finally:
+            gate.stop()
     assert not (tmp_path / "public.sock").exists()
 
 
