@@ -19,6 +19,7 @@ COPY bpf /src/bpf
 COPY ghostgpu /src/ghostgpu
 COPY tracer /src/tracer
 COPY collector /src/collector
+COPY cli /src/cli
 # A wheel install, not editable: bpf/*.bpf.c go to share/ghostgpu/bpf (pyproject data-files), where
 # tracer/bpf_build.py finds them.
 RUN python3 -m venv --system-site-packages /opt/ghostgpu \

@@ -72,7 +72,7 @@ def rounds(mode: str, consumers: int, per_batch: int) -> Any:
     updates them again): NodeEvent lists, seqs running on."""
     from dataclasses import replace
 
-    from ghostgpu.common.model import ConsumerClass
+    from ghostgpu.common.model.consumers import ConsumerClass
     from ghostgpu.v1 import node_pb2
     from tests.helpers.sim_tracer import finding, holder, make_consumer, resolved
 

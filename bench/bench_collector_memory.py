@@ -37,8 +37,8 @@ MB = 1024
 
 
 def node_messages(node: str, consumers: int) -> list[bytes]:
-    from ghostgpu.common.convert import consumer_to_proto
-    from ghostgpu.common.model import ConsumerClass
+    from ghostgpu.common.model.consumers import ConsumerClass
+    from ghostgpu.common.wire.convert import consumer_to_proto
     from ghostgpu.v1 import stream_pb2
     from tests.helpers.sim_tracer import (
         allocations,
@@ -79,7 +79,7 @@ async def drive(target: str, nodes: int, consumers: int,
     staying open until `hold` is set."""
     import grpc
 
-    from ghostgpu.common.protocol import channel_options
+    from ghostgpu.common.wire.protocol import channel_options
     from ghostgpu.v1 import stream_pb2
 
     acked = 0

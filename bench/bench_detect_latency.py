@@ -37,12 +37,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ghostgpu.cli.client import Query
 from ghostgpu.collector.cri import CriStats
 from ghostgpu.collector.main import Collector
 
 from bench.common import ROOT, interrupt_on_sigterm, machine, preflight, print_table, write_json
-from ghostgpu.cli.client import Query
-from ghostgpu.common.convert import cluster_consumer_from_proto
+from ghostgpu.common.wire.convert import cluster_consumer_from_proto
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.containerd import Containerd, Pod, missing
 from tests.helpers.fakenvml import FakeGpu, FakeNvml

@@ -51,7 +51,7 @@ METHOD_SERVICE = "ghostgpu.v1.NodeStream"
 
 
 def _echo_reply(raw: bytes) -> bytes | None:
-    from ghostgpu.common.protocol import API_VERSION, MAX_BATCH_EVENTS
+    from ghostgpu.common.wire.protocol import API_VERSION, MAX_BATCH_EVENTS
     from ghostgpu.v1 import stream_pb2
 
     msg = stream_pb2.TracerMessage.FromString(raw)
@@ -70,7 +70,7 @@ def _echo_reply(raw: bytes) -> bytes | None:
 def serve_echo(kind: str, listen: str) -> None:
     import grpc
 
-    from ghostgpu.common.protocol import channel_options
+    from ghostgpu.common.wire.protocol import channel_options
 
     if kind == "echo-aio":
         async def connect_aio(requests: Any, context: Any) -> None:

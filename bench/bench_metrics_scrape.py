@@ -55,14 +55,14 @@ class Names:
         pass
 
     def get(self, node: str, container_id: str) -> Any:
-        from ghostgpu.common.model import K8sInfo
+        from ghostgpu.common.model.consumers import K8sInfo
 
         return K8sInfo("resolved", "ml", f"train-{container_id[:6]}-{container_id[6:10]}", "uid",
                        "trainer", "registry.local/ml/train:1.4", "CONTAINER_RUNNING", "SANDBOX_READY")
 
 
 def consumers_of(node: int, count: int) -> list[Any]:
-    from ghostgpu.common.model import ConsumerClass
+    from ghostgpu.common.model.consumers import ConsumerClass
     from tests.helpers.sim_tracer import make_consumer
 
     out = []
@@ -80,7 +80,7 @@ def populate(collector: Any, nodes: int, consumers: int) -> None:
     from ghostgpu.collector.nodes import NodeView
     from ghostgpu.collector.store import Position
 
-    from ghostgpu.common.convert import consumer_to_proto
+    from ghostgpu.common.wire.convert import consumer_to_proto
     from ghostgpu.v1 import stream_pb2
 
     info = stream_pb2.NodeInfo(bpf=True, nvml=True, driver_version="550.54.15", gpus=[
@@ -107,7 +107,7 @@ def change_every_node(collector: Any, step: int, settle: bool = True) -> None:
     1,000-node burst of ingest work that a real cluster spreads over the scrape interval."""
     from dataclasses import replace
 
-    from ghostgpu.common.convert import consumer_to_proto
+    from ghostgpu.common.wire.convert import consumer_to_proto
     from ghostgpu.v1 import stream_pb2
 
     def run() -> None:
@@ -195,9 +195,9 @@ def main() -> int:
     from ghostgpu.collector.main import Collector
     from prometheus_client import generate_latest
 
-    from ghostgpu.common.httpserve import PROMETHEUS_TEXT, HttpServer, Response
+    from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpServer, Response
 
-    sys.setswitchinterval(0.0005)  # as `ghostgpu collector` runs (ghostgpu/cli/__init__.py main)
+    sys.setswitchinterval(0.0005)  # as `ghostgpu collector` runs (cli/main.py main)
     tmp = tempfile.mkdtemp(prefix="ghostgpu-bench-metrics-")
     collector = Collector(["127.0.0.1:0"], f"{tmp}/collector.db", resolver_factory=Names,
                           metrics_listen="127.0.0.1:0", metrics_max_process_series=args.max_process_series)

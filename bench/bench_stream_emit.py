@@ -43,8 +43,8 @@ from ghostgpu.tracer.spool import encode_event  # noqa: E402
 from ghostgpu.tracer.stream import StreamOptions, StreamSink  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine  # noqa: E402
-from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef  # noqa: E402
-from ghostgpu.common.records import Record  # noqa: E402
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef  # noqa: E402
+from ghostgpu.common.model.records import Record  # noqa: E402
 from ghostgpu.v1 import stream_pb2, stream_pb2_grpc  # noqa: E402
 
 

@@ -103,8 +103,8 @@ class PacedTracer:
     async def connect(self) -> None:
         import grpc
 
-        from ghostgpu.common.convert import consumer_to_proto
-        from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
+        from ghostgpu.common.wire.convert import consumer_to_proto
+        from ghostgpu.common.wire.protocol import API_VERSION, API_VERSION_METADATA, channel_options
         from ghostgpu.v1 import stream_pb2
         from tests.helpers.sim_tracer import METHOD, make_consumer
 

@@ -51,7 +51,7 @@ def make_pki(directory: Path, tracers: int) -> Path:
 
 
 def node_tls(pki: str | None, node: str) -> Any:
-    from ghostgpu.common.tls import TlsFiles
+    from ghostgpu.common.transport.tls import TlsFiles
 
     if not pki:
         return None
@@ -114,15 +114,15 @@ def echo(arm: str, pki: Path) -> Iterator[Server]:
 def serve_echo(arm: str, pki: str) -> None:
     """NodeStream answering Hello with a Welcome and acking batches (bench_ingest's echo), storing nothing
     and asking nobody who they are: the transport's own handshake, plaintext or with the collector's mTLS
-    credentials (ghostgpu/common/tls_reload.py)."""
+    credentials (ghostgpu/common/transport/tls_reload.py)."""
     import asyncio
 
     import grpc
 
     from bench.bench_ingest import METHOD_SERVICE, _echo_reply
-    from ghostgpu.common.protocol import channel_options
-    from ghostgpu.common.tls import TlsFiles
-    from ghostgpu.common.tls_reload import server_credentials
+    from ghostgpu.common.transport.tls import TlsFiles
+    from ghostgpu.common.transport.tls_reload import server_credentials
+    from ghostgpu.common.wire.protocol import channel_options
 
     async def connect(requests: Any, context: Any) -> None:
         async for raw in requests:

@@ -20,7 +20,7 @@ from itertools import islice
 
 from ghostgpu.collector.cri import PENDING_ERROR
 
-from ghostgpu.common.convert import class_from_proto
+from ghostgpu.common.wire.convert import class_from_proto
 from ghostgpu.v1 import query_pb2
 
 log = logging.getLogger("ghostgpu.alertpush")

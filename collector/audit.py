@@ -1,6 +1,6 @@
 """The collector's security audit trail: one append-only, hash-chained record per privileged or
 security-relevant action (docs/SECURITY.md, "Audit"; the record and its chain are
-ghostgpu/common/audit_chain.py).
+ghostgpu/common/audit/chain.py).
 
     audit = AuditLog("/var/lib/ghostgpu/audit.jsonl", store)
     audit.append("trace.start", "user:alice", "ok", session="t-1", scope="ns/pod", duration_s=30)
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from ghostgpu.collector.store import Store, StoreError
 
-from ghostgpu.common.audit_chain import (
+from ghostgpu.common.audit.chain import (
     GENESIS_SHA256,
     AuditRecord,
     BadLine,
@@ -76,7 +76,7 @@ def bound_detail(detail: dict[str, Any], max_bytes: int = DETAIL_MAX_BYTES) -> d
 
 
 class AuditRow(NamedTuple):
-    """One row of the audit table: a ghostgpu.common.audit_chain.AuditRecord, detail as its JSON text."""
+    """One row of the audit table: a ghostgpu.common.audit.chain.AuditRecord, detail as its JSON text."""
 
     seq: int
     ts_unix_ns: int

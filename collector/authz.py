@@ -21,8 +21,8 @@ import grpc
 from ghostgpu.collector.peers import UnixGate, loopback_uid
 from ghostgpu.collector.revoke import OpenStreams
 
-from ghostgpu.common.principal import ANONYMOUS, Principal
-from ghostgpu.common.tls import principal_from_auth_context
+from ghostgpu.common.transport.principal import ANONYMOUS, Principal
+from ghostgpu.common.transport.tls import principal_from_auth_context
 
 DENIED_WINDOW_S = 10.0  # one `denied` audit record per (subject, method, transport) per window
 DENIED_KEYS_MAX = 10_000
@@ -73,7 +73,7 @@ class DenialFold:
 
 
 class Identify:
-    """A servicer context -> the Principal behind it (see ghostgpu/common/principal.py)."""
+    """A servicer context -> the Principal behind it (see ghostgpu/common/transport/principal.py)."""
 
     def __init__(self, trust_domain: str, gates: list[UnixGate] | None = None,
                  server_ports: set[int] | None = None) -> None:

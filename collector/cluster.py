@@ -5,8 +5,8 @@ never blocks) and the node's PodResources allocations go through `collector.enri
 final class. When CRI's answer for a container changes, `on_cri_change` re-enriches that
 container's consumers.
 
-A cluster consumer whose final class is in ghostgpu.common.classes.FINDING_CLASSES is an open finding, keyed
-by (node, consumer key). A class change or the consumer's disappearance resolves it (and a new
+A cluster consumer whose final class is in ghostgpu.common.model.classes.FINDING_CLASSES is an open
+finding, keyed by (node, consumer key). A class change or the consumer's disappearance resolves it (and a new
 class may open another). Every change is written to the store (history) and pushed to watchers.
 A watcher has a bounded queue: one that falls behind is dropped (its RPC ends with
 RESOURCE_EXHAUSTED) rather than ever slowing ingest. Runs on the collector's event-loop thread.
@@ -31,9 +31,9 @@ from ghostgpu.collector.enrich import NO_CONTAINER, enrich
 from ghostgpu.collector.nodes import Changes, ConsumerKey, NodeView
 from ghostgpu.collector.store import FindingRow, Store
 
-from ghostgpu.common.classes import FINDING_CLASSES
-from ghostgpu.common.convert import cluster_consumer_from_proto, cluster_consumer_to_proto
-from ghostgpu.common.model import ClusterConsumer, K8sInfo
+from ghostgpu.common.model.classes import FINDING_CLASSES
+from ghostgpu.common.model.consumers import ClusterConsumer, K8sInfo
+from ghostgpu.common.wire.convert import cluster_consumer_from_proto, cluster_consumer_to_proto
 from ghostgpu.v1 import query_pb2
 
 Resolve = Callable[[str, str], K8sInfo]

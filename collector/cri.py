@@ -38,7 +38,7 @@ from ghostgpu.collector.cri_fetch import (
 )
 from ghostgpu.collector.enrich import NO_CONTAINER
 
-from ghostgpu.common.model import K8sInfo
+from ghostgpu.common.model.consumers import K8sInfo
 
 __all__ = ["READ_ONLY_METHODS", "CriCallError", "CriResolver", "CriStats", "CriTransport", "direct_transport"]
 

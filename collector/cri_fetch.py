@@ -19,8 +19,8 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ghostgpu.common.addresses import socket_target
-from ghostgpu.common.model import K8sInfo
+from ghostgpu.common.model.consumers import K8sInfo
+from ghostgpu.common.transport.addresses import socket_target
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 
 CriTransport = Callable[[str, bytes, float], bytes]  # (method, request bytes, timeout_s) -> response bytes

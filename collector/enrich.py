@@ -11,7 +11,7 @@ collector knows facts a node cannot judge alone:
 - PodResources says the container was never given this GPU: `unallocated`. A consumer with no GPU
   (node-wide devices only) cannot be judged so: allocations name GPUs.
 
-Which of these and the node's class wins is ghostgpu.common.classes' precedence, the one classify()
+Which of these and the node's class wins is ghostgpu.common.model.classes' precedence, the one classify()
 applies on the node: the node's system and ghost (and its own orphaned verdict) stand, CRI's and
 PodResources' verdicts replace anything below them.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ghostgpu.common import classes
-from ghostgpu.common.model import Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.model import classes
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, K8sInfo
 
 NO_CONTAINER = K8sInfo(resolution="none")
 

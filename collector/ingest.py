@@ -37,8 +37,8 @@ from ghostgpu.collector.store import Position, Store
 from google.protobuf.message import DecodeError
 
 from ghostgpu import __version__
-from ghostgpu.common.names import node_name_problem, shown
-from ghostgpu.common.protocol import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
+from ghostgpu.common.model.names import node_name_problem, shown
+from ghostgpu.common.wire.protocol import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger(__name__)

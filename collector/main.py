@@ -40,10 +40,10 @@ from ghostgpu.collector.trace_commands import TraceLimits
 from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS, TraceStore
 from ghostgpu.collector.traces import TraceBook
 
-from ghostgpu.common.addresses import dial_address, is_unix, parse_listen, port_of
-from ghostgpu.common.httpserve import HttpListenError, HttpServer, Unavailable
-from ghostgpu.common.model import K8sInfo
-from ghostgpu.common.protocol import MAX_BATCH_EVENTS
+from ghostgpu.common.model.consumers import K8sInfo
+from ghostgpu.common.transport.addresses import dial_address, is_unix, parse_listen, port_of
+from ghostgpu.common.web.httpserve import HttpListenError, HttpServer, Unavailable
+from ghostgpu.common.wire.protocol import MAX_BATCH_EVENTS
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ class Collector:
         self.trace_store_max_records = trace_store_max_records
         self.trace_retention_h = trace_retention_h
         self.metrics_listen = metrics_listen
-        self.web_config_file = web_config_file  # TLS and basic auth of /metrics (common/webconfig.py)
-        # /metrics' connection caps (ghostgpu/common/httpserve.py); None: its defaults
+        self.web_config_file = web_config_file  # TLS and basic auth of /metrics (common/web/webconfig.py)
+        # /metrics' connection caps (ghostgpu/common/web/httpserve.py); None: its defaults
         self.http_caps = {k: v for k, v in (("max_connections", http_max_connections),
                                             ("max_connections_per_source", http_max_connections_per_source))
                           if v is not None}

@@ -43,9 +43,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ghostgpu import __version__
-from ghostgpu.common.httpserve import PROMETHEUS_TEXT, Request, Response
-from ghostgpu.common.model import ClusterConsumer
-from ghostgpu.common.protocol import API_VERSION
+from ghostgpu.common.model.consumers import ClusterConsumer
+from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, Request, Response
+from ghostgpu.common.wire.protocol import API_VERSION
 
 __all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "DEFAULT_MAX_PROCESS_SERIES", "CollectorMetrics"]
 

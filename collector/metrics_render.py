@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from ghostgpu.common.classes import FINDING_CLASSES
-from ghostgpu.common.model import ClusterConsumer
+from ghostgpu.common.model.classes import FINDING_CLASSES
+from ghostgpu.common.model.consumers import ClusterConsumer
 
 # name -> (type, help), every ghostgpu_* family the collector serves (README "## Metrics" documents them).
 COLLECTOR_METRICS: dict[str, tuple[str, str]] = {

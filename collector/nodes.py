@@ -20,8 +20,8 @@ from typing import Any
 from ghostgpu.collector.enrich import NO_ALLOCATIONS, Allocations, allocations_from
 from ghostgpu.collector.store import Position
 
-from ghostgpu.common.convert import consumer_from_proto, proto_consumer_key
-from ghostgpu.common.model import Consumer, ConsumerKey
+from ghostgpu.common.model.consumers import Consumer, ConsumerKey
+from ghostgpu.common.wire.convert import consumer_from_proto, proto_consumer_key
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
 _PASSIVE_BODIES = ("holder", "notice")  # stored in the event log, never change the consumer table

@@ -13,9 +13,9 @@ address. So:
   Abstract names (`\0...`) are not used: anyone sees them in /proc/net/unix and may bind one first,
   which refused every relayed connection.
 - **Loopback TCP**: the peer's socket is on this host, in this network namespace, so the kernel
-  names the uid that owns it (sock_diag by the exact socket, ghostgpu/common/sockdiag.py; /proc/net/tcp
-  where netlink is refused), as identd did. Looked up per call, not cached: a port freed and reused
-  by another user must not inherit the first one's identity.
+  names the uid that owns it (sock_diag by the exact socket, ghostgpu/common/transport/sockdiag.py;
+  /proc/net/tcp where netlink is refused), as identd did. Looked up per call, not cached: a port
+  freed and reused by another user must not inherit the first one's identity.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import struct
 import tempfile
 import threading
 
-from ghostgpu.common.principal import Principal
-from ghostgpu.common.sockdiag import TCP_ESTABLISHED_ST, DiagUnavailable, parse_tcp_row, socket_uid
+from ghostgpu.common.transport.principal import Principal
+from ghostgpu.common.transport.sockdiag import TCP_ESTABLISHED_ST, DiagUnavailable, parse_tcp_row, socket_uid
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def is_loopback(host: str) -> bool:
 def loopback_uid(peer: str, server_ports: set[int], proc_net: str | None = None) -> int | None:
     """The uid owning a loopback TCP peer's socket, None when it is not a loopback peer or not found
     (it closed meanwhile). Only an established socket whose far end is one of our ports counts.
-    Asked of the kernel by the exact socket (ghostgpu/common/sockdiag.py); /proc/net/tcp (or `proc_net`,
-    for tests) only where netlink cannot be asked."""
+    Asked of the kernel by the exact socket (ghostgpu/common/transport/sockdiag.py); /proc/net/tcp (or
+    `proc_net`, for tests) only where netlink cannot be asked."""
     where = parse_peer(peer)
     if where is None or not is_loopback(where[0]):
         return None

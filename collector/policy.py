@@ -34,10 +34,10 @@ from fnmatch import fnmatchcase
 
 import yaml
 
-from ghostgpu.common import safe_yaml
-from ghostgpu.common.durations import parse_duration_s
-from ghostgpu.common.names import one_line
-from ghostgpu.common.principal import Principal
+from ghostgpu.common.model.durations import parse_duration_s
+from ghostgpu.common.model.names import one_line
+from ghostgpu.common.system import safe_yaml
+from ghostgpu.common.transport.principal import Principal
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class Policy:
     @staticmethod
     def _rules(text: str) -> list[Rule]:
         try:
-            doc = safe_yaml.load(text)  # no anchors, aliases or duplicate keys (ghostgpu/common/safe_yaml.py)
+            # No anchors, aliases or duplicate keys (ghostgpu/common/system/safe_yaml.py).
+            doc = safe_yaml.load(text)
         except safe_yaml.YamlRefused as e:
             raise PolicyError(str(e)) from None
         except yaml.YAMLError as e:

@@ -31,20 +31,21 @@ from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu import __version__
-from ghostgpu.common.audit_chain import AuditRecord
-from ghostgpu.common.convert import class_from_proto, cluster_consumer_to_proto
-from ghostgpu.common.convert_audit import audit_record_to_proto
-from ghostgpu.common.convert_trace import scope_from_proto, session_to_proto
-from ghostgpu.common.principal import Principal
-from ghostgpu.common.protocol import MAX_MESSAGE_BYTES
+from ghostgpu.common.audit.chain import AuditRecord
+from ghostgpu.common.transport.principal import Principal
+from ghostgpu.common.wire.convert import class_from_proto, cluster_consumer_to_proto
+from ghostgpu.common.wire.convert_audit import audit_record_to_proto
+from ghostgpu.common.wire.convert_trace import scope_from_proto, session_to_proto
+from ghostgpu.common.wire.protocol import MAX_MESSAGE_BYTES
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2, trace_pb2
 
 T = TypeVar("T")
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 100_000
 # A ListEvents answer stays within what every client receives (MAX_MESSAGE_BYTES, the default of
-# ghostgpu.common.protocol.channel_options), with room to spare: 1,000 holder events of processes with 10 KB
-# command lines are 10 MB. A client pages on with after_seq, so a shorter page loses nothing.
+# ghostgpu.common.wire.protocol.channel_options), with room to spare: 1,000 holder events of
+# processes with 10 KB command lines are 10 MB. A client pages on with after_seq, so a shorter page
+# loses nothing.
 EVENTS_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
 # The policy's word on a trace: (caller, namespace or None, duration in seconds) -> None when allowed,
 # else the line saying which limit it passes (collector/policy.py Policy.trace_denial).

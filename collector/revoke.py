@@ -33,8 +33,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from ghostgpu.common.principal import Principal
-from ghostgpu.common.tls import TlsError, not_after, parse_certs
+from ghostgpu.common.transport.principal import Principal
+from ghostgpu.common.transport.tls import TlsError, not_after, parse_certs
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from ghostgpu.collector.store import StoreError
 from ghostgpu.collector.trace_commands import trace_options
 
 from ghostgpu import __version__
-from ghostgpu.common.fdlimit import raise_fd_limit
-from ghostgpu.common.httpserve import HttpListenError
+from ghostgpu.common.system.fdlimit import raise_fd_limit
+from ghostgpu.common.web.httpserve import HttpListenError
 
 
 def collector_options(args: argparse.Namespace) -> dict[str, Any]:

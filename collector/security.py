@@ -28,12 +28,12 @@ from ghostgpu.collector.store import Store
 from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE, TcpGate, default_max_connections
 
 from ghostgpu import __version__
-from ghostgpu.common.addresses import is_unix, parse_listen, port_of, unix_path, with_port
-from ghostgpu.common.audit_chain import AuditRecord
-from ghostgpu.common.filemodes import private_file
-from ghostgpu.common.principal import Principal
-from ghostgpu.common.tls import TlsFiles, check_server, plaintext_allowed
-from ghostgpu.common.tls_reload import server_credentials
+from ghostgpu.common.audit.chain import AuditRecord
+from ghostgpu.common.system.filemodes import private_file
+from ghostgpu.common.transport.addresses import is_unix, parse_listen, port_of, unix_path, with_port
+from ghostgpu.common.transport.principal import Principal
+from ghostgpu.common.transport.tls import TlsFiles, check_server, plaintext_allowed
+from ghostgpu.common.transport.tls_reload import server_credentials
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ stream on the thread-pool server against 8 threads and 52 KiB on grpc.aio
 within noise of each other (bench/bench_ingest.py), both limited by the simulated tracers. On
 the aio server a stream is two coroutines on the one loop that owns the collector's state.
 
-Message size limits come from ghostgpu.common.protocol: a larger message is refused by gRPC itself with
+Message size limits come from ghostgpu.common.wire.protocol: a larger message is refused by gRPC itself with
 RESOURCE_EXHAUSTED. The query service checks the client's `ghostgpu-api-version` metadata
 (missing = v1) and refuses an unsupported one with FAILED_PRECONDITION naming both versions.
 """
@@ -25,8 +25,8 @@ import grpc
 from ghostgpu.collector.tcpgate import HANDSHAKE_TIMEOUT_S
 from google.protobuf.message import DecodeError
 
-from ghostgpu.common.addresses import grpc_listen, is_unix, unix_path
-from ghostgpu.common.protocol import (
+from ghostgpu.common.transport.addresses import grpc_listen, is_unix, unix_path
+from ghostgpu.common.wire.protocol import (
     API_VERSION,
     API_VERSION_METADATA,
     MAX_ANSWER_BYTES,

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from ghostgpu.common.filemodes import FILE_MODE, private_file, tighten
+from ghostgpu.common.system.filemodes import FILE_MODE, private_file, tighten
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ the gRPC server's private unix socket in a 0700 directory only the collector can
 So idle unauthenticated connections push out each other, never a tracer's or an admin's: a client
 that connects and completes its handshake (milliseconds) is in before a flood can close it. Each
 relayed connection costs three descriptors (the client's socket, the relay's and gRPC's end of
-it); the commands raise their soft fd limit to the hard one at start (ghostgpu/common/fdlimit.py),
+it); the commands raise their soft fd limit to the hard one at start (ghostgpu/common/system/fdlimit.py),
 and the default cap fits in what that leaves.
 
 gRPC names the relay's own socket (`unix:DIR/tcp-N`, bound in the private directory, unlinked once
@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ghostgpu.common.loopthread import serve_until_stopped
+from ghostgpu.common.system.loopthread import serve_until_stopped
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from ghostgpu.collector.trace_scope import Names, TraceError, resolve
 
-from ghostgpu.common.trace import TraceScope, TraceSession
+from ghostgpu.common.model.trace import TraceScope, TraceSession
 
 CONFINE = "trace-confine"  # a tracer's Hello capability: it checks TraceStart.pid_containers
 InNamespace = Callable[[str | None], bool]  # may the caller trace this namespace (None: no namespace)

@@ -28,8 +28,8 @@ import grpc
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.trace_store import DEFAULT_MAX_RECORDS, DEFAULT_STORE_MAX_RECORDS
 
-from ghostgpu.common.durations import parse_duration_s
-from ghostgpu.common.trace import TraceScope
+from ghostgpu.common.model.durations import parse_duration_s
+from ghostgpu.common.model.trace import TraceScope
 from ghostgpu.v1 import stream_pb2
 
 _CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,

@@ -29,7 +29,7 @@ from ghostgpu.collector.cri_fetch import (
     normalize_container_id,
 )
 
-from ghostgpu.common.trace import TraceScope
+from ghostgpu.common.model.trace import TraceScope
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 
 ACTIVE_STATES = (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING)

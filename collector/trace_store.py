@@ -25,8 +25,8 @@ from concurrent.futures import Future
 
 from ghostgpu.collector.store import Store, decode_blob, encode_blob
 
-from ghostgpu.common.convert_trace import session_from_proto, session_to_proto
-from ghostgpu.common.trace import TraceSession, TraceStatus
+from ghostgpu.common.model.trace import TraceSession, TraceStatus
+from ghostgpu.common.wire.convert_trace import session_from_proto, session_to_proto
 from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import grpc
 from ghostgpu.collector.trace_scope import Names, TraceError
 from ghostgpu.collector.trace_store import RecordRow, decode_records
 
-from ghostgpu.common.trace import TraceSession
+from ghostgpu.common.model.trace import TraceSession
 from ghostgpu.v1 import trace_pb2
 
 WATCH_MAX_RECORDS = 200_000  # queued per watcher before it is dropped

@@ -41,8 +41,8 @@ from ghostgpu.collector.trace_scope import (
 from ghostgpu.collector.trace_store import TraceStore
 from ghostgpu.collector.trace_watch import LiveSession, NodePart, TraceWatcher, watch_messages
 
-from ghostgpu.common.convert_trace import session_to_proto
-from ghostgpu.common.trace import TraceScope, TraceSession, TraceStatus
+from ghostgpu.common.model.trace import TraceScope, TraceSession, TraceStatus
+from ghostgpu.common.wire.convert_trace import session_to_proto
 from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ shared_prefix="${GHOSTGPU_PREFIX:-/opt/ghostgpu}"
 logfile="${GHOSTGPU_BOOTSTRAP_LOG:-/var/log/ghostgpu-bootstrap.log}"
 
 # What `ghostgpu up` needs: bcc, the venv, kernel headers for bcc's compile, a C compiler and libc
-# headers for `up --demo`'s stand-in NVML (ghostgpu/cli/demo_nvml.c), util-linux's unshare for the
+# headers for `up --demo`'s stand-in NVML (cli/demo_nvml.c), util-linux's unshare for the
 # demo's namespaces.
 RUNTIME_PACKAGES=(python3-bpfcc python3-venv gcc libc6-dev util-linux)
 # What only the tests and benchmarks need: real containerd/runc/busybox for the CRI tests, Prometheus
@@ -142,7 +142,7 @@ venv_install() {
 sources_key() {
   case "$1" in
     -e*) cksum <"$here/pyproject.toml" ;;
-    *) (cd "$here" && find pyproject.toml README.md bpf ghostgpu tracer collector -type f \
+    *) (cd "$here" && find pyproject.toml README.md bpf ghostgpu tracer collector cli -type f \
           ! -name '*.pyc' -print0 | sort -z | xargs -0 cksum | cksum) ;;
   esac
 }

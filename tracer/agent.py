@@ -29,7 +29,7 @@ from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
 from ghostgpu.tracer.rescan import RescanPlanner
 from ghostgpu.tracer.sinks import Sink
 
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass
 
 log = logging.getLogger("ghostgpu.tracer")
 

@@ -34,7 +34,7 @@ from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
 from ghostgpu.tracer.rescan import take_marked
 
-from ghostgpu.common.model import DeviceRef
+from ghostgpu.common.model.consumers import DeviceRef
 
 EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
 # ghostgpu.h GG_EV_*, GG_FLAG_* and the GG_STAT_* slot order.

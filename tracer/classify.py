@@ -2,7 +2,7 @@
 
 Every node-side rule lives here: each gathers the evidence for its class alone (the allowlist and
 where the daemon runs, NVML's listing, the process tree, the grace period, the calls the holder made,
-the container), and ghostgpu.common.classes decides which of the classes that hold wins, with the
+the container), and ghostgpu.common.model.classes decides which of the classes that hold wins, with the
 same table the collector's enrich() uses. The grace period holds for host and container processes
 alike, and for every class below it (unknown too): NVML lists a new CUDA context only once it exists,
 a moment after the device file is opened.
@@ -27,9 +27,9 @@ from ghostgpu.tracer.consumer_diff import by_gpu_then_pid
 from ghostgpu.tracer.consumer_diff import diff_consumers as diff_consumers  # where the agent imports it
 from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
-from ghostgpu.common import classes
-from ghostgpu.common.display import mib_phrase, short_id
-from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind
+from ghostgpu.common.model import classes
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind
+from ghostgpu.common.model.display import mib_phrase, short_id
 
 COMM_LEN = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to 15 bytes
 # The MPS server holds the GPU for its clients; NVML lists the clients' PIDs (CUDA 11+, Volta+).

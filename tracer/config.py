@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from ghostgpu.common.addresses import parse_listen
-from ghostgpu.common.names import node_name_problem
+from ghostgpu.common.model.names import node_name_problem
+from ghostgpu.common.transport.addresses import parse_listen
 
 VENDOR_PREFIXES: dict[str, tuple[str, ...]] = {
     # /dev/nvidia covers nvidia0..N, nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/...
@@ -75,7 +75,7 @@ class TracerConfig:
     ioctl_poll_interval_s: float = 1.0
     health_listen: str = ""  # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
     # TLS and basic auth of the health port: a Prometheus exporter-toolkit web config file
-    # (ghostgpu/common/webconfig.py); /healthz and /readyz stay open to kubelet's probes.
+    # (ghostgpu/common/web/webconfig.py); /healthz and /readyz stay open to kubelet's probes.
     web_config_file: str = ""
     trace_max_sessions: int = 4  # trace sessions at once on this node (at most 8: bpf/trace.bpf.c slots)
     trace_max_duration_s: float = 600.0
@@ -87,7 +87,7 @@ class TracerConfig:
     tls_ca: str = ""
     tls_trust_domain: str = "ghostgpu"
     # Who besides root may serve a plaintext collector (unix socket, loopback): the tracer checks the
-    # uid serving the address before it sends anything (ghostgpu/common/dial.py). -1: nobody else.
+    # uid serving the address before it sends anything (ghostgpu/common/transport/dial.py). -1: nobody else.
     collector_uid: int = -1
 
     def __post_init__(self) -> None:

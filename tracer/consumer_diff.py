@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ghostgpu.common.model import Consumer, ConsumerKey
+from ghostgpu.common.model.consumers import Consumer, ConsumerKey
 
 _NUMBERS = re.compile(r"\d+(?:[.,]\d+)*")  # "12.3", "5,6,7" (an fd list) each mask to one "#"
 

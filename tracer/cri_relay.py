@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
-from ghostgpu.common import protocol
-from ghostgpu.common.addresses import socket_path
+from ghostgpu.common.transport.addresses import socket_path
+from ghostgpu.common.wire import protocol
 from ghostgpu.v1 import stream_pb2, trace_pb2
 
 log = logging.getLogger("ghostgpu.cri_relay")
@@ -44,7 +44,7 @@ DEFAULT_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 30.0
 REDETECT_INTERVAL_S = 1.0  # with no socket found, look again at most this often (a runtime starting late)
 # The answer travels back inside a CommandResult on the stream, whose messages are capped at
-# ghostgpu.common.protocol.MAX_MESSAGE_BYTES: keep room for the envelope.
+# ghostgpu.common.wire.protocol.MAX_MESSAGE_BYTES: keep room for the envelope.
 MAX_RESPONSE_BYTES = protocol.MAX_MESSAGE_BYTES - (64 << 10)
 
 

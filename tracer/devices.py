@@ -15,7 +15,7 @@ import os
 
 from ghostgpu.tracer.bpf_build import MAX_PREFIXES, prefix_ok
 
-from ghostgpu.common.model import DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
 
 NVIDIA_MAJOR = 195
 NVIDIA_MAX_GPU_MINOR = 247  # 248..253 unused, 254 nvidia-modeset, 255 nvidiactl

@@ -1,6 +1,6 @@
 """The tracer's own vocabulary: what its sources (the BPF ring buffer, /proc scans, NVML) report, and
 the views the classifier reads. Internal to the tracer: what it emits is the typed records of
-ghostgpu.common.records, built from these by tracer/records.py.
+ghostgpu.common.model.records, built from these by tracer/records.py.
 
 All timestamps are nanoseconds since boot (CLOCK_BOOTTIME): the clock of bpf_ktime_get_boot_ns()
 and of /proc/PID/stat start times, so kernel events, scans and process ages compare directly.
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ghostgpu.common.model import DeviceRef
+from ghostgpu.common.model.consumers import DeviceRef
 
 
 def boot_ns() -> int:
@@ -38,7 +38,7 @@ UNRECORDED_KINDS = frozenset({EventKind.RENAME})
 class SourceEvent:
     """A state change of one process's hold on one device, as a source saw it: the kernel (`bpf`) or a
     /proc scan (`procfs`). Not the wire's node_pb2.HolderEvent: the agent turns it, with the holder's
-    identity and the node's GPUs, into a HolderRecord (ghostgpu.common.records)."""
+    identity and the node's GPUs, into a HolderRecord (ghostgpu.common.model.records)."""
 
     kind: EventKind
     source: str  # "bpf" | "procfs"

@@ -41,9 +41,9 @@ from prometheus_client.metrics_core import (
 )
 
 from ghostgpu import __version__
-from ghostgpu.common import protocol
-from ghostgpu.common.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response
-from ghostgpu.common.model import ConsumerClass
+from ghostgpu.common.model.consumers import ConsumerClass
+from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response
+from ghostgpu.common.wire import protocol
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.agent import Tracer
@@ -288,7 +288,7 @@ def start_health_server(listen: str, health: AgentHealth, flag: str = FLAG,
     WebConfigError (one line naming the web config file) when that is wrong. With a web config, basic
     auth guards /metrics only: kubelet's probes cannot send credentials (docs/SECURITY.md). The probes
     are answered on the server's loop thread, outside the rate limit and never behind a slow scrape,
-    and idle connections past the caps are closed for new ones (ghostgpu/common/httpserve.py)."""
+    and idle connections past the caps are closed for new ones (ghostgpu/common/web/httpserve.py)."""
     caps = {k: v for k, v in (("max_connections", max_connections),
                               ("max_connections_per_source", max_connections_per_source)) if v is not None}
     return HttpServer(listen, health_routes(health), flag=flag, name="health", web_config=web_config,

@@ -33,15 +33,15 @@ from ghostgpu.tracer.podresources import PodResourcesPoller
 from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
 from ghostgpu.tracer.stream import StreamOptions, StreamSink
 
-from ghostgpu.common.addresses import collector_address
-from ghostgpu.common.fdlimit import raise_fd_limit
-from ghostgpu.common.tls import TlsFiles, check_client
+from ghostgpu.common.system.fdlimit import raise_fd_limit
+from ghostgpu.common.transport.addresses import collector_address
+from ghostgpu.common.transport.tls import TlsFiles, check_client
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.health import AgentHealth
     from ghostgpu.tracer.trace_sessions import TraceSessions
 
-    from ghostgpu.common.httpserve import HttpServer
+    from ghostgpu.common.web.httpserve import HttpServer
 
 log = logging.getLogger("ghostgpu.tracer")
 

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from ghostgpu.tracer.cri_relay import rpc_status
 
-from ghostgpu.common.addresses import socket_path
+from ghostgpu.common.transport.addresses import socket_path
 from ghostgpu.k8s import podresources_v1_pb2
 
 log = logging.getLogger("ghostgpu.podresources")

@@ -1,4 +1,4 @@
-"""Build the typed records (ghostgpu.common.records) from the tracer's events, holders and consumers.
+"""Build the typed records (ghostgpu.common.model.records) from the tracer's events, holders and consumers.
 
 Each record is made once, here, and goes to the sinks as itself: the stream encodes it straight to
 proto, the JSON-lines sink writes its to_json().
@@ -13,8 +13,8 @@ from typing import Any
 from ghostgpu.tracer.events import NvmlView, ProcessInfo, SourceEvent
 from ghostgpu.tracer.ioctl_decode import decode_ioctl
 
-from ghostgpu.common.model import Consumer
-from ghostgpu.common.records import (
+from ghostgpu.common.model.consumers import Consumer
+from ghostgpu.common.model.records import (
     ConsumerRecord,
     GpuInfo,
     HolderRecord,

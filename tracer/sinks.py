@@ -1,6 +1,6 @@
 """Sinks write what changed. A sink never reaches back into a source.
 
-Sinks take typed records (ghostgpu.common.records); `event` says what each is (open, close, exit,
+Sinks take typed records (ghostgpu.common.model.records); `event` says what each is (open, close, exit,
 finding, resolved, notice, ...). The JSON-lines sink and the callback sink are JSON edges: they make
 each record's JSON object (to_json()) there and only there. Records are flushed as they happen so a
 reader (a test, `jq`, a log shipper) sees them at once.
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from ghostgpu.common.records import AnyRecord, JsonRecord, as_json
+from ghostgpu.common.model.records import AnyRecord, JsonRecord, as_json
 
 
 class Sink(Protocol):

@@ -11,7 +11,7 @@ from typing import Any
 from ghostgpu.tracer.agent import Tracer
 from ghostgpu.tracer.config import TracerConfig
 
-from ghostgpu.common.model import Consumer
+from ghostgpu.common.model.consumers import Consumer
 
 
 class _Discard:

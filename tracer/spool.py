@@ -23,8 +23,8 @@ import logging
 import time
 from collections import deque
 
-from ghostgpu.common.convert import record_to_event
-from ghostgpu.common.records import AnyRecord, record_from_json
+from ghostgpu.common.model.records import AnyRecord, record_from_json
+from ghostgpu.common.wire.convert import record_to_event
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")

@@ -27,10 +27,8 @@ from ghostgpu.tracer.spool import Spool
 from ghostgpu.tracer.stream_sender import FLUSH_S, WINDOW_BATCHES, StreamOptions, StreamSender
 from ghostgpu.tracer.stream_session import read_boot_id
 
-from ghostgpu.common import protocol
-from ghostgpu.common.convert import snapshot_to_proto
-from ghostgpu.common.model import Consumer, ConsumerKey
-from ghostgpu.common.records import (
+from ghostgpu.common.model.consumers import Consumer, ConsumerKey
+from ghostgpu.common.model.records import (
     STREAMED_KINDS,
     AllocationsRecord,
     AnyRecord,
@@ -39,6 +37,8 @@ from ghostgpu.common.records import (
     Record,
     record_from_json,
 )
+from ghostgpu.common.wire import protocol
+from ghostgpu.common.wire.convert import snapshot_to_proto
 from ghostgpu.v1 import stream_pb2
 
 __all__ = ["FLUSH_S", "WINDOW_BATCHES", "StreamOptions", "StreamSink"]

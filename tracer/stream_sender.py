@@ -31,11 +31,11 @@ from ghostgpu.tracer.spool import Spool, encode_event, encode_events_message
 from ghostgpu.tracer.stream_session import StreamSession
 
 from ghostgpu import __version__
-from ghostgpu.common import protocol
-from ghostgpu.common.dial import CollectorRefused
-from ghostgpu.common.records import AnyRecord, InfoRecord
-from ghostgpu.common.tls import TlsFiles
-from ghostgpu.common.tls_explain import explain_connect_failure
+from ghostgpu.common.model.records import AnyRecord, InfoRecord
+from ghostgpu.common.transport.dial import CollectorRefused
+from ghostgpu.common.transport.tls import TlsFiles
+from ghostgpu.common.transport.tls_explain import explain_connect_failure
+from ghostgpu.common.wire import protocol
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")

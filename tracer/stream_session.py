@@ -21,9 +21,9 @@ from typing import Any
 
 import grpc
 
-from ghostgpu.common import protocol
-from ghostgpu.common.dial import open_channel
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.transport.dial import open_channel
+from ghostgpu.common.transport.tls import TlsFiles
+from ghostgpu.common.wire import protocol
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.stream")

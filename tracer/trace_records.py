@@ -18,8 +18,8 @@ from ghostgpu.tracer.cgroup import CgroupIdResolver
 from ghostgpu.tracer.procfs import parse_status, read_bytes
 from ghostgpu.tracer.trace_kernel import TF_STATUS, TF_XFER, TRACE_KINDS, RawTrace
 
-from ghostgpu.common.model import DeviceKind, DeviceRef
-from ghostgpu.common.trace import TraceRecord
+from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
+from ghostgpu.common.model.trace import TraceRecord
 
 _OPEN_FLAGS = [(getattr(os, n), n) for n in ("O_CREAT", "O_EXCL", "O_NOCTTY", "O_TRUNC", "O_APPEND",
                                              "O_NONBLOCK", "O_DSYNC", "O_DIRECT", "O_LARGEFILE",

@@ -27,15 +27,15 @@ from ghostgpu.tracer.procfs import parse_stat, read_bytes
 from ghostgpu.tracer.trace_kernel import SLOTS, TraceKernel, slot_bits, unpack_trace
 from ghostgpu.tracer.trace_records import RecordMaker
 
-from ghostgpu.common.convert_trace import record_into
-from ghostgpu.common.trace import TraceRecord
+from ghostgpu.common.model.trace import TraceRecord
+from ghostgpu.common.wire.convert_trace import record_into
 from ghostgpu.v1 import stream_pb2, trace_pb2
 
 log = logging.getLogger("ghostgpu.trace")
 
 POLL_MS = 100  # the thread's wait for records; also how late a deadline can be noticed
 FLUSH_S = 0.1  # a batch leaves at most this long after its first record
-BATCH_RECORDS = 512  # ~200 KB a batch: far under the 8 MiB gRPC message limit (common/protocol.py)
+BATCH_RECORDS = 512  # ~200 KB a batch: far under the 8 MiB gRPC message limit (common/wire/protocol.py)
 # Prefixes of a refusal the collector turns into a gRPC code (collector/trace_commands.py).
 LIMIT_PREFIX = "limit: "  # over a configured limit: RESOURCE_EXHAUSTED
 NOT_FOUND_PREFIX = "not found: "  # the pid or container is not on this node: NOT_FOUND

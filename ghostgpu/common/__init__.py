@@ -1,6 +1,7 @@
 """The shared floor (ARCHITECTURE.md): what the tracer, the collector and the commands all speak.
 
-The model (a node's Consumer, the cluster's ClusterConsumer), the typed records the tracer emits,
-the one mapping of both to the generated API, every class rule, the protocol's constants, address
-parsing, display helpers and the small HTTP server. It imports only the generated code below it.
+It is split into rooms, each a package: model (plain data and every class rule), wire (the one
+mapping to the generated API), transport (addresses, dialing, TLS, peers), web (the HTTP server and
+its web config), audit (the hash chain) and system (fd limits, file modes, loop threads, YAML). It
+imports only the generated code below it.
 """

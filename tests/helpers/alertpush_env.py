@@ -21,7 +21,7 @@ from typing import Any
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import Changes, NodeView
 
-from ghostgpu.common.model import Consumer, K8sInfo
+from ghostgpu.common.model.consumers import Consumer, K8sInfo
 from tests.helpers.polling import wait_until
 
 PENDING = K8sInfo("unresolved", error="CRI lookup pending")

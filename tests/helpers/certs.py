@@ -1,5 +1,5 @@
 """A tiny PKI for tests: a CA in a temporary directory and the certificates ghostgpu's mTLS uses,
-made by the same builders as `ghostgpu certs` (ghostgpu/cli/certs.py), plus the bad ones the tests
+made by the same builders as `ghostgpu certs` (cli/certs.py), plus the bad ones the tests
 need: expired, not yet valid, from another CA, for another trust domain.
 
     pki = Pki(tmp_path)
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ghostgpu.cli.certs import Pair, collector_cert, make_ca, make_leaf, node_cert, user_cert, write_atomic
-from ghostgpu.common.tls import DEFAULT_TRUST_DOMAIN, TlsFiles
+
+from ghostgpu.common.transport.tls import DEFAULT_TRUST_DOMAIN, TlsFiles
 
 _NOW = dt.datetime.now(dt.UTC)
 EXPIRED: dict[str, Any] = {"not_before": _NOW - dt.timedelta(days=2),

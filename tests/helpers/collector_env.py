@@ -9,9 +9,9 @@ from typing import Any
 
 from ghostgpu.collector.main import Collector
 
-from ghostgpu.common.dial import open_channel
-from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.transport.dial import open_channel
+from ghostgpu.common.transport.tls import TlsFiles
+from ghostgpu.common.wire.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.v1 import query_pb2, query_pb2_grpc
 
 

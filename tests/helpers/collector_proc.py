@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tests.helpers.polling import poll
 
 if TYPE_CHECKING:
-    from ghostgpu.common.tls import TlsFiles
+    from ghostgpu.common.transport.tls import TlsFiles
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0  # Python start-up and grpc import on a loaded 2-core VM
@@ -171,7 +171,7 @@ def ps_json(collector: str, *args: str) -> list[dict[str, Any]]:
 
 def cluster_rows(q: Any, **filters: Any) -> list[dict[str, Any]]:
     """ListConsumers over a QueryClient (tests/helpers/collector_env.py), as `ps -o json` rows."""
-    from ghostgpu.common.convert import cluster_consumer_from_proto
+    from ghostgpu.common.wire.convert import cluster_consumer_from_proto
 
     return [cluster_consumer_from_proto(m).to_json() for m in q.consumers(**filters)]
 

@@ -28,11 +28,11 @@ import grpc
 from ghostgpu.tracer.cri_relay import ALLOWED_METHODS
 from google.protobuf.message import Message
 
-from ghostgpu.common.convert import consumer_to_proto
-from ghostgpu.common.dial import open_channel
-from ghostgpu.common.model import Consumer, ConsumerClass
-from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass
+from ghostgpu.common.transport.dial import open_channel
+from ghostgpu.common.transport.tls import TlsFiles
+from ghostgpu.common.wire.convert import consumer_to_proto
+from ghostgpu.common.wire.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.v1 import node_pb2, stream_pb2, trace_pb2
 
 METHOD = "/ghostgpu.v1.NodeStream/Connect"

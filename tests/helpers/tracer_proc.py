@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ghostgpu.common.records import STREAMED_KINDS
+from ghostgpu.common.model.records import STREAMED_KINDS
 
 Record = dict[str, Any]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ghostgpu.collector.alertpush import AlertPusher
 
-from ghostgpu.common.model import ConsumerClass
+from ghostgpu.common.model.consumers import ConsumerClass
 from tests.helpers.alertpush_env import FindingTable, k8s
 from tests.helpers.polling import wait_until
 from tests.helpers.promstack import Alertmanager, alertmanager  # noqa: F401  (fixture)

@@ -26,9 +26,9 @@ from typing import Any
 import grpc
 import pytest
 
-from ghostgpu.common.dial import open_channel
-from ghostgpu.common.protocol import API_VERSION, API_VERSION_METADATA, channel_options
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.transport.dial import open_channel
+from ghostgpu.common.transport.tls import TlsFiles
+from ghostgpu.common.wire.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.audit_log import audit_records
 from tests.helpers.certs import Pki

@@ -7,7 +7,7 @@ bounded in count and time:
   the collector must stay below its fd limit. Before the TCP gate (collector/tcpgate.py) gRPC accepted
   until EMFILE and both were locked out.
 - The same collector's soft fd limit, started at 1024 under a higher hard limit, is raised to the hard
-  one (ghostgpu/common/fdlimit.py)."""
+  one (ghostgpu/common/system/fdlimit.py)."""
 
 from __future__ import annotations
 

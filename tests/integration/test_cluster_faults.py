@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ghostgpu.common.convert import event_to_record
+from ghostgpu.common.wire.convert import event_to_record
 from tests.helpers.collector_env import QueryClient
 from tests.helpers.collector_proc import CollectorProcess, cluster_rows, ghostgpu_cli, ps_json, wait_rows
 from tests.helpers.container import FakeContainer

@@ -19,7 +19,7 @@ import pytest
 from ghostgpu.collector.cri import CriResolver, direct_transport
 from ghostgpu.tracer.cgroup import parse_proc_cgroup
 
-from ghostgpu.common.model import K8sInfo
+from ghostgpu.common.model.consumers import K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.containerd import Containerd, Pod
 from tests.helpers.containerd_image import BUSYBOX_IMAGE

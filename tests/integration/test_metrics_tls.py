@@ -18,7 +18,7 @@ import bcrypt
 import pytest
 from ghostgpu.tracer.health import AgentHealth, start_health_server
 
-from ghostgpu.common.httpserve import HttpServer
+from ghostgpu.common.web.httpserve import HttpServer
 from tests.helpers.certs import Pki
 from tests.helpers.collector_env import running_collector
 from tests.helpers.polling import wait_until

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ghostgpu.cli.chrome_trace import chrome_trace
+
 from tests.unit.test_chrome_trace import SESSION, sample_records
 
 REPO = Path(__file__).resolve().parents[2]

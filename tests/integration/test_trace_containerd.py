@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ghostgpu.cli.client import Query
-from ghostgpu.common.trace import TraceSession
+
+from ghostgpu.common.model.trace import TraceSession
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.collector_proc import REPO, CollectorProcess, _clean_env, ghostgpu_cli
 from tests.helpers.containerd import Containerd, Pod

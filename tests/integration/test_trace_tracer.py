@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from ghostgpu.common.convert_trace import record_from_proto
-from ghostgpu.common.trace import TraceRecord
+from ghostgpu.common.model.trace import TraceRecord
+from ghostgpu.common.wire.convert_trace import record_from_proto
 from ghostgpu.v1 import stream_pb2, trace_pb2
 from tests.helpers.container import FakeContainer
 from tests.helpers.fake_collector import FakeCollector

@@ -1,5 +1,5 @@
-"""ghostgpu.common.addresses: every flag's address is checked in one place, each with the one line it
-has always printed, and every server's bound address is dialled the same way."""
+"""ghostgpu.common.transport.addresses: every flag's address is checked in one place, each with the
+one line it has always printed, and every server's bound address is dialled the same way."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import socket
 import pytest
 from ghostgpu.collector.server import ListenError, check_listen
 
-from ghostgpu.common import addresses
-from ghostgpu.common.httpserve import HttpListenError, HttpServer
+from ghostgpu.common.transport import addresses
+from ghostgpu.common.web.httpserve import HttpListenError, HttpServer
 
 GRPC_OK = ["127.0.0.1:7450", "[::1]:7450", "node-1.example:1", "unix:///run/ghostgpu.sock", "h:65535"]
 

@@ -23,7 +23,7 @@ from ghostgpu.collector.alertpush import (
 )
 from ghostgpu.collector.alertsend import Endpoint
 
-from ghostgpu.common.model import ConsumerClass, K8sInfo
+from ghostgpu.common.model.consumers import ConsumerClass, K8sInfo
 from ghostgpu.v1 import query_pb2
 from tests.helpers.alertpush_env import FakeAlertmanager, FindingTable, k8s
 from tests.helpers.polling import wait_until

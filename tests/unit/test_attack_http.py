@@ -20,8 +20,8 @@ import bcrypt
 import pytest
 from ghostgpu.tracer.health import AgentHealth, start_health_server
 
-from ghostgpu.common.httpserve import HEADER_TIMEOUT_S, WORKERS, HttpListenError, HttpServer
-from ghostgpu.common.webconfig import WebConfigError
+from ghostgpu.common.web.httpserve import HEADER_TIMEOUT_S, WORKERS, HttpListenError, HttpServer
+from ghostgpu.common.web.webconfig import WebConfigError
 from tests.helpers.certs import Pki
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from ghostgpu.collector.main import Collector
 
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import Pki

@@ -1,4 +1,4 @@
-"""The audit trail (collector/audit.py, ghostgpu/common/audit_chain.py): the hash chain, verify naming
+"""The audit trail (collector/audit.py, ghostgpu/common/audit/chain.py): the hash chain, verify naming
 the first edited record after ONE byte of an old record changes in the file (every byte of it), a
 removed or reordered record, resuming the chain after a restart (from the file or the store), a broken
 file tail, concurrent appends from many threads, and the store table matching the file."""
@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ghostgpu.cli.main import main
 from ghostgpu.collector.audit import AuditError, AuditLog, record_from_row, select_audit
 from ghostgpu.collector.store import Store
 
-from ghostgpu.cli import main
-from ghostgpu.common.audit_chain import (
+from ghostgpu.common.audit.chain import (
     GENESIS_SHA256,
     AuditRecord,
     BadLine,
@@ -24,7 +24,7 @@ from ghostgpu.common.audit_chain import (
     record_sha256,
     verify,
 )
-from ghostgpu.common.convert_audit import audit_record_from_proto, audit_record_to_proto
+from ghostgpu.common.wire.convert_audit import audit_record_from_proto, audit_record_to_proto
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Attacks on the audit chain's order (ghostgpu/common/audit_chain.py `verify`): records removed,
+"""Attacks on the audit chain's order (ghostgpu/common/audit/chain.py `verify`): records removed,
 reordered or replayed, and a chain that does not start at the genesis hash. Each is run on the
 records in memory, on the JSON lines file through `ghostgpu audit --file --verify`, and (genesis) on
 the store's rows, and each verdict names the record by its seq and says which check broke, so a
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from ghostgpu.cli.main import main
 from ghostgpu.collector.audit import AuditLog, record_from_row, row_from_record
 
-from ghostgpu.cli import main
-from ghostgpu.common.audit_chain import GENESIS_SHA256, AuditRecord, Verdict, verify
+from ghostgpu.common.audit.chain import GENESIS_SHA256, AuditRecord, Verdict, verify
 
 N = 6
 FORGED_START = "ab" * 32

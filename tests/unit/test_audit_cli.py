@@ -1,4 +1,4 @@
-"""`ghostgpu audit` (ghostgpu/cli/audit.py): the three sources (a store file read-only, the JSON lines
+"""`ghostgpu audit` (cli/audit.py): the three sources (a store file read-only, the JSON lines
 file, the collector's ListAudit over real gRPC, paged), --since, table and json, and --verify's exit
 codes and lines, on an intact trail and after an edit."""
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.cli import audit as audit_cli
+from ghostgpu.cli.main import main
 from ghostgpu.collector.audit import AuditLog, row_from_record
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.store import Store
 
-from ghostgpu.cli import audit as audit_cli
-from ghostgpu.cli import main
-from ghostgpu.common.audit_chain import GENESIS_SHA256, AuditRecord
+from ghostgpu.common.audit.chain import GENESIS_SHA256, AuditRecord
 from ghostgpu.v1 import query_pb2_grpc
 
 DAY_NS = 86400 * 10**9

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.cli.main import main
 from ghostgpu.collector.main import Collector
 
-from ghostgpu.cli import main
-from ghostgpu.common.audit_chain import GENESIS_SHA256
+from ghostgpu.common.audit.chain import GENESIS_SHA256
 
 
 class Trail:

@@ -22,13 +22,13 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.cli.certs import Pair
 from ghostgpu.collector.authz import Identify
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.peers import UnixGate
 from ghostgpu.collector.security import SecurityOptions
 
-from ghostgpu.cli.certs import Pair
-from ghostgpu.common.principal import Principal
+from ghostgpu.common.transport.principal import Principal
 from ghostgpu.v1 import query_pb2
 from tests.helpers.certs import Pki
 from tests.helpers.collector_env import QueryClient

@@ -36,7 +36,7 @@ from ghostgpu.tracer.bpf_source import (
 )
 from ghostgpu.tracer.events import EventKind
 
-from ghostgpu.common.model import DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
 
 DEV_PATHS = {7: "/dev/nvidia0", 0x80000001: "/dev/nvidiactl"}
 

@@ -16,9 +16,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from ghostgpu.cli.main import main
 
-from ghostgpu.cli import main
-from ghostgpu.common.tls import (
+from ghostgpu.common.transport.tls import (
     TlsFiles,
     check_client,
     check_server,

@@ -13,7 +13,8 @@ import json
 from dataclasses import replace
 
 from ghostgpu.cli.chrome_trace import PID_SPACE, chrome_trace, process_name
-from ghostgpu.common.trace import TraceRecord, TraceScope, TraceSession
+
+from ghostgpu.common.model.trace import TraceRecord, TraceScope, TraceSession
 
 T0 = 1_700_000_000_123_456_789
 SESSION = TraceSession(id="t-42", scope=TraceScope(namespace="ml", pod="trainer-0"), requested_by="uid 0",

@@ -1,4 +1,4 @@
-"""ghostgpu.common.classes is the one precedence both classifiers apply: for every set of rules that
+"""ghostgpu.common.model.classes is the one precedence both classifiers apply: for every set of rules that
 hold at once, the node's classify() and the collector's enrich() pick the class the table ranks
 highest, and reordering the table reorders both."""
 
@@ -15,8 +15,8 @@ from ghostgpu.collector.enrich import allocations_from, enrich
 from ghostgpu.tracer.classify import ClassifyConfig, classify
 from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
-from ghostgpu.common import classes
-from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef, K8sInfo
+from ghostgpu.common.model import classes
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef, K8sInfo
 
 C = ConsumerClass
 S = 1_000_000_000

@@ -9,7 +9,7 @@ import pytest
 from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
-from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef
 
 S = 1_000_000_000
 NOW = 100 * S

@@ -10,11 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from ghostgpu.cli import main as cli
+from ghostgpu.cli import up
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.run import collector_options, run_collector
-
-from ghostgpu import cli
-from ghostgpu.cli import up
 
 COLLECTOR_FLAGS = ["--metrics-listen", "127.0.0.1:0", "--metrics-max-process-series", "5",
                    "--alertmanager", "http://a:9093,http://b:9093", "--alertmanager", "http://c:9093",

@@ -23,11 +23,12 @@ from typing import Any
 
 import grpc
 import pytest
-
-from ghostgpu.cli import main, view
+from ghostgpu.cli import view
 from ghostgpu.cli.client import parse_classes, parse_since
-from ghostgpu.common.convert import cluster_consumer_to_proto
-from ghostgpu.common.model import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
+from ghostgpu.cli.main import main
+
+from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.wire.convert import cluster_consumer_to_proto
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 from tests.helpers.polling import wait_until
 

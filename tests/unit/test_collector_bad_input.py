@@ -13,7 +13,7 @@ import pytest
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.query import EVENTS_RESPONSE_BYTES
 
-from ghostgpu.common.protocol import API_VERSION_METADATA, MAX_MESSAGE_BYTES, channel_options
+from ghostgpu.common.wire.protocol import API_VERSION_METADATA, MAX_MESSAGE_BYTES, channel_options
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 from tests.helpers.collector_env import QueryClient, running_collector
 from tests.helpers.sim_tracer import (

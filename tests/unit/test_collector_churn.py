@@ -23,8 +23,8 @@ from ghostgpu.collector.cri_fetch import CriCallError
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.metrics_render import NodeConsumers
 
-from ghostgpu.common.httpserve import MAX_LOGGED_FAILURES, HttpServer, Request
-from ghostgpu.common.model import ClusterConsumer, K8sInfo
+from ghostgpu.common.model.consumers import ClusterConsumer, K8sInfo
+from ghostgpu.common.web.httpserve import MAX_LOGGED_FAILURES, HttpServer, Request
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import node_pb2
 from tests.helpers.alertpush_env import FindingTable, k8s

@@ -19,7 +19,7 @@ from ghostgpu.collector.run import run_collector
 from ghostgpu.collector.server import ListenError
 from ghostgpu.collector.store import FindingRow, Store, StoreError
 
-from ghostgpu.common.model import ConsumerClass
+from ghostgpu.common.model.consumers import ConsumerClass
 from tests.helpers.collector_env import QueryClient, running_collector
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer, StreamEnded, finding, holder, make_consumer

@@ -17,7 +17,7 @@ import pytest
 from ghostgpu.collector import cluster as cluster_module
 from ghostgpu.collector.main import Collector
 
-from ghostgpu.common.model import ConsumerClass, K8sInfo
+from ghostgpu.common.model.consumers import ConsumerClass, K8sInfo
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 from tests.helpers.collector_env import QueryClient, running_collector
 from tests.helpers.polling import wait_until

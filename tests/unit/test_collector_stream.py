@@ -12,7 +12,7 @@ import grpc
 import pytest
 from ghostgpu.collector.main import Collector
 
-from ghostgpu.common.protocol import MAX_BATCH_EVENTS, MAX_MESSAGE_BYTES
+from ghostgpu.common.wire.protocol import MAX_BATCH_EVENTS, MAX_MESSAGE_BYTES
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.collector_env import QueryClient, running_collector
 from tests.helpers.polling import wait_until
@@ -225,7 +225,7 @@ def test_a_tracer_gone_before_its_welcome_leaves_no_session(collector: Collector
     async def as_local_tracer() -> None:  # as collector/authz.py admits the host's own tracer (root)
         from ghostgpu.collector.authz import _CURRENT
 
-        from ghostgpu.common.principal import Principal
+        from ghostgpu.common.transport.principal import Principal
 
         _CURRENT.set(Principal("uid", str(os.getuid()), via="loopback"))
         await collector.ingest.connect(requests(), HungUp())

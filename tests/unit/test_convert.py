@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from ghostgpu.common.convert import consumer_from_proto, consumer_to_proto
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass
+from ghostgpu.common.wire.convert import consumer_from_proto, consumer_to_proto
 from ghostgpu.v1 import node_pb2
 
 FULL = Consumer(

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from ghostgpu.collector.cri import CriCallError, CriResolver, CriTransport, direct_transport
 
-from ghostgpu.common.model import K8sInfo
+from ghostgpu.common.model.consumers import K8sInfo
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until

@@ -1,4 +1,4 @@
-"""The demo's CRI runtime (ghostgpu/cli/demo_cri.py) over real unix sockets: it names the demo pods and
+"""The demo's CRI runtime (cli/demo_cri.py) over real unix sockets: it names the demo pods and
 never passes judgement on anyone else's container (forwarded to the node's runtime, or UNAVAILABLE)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 import pytest
-
 from ghostgpu.cli.demo_cri import DEMO_NAMESPACE, DemoPod, serve
+
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.k8s import cri_runtime_v1_pb2_grpc as cri_grpc
 

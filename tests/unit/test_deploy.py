@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import yaml  # Debian's python3-yaml (scripts/bootstrap.sh installs it)
+from ghostgpu.cli import main as cli
 
-from ghostgpu import cli
-from ghostgpu.common.addresses import parse_listen
+from ghostgpu.common.transport.addresses import parse_listen
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "ghostgpu.yaml"
 

@@ -17,9 +17,9 @@ import yaml
 from ghostgpu.collector.policy import Policy
 from ghostgpu.tracer.capabilities import NEEDED_NAMES
 
-from ghostgpu.common.durations import parse_duration_s
-from ghostgpu.common.principal import Principal
-from ghostgpu.common.webconfig import WebConfigError, parse_web_config
+from ghostgpu.common.model.durations import parse_duration_s
+from ghostgpu.common.transport.principal import Principal
+from ghostgpu.common.web.webconfig import WebConfigError, parse_web_config
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "ghostgpu.yaml"
 K8S_VERSION = "1.30.0"  # the oldest with securityContext.appArmorProfile, which the tracer sets

@@ -18,7 +18,7 @@ from ghostgpu.tracer.devices import (
     parse_proc_devices,
 )
 
-from ghostgpu.common.model import DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
 
 G, M, C, U, X = DeviceKind.GPU, DeviceKind.MIG, DeviceKind.CONTROL, DeviceKind.UVM, DeviceKind.OTHER
 

@@ -1,4 +1,4 @@
-"""ghostgpu/common/dial.py: which plaintext targets reach this host, so that the uid serving them is
+"""ghostgpu/common/transport/dial.py: which plaintext targets reach this host, so that the uid serving them is
 checked (a port squatted by another local user is never trusted): loopback in every spelling, the
 wildcards, v4-mapped loopback and this host's own interface addresses; another host is not asked."""
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ghostgpu.common.dial import loopback_of, serving_uid
+from ghostgpu.common.transport.dial import loopback_of, serving_uid
 
 
 @pytest.mark.parametrize(("ip", "expected"), [

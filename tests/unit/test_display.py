@@ -1,4 +1,4 @@
-"""How values are written for people (ghostgpu.common.display) and the one table layout that
+"""How values are written for people (ghostgpu.common.model.display) and the one table layout that
 `ghostgpu snapshot` shares with `ps` (ghostgpu.cli.view): the snapshot table byte for byte as the
 tracer used to render it."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ghostgpu.cli import view
-from ghostgpu.common.display import LISTING_ID_LEN, SHORT_ID_LEN, mib, mib_phrase, short_id
-from ghostgpu.common.model import Consumer, ConsumerClass
+
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass
+from ghostgpu.common.model.display import LISTING_ID_LEN, SHORT_ID_LEN, mib, mib_phrase, short_id
 
 C = ConsumerClass
 BASE = Consumer(

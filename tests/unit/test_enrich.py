@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import pytest
 from ghostgpu.collector.enrich import NO_ALLOCATIONS, NO_CONTAINER, Allocations, allocations_from, enrich
 
-from ghostgpu.common.model import Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, K8sInfo
 
 C = ConsumerClass
 CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904ec6e38d4fd0f1d4e4c1c8a10"

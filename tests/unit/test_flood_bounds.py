@@ -1,5 +1,5 @@
 """What an attacker's input may cost: node names checked before they are
-kept (ghostgpu/common/names.py), audit details capped at 4 KiB (collector/audit.py), refusals
+kept (ghostgpu/common/model/names.py), audit details capped at 4 KiB (collector/audit.py), refusals
 folded per key and window (collector/authz.py's DenialFold), and a policy reload that fails in any
 way kept to one bounded line (collector/policy.py)."""
 
@@ -15,9 +15,9 @@ from ghostgpu.collector.audit import DETAIL_MAX_BYTES, AuditLog, bound_detail
 from ghostgpu.collector.authz import DenialFold
 from ghostgpu.collector.policy import ADMIN, RELOAD_LINE_MAX, PolicyWatcher
 
-from ghostgpu.common.audit_chain import canonical_json, parse_line, verify
-from ghostgpu.common.names import NODE_NAME_MAX, node_name_problem, one_line
-from ghostgpu.common.principal import Principal
+from ghostgpu.common.audit.chain import canonical_json, parse_line, verify
+from ghostgpu.common.model.names import NODE_NAME_MAX, node_name_problem, one_line
+from ghostgpu.common.transport.principal import Principal
 
 BOB = Principal("user", "bob")
 

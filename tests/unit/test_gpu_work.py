@@ -35,7 +35,7 @@ from ghostgpu.tracer.ioctl_decode import NV_ESCAPES
 from ghostgpu.tracer.nvabi_names import RM_CLASS_NAMES
 from ghostgpu.tracer.sinks import CallbackSink
 
-from ghostgpu.common.model import ConsumerClass, DeviceRef
+from ghostgpu.common.model.consumers import ConsumerClass, DeviceRef
 from tests.helpers.fake_kmaps import AllocVal, fake_tables
 
 C = Category

@@ -18,7 +18,7 @@ from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlVie
 from ghostgpu.tracer.gpu_work import ALLOC, AllocRecord, Category, category_of, judge, unpack_alloc
 from ghostgpu.tracer.nvabi_names import RM_CLASS_NAMES
 
-from ghostgpu.common.model import ConsumerClass, DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import ConsumerClass, DeviceKind, DeviceRef
 
 C = Category
 # Written out, not derived from gpu_work.WORK: the threshold is what this table says.

@@ -26,8 +26,8 @@ from ghostgpu.tracer.health import (
 from ghostgpu.tracer.sinks import CallbackSink
 from prometheus_client.parser import text_string_to_metric_families
 
-from ghostgpu.common.httpserve import HttpListenError, HttpServer
-from ghostgpu.common.model import ConsumerClass
+from ghostgpu.common.model.consumers import ConsumerClass
+from ghostgpu.common.web.httpserve import HttpListenError, HttpServer
 from tests.helpers.fake_collector import FakeCollector
 from tests.helpers.httpget import http_get
 from tests.helpers.polling import wait_until

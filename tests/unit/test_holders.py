@@ -6,7 +6,7 @@ import pytest
 from ghostgpu.tracer.events import DeviceHold, EventKind, ProcessInfo, ProcView, SourceEvent
 from ghostgpu.tracer.holders import Change, HolderTable
 
-from ghostgpu.common.model import DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
 
 E = EventKind
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)

@@ -1,4 +1,4 @@
-"""The HTTP ports' accept loop (ghostgpu/common/httpserve.py) with a backlog: connections closed for
+"""The HTTP ports' accept loop (ghostgpu/common/web/httpserve.py) with a backlog: connections closed for
 room before their task ever ran still have their sockets closed, and the survivors are the newest."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from ghostgpu.common.httpserve import HttpServer
+from ghostgpu.common.web.httpserve import HttpServer
 from tests.helpers.polling import wait_until
 from tests.helpers.sockets import peer_closed
 

@@ -1,8 +1,9 @@
 """The house (ARCHITECTURE.md): floors, imports only downward, no cycles, one installed name.
 
-    ghostgpu.cli                      the commands: entry point, client, views, up, demo
+    ghostgpu.cli (cli/)               the commands: entry point, client, views, up, demo
     ghostgpu.tracer | ghostgpu.collector   the node tracer and the collector, never each other
-    ghostgpu.common (and ghostgpu)    the shared floor: model, the one proto mapping, constants, HTTP
+    ghostgpu.common (and ghostgpu)    the shared floor, in rooms: wire, web
+                                      over model, transport, audit, system
     ghostgpu.v1, ghostgpu.k8s         generated code
 
 Every import counts: at module level, inside a function (lazy), or under TYPE_CHECKING. The walk
@@ -20,8 +21,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # Package -> folder, as pyproject.toml's package-dir maps them.
 ROOTS = {"ghostgpu": REPO / "ghostgpu", "ghostgpu.tracer": REPO / "tracer",
-         "ghostgpu.collector": REPO / "collector"}
+         "ghostgpu.collector": REPO / "collector",
+         "ghostgpu.cli": REPO / "cli"}
 FLOORS = {"generated": 0, "common": 1, "tracer": 2, "collector": 2, "cli": 3}
+# The shared floor's rooms (ghostgpu/common/*/): a room imports only rooms on a lower level, never one
+# beside it, so model, transport, audit and system each read on their own.
+ROOMS = {"model": 0, "transport": 0, "audit": 0, "system": 0, "wire": 1, "web": 1}
 
 
 def modules() -> dict[str, Path]:
@@ -31,7 +36,7 @@ def modules() -> dict[str, Path]:
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             name = ".".join([package, *parts])
-            if package == "ghostgpu" and parts[:1] in (["tracer"], ["collector"]):
+            if package == "ghostgpu" and parts[:1] in (["tracer"], ["collector"], ["cli"]):
                 continue
             out[name] = path
     return out
@@ -74,10 +79,36 @@ GRAPH = {m: sorted({target for _, target in imports(m, p)}) for m, p in MODULES.
 
 
 def test_every_module_is_found() -> None:
-    assert {"ghostgpu.cli", "ghostgpu.common.model", "ghostgpu.tracer.agent", "ghostgpu.collector.main",
-            "ghostgpu.v1.stream_pb2"} <= MODULES.keys()
-    assert not [m for m in MODULES if m.split(".")[:2] in (["ghostgpu", "tracer"], ["ghostgpu", "collector"])
+    assert {"ghostgpu.cli.main", "ghostgpu.common.model.consumers", "ghostgpu.tracer.agent",
+            "ghostgpu.collector.main", "ghostgpu.v1.stream_pb2"} <= MODULES.keys()
+    mapped = ("tracer", "collector", "cli")
+    assert not [m for m in MODULES if m.split(".")[1:2] and m.split(".")[1] in mapped
                 and not MODULES[m].is_relative_to(REPO / m.split(".")[1])]
+
+
+def test_the_shared_floor_is_only_rooms() -> None:
+    """ghostgpu/common holds rooms (packages), no loose modules: a newcomer sees six rooms."""
+    loose = sorted(p.name for p in (REPO / "ghostgpu/common").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules outside a room in ghostgpu/common: {loose}"
+    assert {p.parent.name for p in (REPO / "ghostgpu/common").glob("*/__init__.py")} == set(ROOMS)
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["ghostgpu", "common"] and len(parts) > 3 else None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if room(m)))
+def test_rooms_import_only_lower_rooms(module: str) -> None:
+    here = room(module)
+    assert here is not None
+    bad = []
+    for line, target in imports(module, MODULES[module]):
+        there = room(target)
+        if there is not None and there != here and ROOMS[there] >= ROOMS[here]:
+            where = MODULES[module].relative_to(REPO)
+            bad.append(f"{where}:{line}: {module} ({here}) imports {target} ({there})")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

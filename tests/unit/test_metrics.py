@@ -22,7 +22,7 @@ from ghostgpu.collector.nodes import Changes, NodeView
 from ghostgpu.collector.store import Position
 from prometheus_client.parser import text_string_to_metric_families
 
-from ghostgpu.common.model import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import make_consumer

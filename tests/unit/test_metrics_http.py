@@ -19,8 +19,8 @@ from ghostgpu.collector.cluster import Watcher
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS
 
-from ghostgpu.common.httpserve import PROMETHEUS_TEXT, HttpListenError
-from ghostgpu.common.model import ConsumerClass, K8sInfo
+from ghostgpu.common.model.consumers import ConsumerClass, K8sInfo
+from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpListenError
 from ghostgpu.v1 import query_pb2, stream_pb2
 from tests.helpers.collector_env import running_collector
 from tests.helpers.polling import wait_until

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from ghostgpu.collector.main import Collector
 
-from ghostgpu.common.model import ConsumerClass
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.model.consumers import ConsumerClass
+from ghostgpu.common.transport.tls import TlsFiles
 from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import Pki
 from tests.helpers.collector_env import QueryClient

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ghostgpu.cli import view
 from ghostgpu.collector.alertbook import annotations, finding_labels
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import Changes, NodeView
 from ghostgpu.collector.store import Position
 
-from ghostgpu.cli import view
-from ghostgpu.common.model import ClusterConsumer, ConsumerClass, K8sInfo
+from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerClass, K8sInfo
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.sim_tracer import make_consumer
 

@@ -34,7 +34,7 @@ def test_the_wheel_installs_the_bpf_sources_where_the_tracer_looks(tmp_path: Pat
     tops = {n.split("/", 1)[0] for n in names}
     assert {t for t in tops if not t.startswith("ghostgpu-")} == {"ghostgpu"}, sorted(tops)
     assert not [n for n in names if ".data/" in n and "/data/share/ghostgpu/" not in n]
-    assert {"ghostgpu/tracer/agent.py", "ghostgpu/collector/main.py", "ghostgpu/common/model.py",
+    assert {"ghostgpu/tracer/agent.py", "ghostgpu/collector/main.py", "ghostgpu/common/model/consumers.py",
             "ghostgpu/cli/__init__.py", "ghostgpu/cli/demo_nvml.c", "ghostgpu/v1/stream_pb2.py"} <= names
     # Installed into a venv of its own (never this one: pip would uninstall the editable ghostgpu
     # here first) and imported from there, the tracer's default lookup finds the installed copies.

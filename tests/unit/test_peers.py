@@ -14,7 +14,7 @@ import grpc
 import pytest
 from ghostgpu.collector.peers import UnixGate, is_loopback, loopback_uid, parse_peer
 
-from ghostgpu.common.sockdiag import parse_proc_net_tcp
+from ghostgpu.common.transport.sockdiag import parse_proc_net_tcp
 from tests.helpers.who_server import WHO, who_server
 
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
@@ -124,7 +124,7 @@ def test_the_unix_gate_names_each_connection_by_its_uid(tmp_path: Path) -> None:
 def test_sock_diag_asks_for_the_exact_socket_and_reads_its_uid() -> None:
     import struct
 
-    from ghostgpu.common.sockdiag import DiagUnavailable, build_request, parse_reply
+    from ghostgpu.common.transport.sockdiag import DiagUnavailable, build_request, parse_reply
 
     req = build_request("127.0.0.1", 41202, "127.0.0.1", 7450, seq=7)
     assert len(req) == 16 + 56 and struct.unpack_from("=IHHII", req) == (72, 20, 1, 7, 0)
@@ -140,7 +140,7 @@ def test_sock_diag_asks_for_the_exact_socket_and_reads_its_uid() -> None:
 
 
 def test_sock_diag_names_the_owner_of_a_real_socket() -> None:
-    from ghostgpu.common.sockdiag import socket_uid
+    from ghostgpu.common.transport.sockdiag import socket_uid
 
     with _connected() as (host, cport, port):
         assert socket_uid(host, cport, "127.0.0.1", port) == os.getuid()

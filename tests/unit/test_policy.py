@@ -21,7 +21,7 @@ from ghostgpu.collector.policy import (
     format_duration,
 )
 
-from ghostgpu.common.principal import ANONYMOUS, Principal
+from ghostgpu.common.transport.principal import ANONYMOUS, Principal
 from ghostgpu.v1 import query_pb2, stream_pb2
 
 SRC = "/etc/ghostgpu/policy.yaml"

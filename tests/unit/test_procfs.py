@@ -29,7 +29,7 @@ from ghostgpu.tracer.procfs import (
     ticks_to_boot_ns,
 )
 
-from ghostgpu.common.model import DeviceKind
+from ghostgpu.common.model.consumers import DeviceKind
 from tests.conftest import require_root
 from tests.helpers.polling import wait_until
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from ghostgpu.tracer import stream
 
-from ghostgpu.common import protocol
+from ghostgpu.common.wire import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

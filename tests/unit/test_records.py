@@ -18,9 +18,9 @@ from ghostgpu.tracer.events import EventKind, NvmlGpu, NvmlView, ProcessInfo, So
 from ghostgpu.tracer.ioctl_decode import decode_ioctl
 from ghostgpu.tracer.sinks import dumps
 
-from ghostgpu.common.convert import consumer_to_proto, proto_consumer_key
-from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef, consumer_key
-from ghostgpu.common.records import Record, record_from_json
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef, consumer_key
+from ghostgpu.common.model.records import Record, record_from_json
+from ghostgpu.common.wire.convert import consumer_to_proto, proto_consumer_key
 
 NODE = "node-r"
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)

@@ -1,4 +1,4 @@
-"""ghostgpu/common/safe_yaml.py: the config files' YAML loader refuses what a hostile file would use
+"""ghostgpu/common/system/safe_yaml.py: the config files' YAML loader refuses what a hostile file would use
 (anchors, aliases, merge keys, duplicate keys, deep nesting, a huge file) in one line with the line
 number, and the policy and the web config both read through it."""
 
@@ -14,9 +14,9 @@ import pytest
 import yaml
 from ghostgpu.collector.policy import Policy, PolicyError
 
-from ghostgpu.common import safe_yaml
-from ghostgpu.common.safe_yaml import MAX_CONFIG_BYTES, MAX_DEPTH, YamlRefused, load, read_capped
-from ghostgpu.common.webconfig import WebConfigError, load_web_config, parse_web_config
+from ghostgpu.common.system import safe_yaml
+from ghostgpu.common.system.safe_yaml import MAX_CONFIG_BYTES, MAX_DEPTH, YamlRefused, load, read_capped
+from ghostgpu.common.web.webconfig import WebConfigError, load_web_config, parse_web_config
 
 # A few hundred bytes that expand to 10**9 strings (the "billion laughs"), as the attack used.
 ALIAS_BOMB = "a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(

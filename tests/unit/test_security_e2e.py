@@ -14,11 +14,11 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.cli import main as cli
 from ghostgpu.collector.main import Collector
 
-from ghostgpu import cli
-from ghostgpu.common.model import ConsumerClass
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.model.consumers import ConsumerClass
+from ghostgpu.common.transport.tls import TlsFiles
 from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import EXPIRED, Pki, serial_of, write_file
 from tests.helpers.cri_fake import FakeCri

@@ -24,7 +24,7 @@ from ghostgpu.collector.main import Collector
 from ghostgpu.tracer.stream import StreamSink
 from ghostgpu.tracer.stream_sender import StreamOptions
 
-from ghostgpu.common.tls import TlsFiles
+from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.v1 import query_pb2
 from tests.helpers.audit_log import audit_records, secure_options
 from tests.helpers.certs import Pki, write_file

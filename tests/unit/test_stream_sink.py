@@ -26,7 +26,7 @@ from ghostgpu.tracer.cri_relay import CriRelay
 from ghostgpu.tracer.stream import FLUSH_S, WINDOW_BATCHES, StreamOptions, StreamSink
 
 from ghostgpu import __version__
-from ghostgpu.common.model import Consumer, ConsumerClass
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.fake_collector import FakeCollector

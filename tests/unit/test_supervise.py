@@ -9,8 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
-from ghostgpu import cli
+from ghostgpu.cli import main as cli
 from ghostgpu.cli import up
 from ghostgpu.cli.supervise import (
     BACKOFF_MAX_S,
@@ -25,6 +24,7 @@ from ghostgpu.cli.supervise import (
     restart_backoff_s,
     restart_line,
 )
+
 from tests.helpers.polling import wait_until
 
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from ghostgpu.collector.revoke import OpenStreams
 from ghostgpu.collector.tcpgate import TcpGate
 
-from ghostgpu.common.principal import Principal
+from ghostgpu.common.transport.principal import Principal
 from tests.helpers.polling import wait_until
 from tests.helpers.sockets import peer_closed
 

@@ -1,4 +1,4 @@
-"""ghostgpu/common/tls.py and tls_explain.py without a handshake: the tables behind the contract.
+"""ghostgpu/common/transport/tls.py and tls_explain.py without a handshake: the tables behind the contract.
 
 Where plaintext is allowed, who a verified certificate names, the one-line errors for each bad
 file, and the line a client gets for each way a TLS connection fails (the details strings are the
@@ -18,10 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from ghostgpu.common import tls
-from ghostgpu.common.principal import Principal
-from ghostgpu.common.tls import TlsError, TlsFiles, check_client, check_server, principal_from_auth_context
-from ghostgpu.common.tls_explain import explain_connect_failure, probe_tls
+from ghostgpu.common.transport import tls
+from ghostgpu.common.transport.principal import Principal
+from ghostgpu.common.transport.tls import (
+    TlsError,
+    TlsFiles,
+    check_client,
+    check_server,
+    principal_from_auth_context,
+)
+from ghostgpu.common.transport.tls_explain import explain_connect_failure, probe_tls
 from tests.helpers.certs import EXPIRED, NOT_YET_VALID, Pki, write_file
 
 
@@ -89,7 +95,7 @@ def test_principal_from_auth_context(pki: Pki, caplog: pytest.LogCaptureFixture)
     ]
     for pem, want, logged in cases:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="ghostgpu.common.tls"):
+        with caplog.at_level(logging.WARNING, logger="ghostgpu.common.transport.tls"):
             got = principal_from_auth_context(_auth(pem), "ghostgpu", peer)
         assert got == want, pem
         if logged:

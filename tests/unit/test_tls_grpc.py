@@ -1,9 +1,9 @@
 """Real TLS over loopback: a bare grpc.aio server with the collector's credentials
-(ghostgpu/common/tls_reload.py), real clients, real certificates from tests/helpers/certs.py.
+(ghostgpu/common/transport/tls_reload.py), real clients, real certificates from tests/helpers/certs.py.
 
 mTLS works and names the peer; a client certificate from another CA, an expired one, none at all
 and a plaintext client are refused by the handshake, and each client gets its one line
-(ghostgpu/common/tls_explain.py) from gRPC's real error details. Rotation: a stream opened before
+(ghostgpu/common/transport/tls_explain.py) from gRPC's real error details. Rotation: a stream opened before
 the files are replaced keeps flowing, a connection made after sees the new certificate, and a
 half-written file keeps the old one and is reported once.
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 import grpc
 import pytest
-
 from ghostgpu.cli.certs import Pair
-from ghostgpu.common.tls import TlsFiles, channel_credentials, principal_from_auth_context
-from ghostgpu.common.tls_explain import explain_connect_failure
-from ghostgpu.common.tls_reload import RELOAD, RELOAD_ERROR, CertReloader
+
+from ghostgpu.common.transport.tls import TlsFiles, channel_credentials, principal_from_auth_context
+from ghostgpu.common.transport.tls_explain import explain_connect_failure
+from ghostgpu.common.transport.tls_reload import RELOAD, RELOAD_ERROR, CertReloader
 from tests.helpers.certs import EXPIRED, Pki, serial_of, write_file
 
 SERVICE = "ghostgpu.test.Echo"

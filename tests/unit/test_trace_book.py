@@ -16,7 +16,7 @@ from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.trace_watch import TraceWatcher, watch_messages
 from ghostgpu.collector.traces import TraceBook
 
-from ghostgpu.common.durations import parse_duration_s
+from ghostgpu.common.model.durations import parse_duration_s
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.polling import wait_until

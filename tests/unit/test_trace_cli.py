@@ -24,11 +24,12 @@ from typing import Any
 
 import grpc
 import pytest
-
-from ghostgpu.cli import _build_parser, main, trace_view
+from ghostgpu.cli import trace_view
+from ghostgpu.cli.main import _build_parser, main
 from ghostgpu.cli.trace import confirm_stop, parse_duration
-from ghostgpu.common.convert_trace import record_to_proto, session_to_proto
-from ghostgpu.common.trace import TraceRecord, TraceStatus
+
+from ghostgpu.common.model.trace import TraceRecord, TraceStatus
+from ghostgpu.common.wire.convert_trace import record_to_proto, session_to_proto
 from ghostgpu.v1 import query_pb2_grpc, trace_pb2
 from tests.helpers.polling import wait_until
 from tests.unit.test_chrome_trace import SESSION, T0, sample_records

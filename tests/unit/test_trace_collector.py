@@ -10,12 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.cli import main as cli
 from ghostgpu.collector.run import run_collector
 from ghostgpu.collector.trace_commands import TraceLimits, trace_options
 from ghostgpu.collector.trace_store import RESTARTED
 from ghostgpu.collector.traces import STOPPED
 
-from ghostgpu import cli
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import trace_record

@@ -15,8 +15,8 @@ from ghostgpu.tracer.trace_kernel import TREC
 from ghostgpu.tracer.trace_records import RecordMaker, bit_names, open_flags
 from ghostgpu.tracer.trace_sessions import LIMIT_PREFIX, TraceLimits, TraceSessions
 
-from ghostgpu.common.convert_trace import record_from_proto
-from ghostgpu.common.model import DeviceKind, DeviceRef
+from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
+from ghostgpu.common.wire.convert_trace import record_from_proto
 from ghostgpu.v1 import stream_pb2, trace_pb2
 from tests.helpers.polling import wait_until
 

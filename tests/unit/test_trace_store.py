@@ -12,7 +12,7 @@ import pytest
 from ghostgpu.collector.store import Store
 from ghostgpu.collector.trace_store import RESTARTED, TraceStore, decode_records
 
-from ghostgpu.common.trace import TraceScope, TraceSession, TraceStatus
+from ghostgpu.common.model.trace import TraceScope, TraceSession, TraceStatus
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.sim_tracer import trace_record
 

@@ -1,4 +1,4 @@
-"""What `ghostgpu trace` prints for decoded calls (ghostgpu/cli/trace_view.py): the STATUS column, the
+"""What `ghostgpu trace` prints for decoded calls (cli/trace_view.py): the STATUS column, the
 notes a row keeps and the session facts said once, the live table and the summary alone.
 
 The records are made from the real decoder's output (tracer/call_decode.py), the way the tracer
@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from ghostgpu.cli import trace_view
 from ghostgpu.tracer.call_decode import IoctlCapture, decode_call, iowr, layout_for
 
-from ghostgpu.cli import trace_view
-from ghostgpu.common.trace import STATUS_NOT_WRITTEN, TraceRecord, is_driver_note
+from ghostgpu.common.model.trace import STATUS_NOT_WRITTEN, TraceRecord, is_driver_note
 
 T0 = 1_700_000_000_123_456_789  # 2023-11-14 22:13:20.123456789 UTC
 HC, HD, HO = 0xC1D00001, 0xCAF00002, 0xCAF00003

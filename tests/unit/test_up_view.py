@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-
 from ghostgpu.cli import up
 from ghostgpu.cli.demo import Demo
+
 from ghostgpu.v1 import query_pb2, stream_pb2
 
 NO_DRIVER = stream_pb2.NodeInfo(nvml=False, nvml_error="NVML: nvmlInit: NVIDIA kernel driver not loaded; "

@@ -18,10 +18,10 @@ import pytest
 from cryptography import x509
 from ghostgpu.tracer.health import PROBE_PATHS
 
-from ghostgpu.common import webguard
-from ghostgpu.common.httpserve import TEXT, HttpServer, Response
-from ghostgpu.common.webconfig import WebConfigError, load_web_config, parse_web_config
-from ghostgpu.common.webguard import BasicAuth, RateLimiter, WebGuard
+from ghostgpu.common.web import webguard
+from ghostgpu.common.web.httpserve import TEXT, HttpServer, Response
+from ghostgpu.common.web.webconfig import WebConfigError, load_web_config, parse_web_config
+from ghostgpu.common.web.webguard import BasicAuth, RateLimiter, WebGuard
 from tests.helpers.certs import Pki, serial_of, write_file
 from tests.helpers.polling import wait_until
 

@@ -15,9 +15,9 @@ import pytest
 from ghostgpu.tracer import records
 from ghostgpu.tracer.events import UNRECORDED_KINDS, EventKind, NvmlGpu, NvmlView, ProcessInfo, SourceEvent
 
-from ghostgpu.common.convert import event_to_record, record_to_event
-from ghostgpu.common.model import Consumer, ConsumerClass, DeviceKind, DeviceRef
-from ghostgpu.common.records import HOLDER_KINDS, STREAMED_KINDS, HolderRecord, Record, record_from_json
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef
+from ghostgpu.common.model.records import HOLDER_KINDS, STREAMED_KINDS, HolderRecord, Record, record_from_json
+from ghostgpu.common.wire.convert import event_to_record, record_to_event
 from ghostgpu.v1 import stream_pb2
 
 NODE = "gpu-node-7"

@@ -1,5 +1,0 @@
-"""`python -m ghostgpu.cli ...`: the `ghostgpu` command without its console script."""
-
-from ghostgpu.cli import main
-
-raise SystemExit(main())
