@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ghostgpu.tracer import records
-from ghostgpu.tracer.agent_scan import EXIT_WAIT_S, ScanDuties
+from ghostgpu.tracer.agent_scan import EXIT_WAIT_S, AgentScans, IoctlCounts
 from ghostgpu.tracer.cgroup import CgroupIdResolver
 from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
@@ -36,7 +36,7 @@ log = logging.getLogger("ghostgpu.tracer")
 CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grace period ends
 
 
-class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/agent_scan.py
+class Tracer:
     def __init__(self, cfg: TracerConfig, sink: Sink, health: HealthReport | None = None) -> None:
         self.cfg = cfg
         self.sink = sink
@@ -55,7 +55,6 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         self.bpf: Any = None  # tracer.bpf_source.BpfSource when the kernel side runs
         self.consumers: dict[Any, Consumer] = {}
         self.nvml_first_listed: dict[tuple[str, int], int] = {}
-        self.ioctls: dict[int, dict[tuple[str, int], int]] = {}
         self.stop_event = threading.Event()
         self.errors = Containment()  # one bad event or scan is counted, never fatal
         self.own_pids = {os.getpid()}
@@ -64,8 +63,11 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
-        self._full_scan_ns = 0  # boot ns when the last full /proc scan began (classify: holders_complete_ns)
-        self._outer_scan_ns: int | None = None  # start of the periodic or full scan under way, if any
+        # The /proc scans and ioctl counter reads (tracer/agent_scan.py): they call back into this
+        # loop for the kernel's queued events and for the records and exits they find.
+        self.scans = AgentScans(self, self.scanner, self.rescans, self.state, self.identities, self.errors,
+                                health, exit_due=self._exit_due, due=self._due,
+                                scan_interval_s=cfg.scan_interval_s)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -129,6 +131,20 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
             return True
         return False
 
+    def _scan(self, initial: bool = False, pids: set[int] | None = None, periodic: bool = False) -> None:
+        """A /proc scan (AgentScans.scan); it also refreshes identities (a parent that died, a leader
+        turned zombie) without any hold changing: re-classify after every one."""
+        self.scans.scan(initial, pids, periodic)
+        self._dirty = True
+
+    def _rescan(self) -> None:
+        if self.scans.rescan():
+            self._dirty = True
+
+    def _take_touched(self) -> set[int]:
+        """The processes the kernel saw release an fd since the last rescan (none without BPF)."""
+        return self.bpf.take_touched() if self.bpf is not None else set()
+
     def step(self, timeout_ms: int = 250) -> None:
         """One loop turn. Each unit of work runs contained (tracer/containment.py): an unexpected
         exception is logged once per place and counted, and the loop goes on."""
@@ -160,7 +176,7 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
 
     def _poll_counters(self) -> None:
         if self.state.holders:  # an idle node has no counters to read
-            self._read_ioctls()
+            self.scans.read_ioctls()
         self._report_bpf_stats()
         # An allocation makes no event: a monitor that starts allocating is re-judged within one
         # poll, not at the next change (one map lookup per monitor).
@@ -237,8 +253,8 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         if changes:
             counts = None
             if ev.kind is EventKind.CLOSE and self.bpf is not None:
-                self._read_ioctls(ev.pid)  # the counts at the moment of the close, not a second ago
-                counts = self.ioctls.get(ev.pid, {})
+                self.scans.read_ioctls(ev.pid)  # the counts at the moment of the close, not a second ago
+                counts = self.scans.ioctls.get(ev.pid, {})
             self._emit_event(ev, after or before, counts=counts)
             self._dirty = True
             if after is not None and after is not before:
@@ -250,10 +266,10 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         if before is None:  # not a holder (or already settled by a rescan): only kernel leftovers
             self._forget(ev.pid)
             return
-        counts: dict[tuple[str, int], int] | None = None
+        counts: IoctlCounts | None = None
         if self.bpf is not None:
-            self._read_ioctls(ev.pid)
-            counts = self.ioctls.get(ev.pid, {})
+            self.scans.read_ioctls(ev.pid)
+            counts = self.scans.ioctls.get(ev.pid, {})
         self.state.apply(ev)
         self._emit_event(ev, before, counts=counts)
         self._forget(ev.pid)
@@ -278,10 +294,9 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
         self._exit_due.pop(pid, None)
         if self.bpf is not None:
             self.bpf.forget(pid)
-        self.ioctls.pop(pid, None)
+        self.scans.ioctls.pop(pid, None)
 
-    def _emit_event(self, ev: SourceEvent, holder: Any, counts: dict[tuple[str, int], int] | None = None,
-                    ) -> None:
+    def _emit_event(self, ev: SourceEvent, holder: Any, counts: IoctlCounts | None = None) -> None:
         info = holder.process if holder is not None else None
         devices = sorted(holder.holds) if holder is not None else []
         if ev.device is not None and ev.device.path not in devices:
@@ -308,7 +323,7 @@ class Tracer(ScanDuties):  # the /proc scans and ioctl counter reads: tracer/age
             nvml_first_listed=dict(self.nvml_first_listed),
             boot_ns_of_ticks=ticks_to_boot_ns,
             # The kernel reports every open; without it, a holder is known once a full scan found it.
-            holders_complete_ns=None if self.bpf is not None else self._full_scan_ns,
+            holders_complete_ns=None if self.bpf is not None else self.scans.full_scan_ns,
         )
 
     def current_consumers(self) -> list[Consumer]:

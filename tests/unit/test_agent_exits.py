@@ -409,4 +409,4 @@ def test_a_failed_scan_leaves_no_outer_start_behind(node: Node) -> None:
     node.tracer.scanner.scan = broken  # type: ignore[method-assign]
     with pytest.raises(OSError):
         node.tracer._scan(pids={NEWCOMER}, periodic=True)
-    assert node.tracer._outer_scan_ns is None
+    assert node.tracer.scans._outer_scan_ns is None

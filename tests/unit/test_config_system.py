@@ -60,7 +60,7 @@ def test_the_agent_hands_the_places_and_its_holders_view_to_classify() -> None:
     assert ccfg.system_places == ("gpu-operator", "kube-system/gfd")
     # Without BPF only a full /proc scan finds holders: none yet, so no listed PID is judged reused.
     assert ccfg.holders_complete_ns == 0
-    tracer._full_scan_ns = 123
+    tracer.scans.full_scan_ns = 123
     assert tracer.classify_config().holders_complete_ns == 123
     tracer.bpf = object()  # the kernel reports every open: the holders are complete now
     assert tracer.classify_config().holders_complete_ns is None
