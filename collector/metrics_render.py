@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ghostgpu.common.model.classes import FINDING_CLASSES
 from ghostgpu.common.model.consumers import ClusterConsumer
 
-# name -> (type, help), every ghostgpu_* family the collector serves (README "## Metrics" documents them).
+# name -> (type, help), every ghostgpu_* family the collector serves (docs/METRICS.md documents them).
 COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
     # Per node, rendered here.
     "ghostgpu_consumers": (

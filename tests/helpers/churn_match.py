@@ -21,7 +21,7 @@ from tests.helpers.churn import COMM, Lifetime
 
 Record = dict[str, Any]
 
-# The classes that open a finding (README "non-visible"); `pending` and `unknown` never do.
+# The classes that open a finding ("non-visible" in docs/METRICS.md); `pending` and `unknown` never do.
 NON_VISIBLE = frozenset({"hidden", "ghost", "orphaned", "unallocated", "unattributed"})
 ERRORS_METRIC = "ghostgpu_agent_errors_total"
 

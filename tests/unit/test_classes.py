@@ -173,12 +173,18 @@ def test_both_follow_the_table_when_it_changes(monkeypatch: pytest.MonkeyPatch) 
         assert enrich_one(node_cls, orphan, unallocated, placed).cls == winner(applicable, reversed_rank)
 
 
-def test_readme_class_table_is_the_table_here() -> None:
-    """README's "Classes" table names every class once, in precedence order, findings marked."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Classes", 1)[1].split("\n### ", 1)[0]
-    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+def test_the_documented_class_table_is_the_table_here() -> None:
+    """docs/CLASSES.md's table names every class once, in precedence order, findings marked."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "CLASSES.md").read_text()
+    rows = [line.split("|")[1:-1] for line in doc.splitlines() if line.startswith("| `")]
     assert [cells[0].strip().strip("`") for cells in rows] == [str(c) for c in classes.PRECEDENCE]
     for cells in rows:
         cls = ConsumerClass(cells[0].strip().strip("`"))
         assert (cells[1].strip() == "yes") is (cls in classes.FINDING_CLASSES), f"{cls}: finding column"
+
+
+def test_the_readme_names_every_class_and_links_the_table() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Classes", 1)[1].split("\n### ", 1)[0]
+    assert "(docs/CLASSES.md)" in section
+    assert [c for c in classes.PRECEDENCE if f"`{c}`" not in section] == []

@@ -9,7 +9,8 @@ stated reason (`fixed`). For each row the test fails when
 - a figure's text is not in the row (the README and the stored result disagree);
 - the row holds a number that no figure accounts for (a figure with no stored source).
 
-PROSE does the same for the sentences outside the table that quote measured figures.
+PROSE does the same for the sentences outside the table that quote measured figures, in the README
+and docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from ghostgpu.common.wire import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# Where PROSE's sentences are: the README, and the reference moved out of it that quotes a figure.
+PROSE_FILES = (README, ROOT / "docs" / "METRICS.md")
 RESULTS = ROOT / "bench" / "results"
 # A number as the README writes one: 1,014,695 / 0.323 / 2.9 (not the 50 of "p50", nor the 0 of "nvidia0").
 NUMBER = re.compile(r"(?<![\w.,])\d+(?:,\d{3})*(?:\.\d+)?")
@@ -675,13 +678,16 @@ def test_every_rows_entry_names_a_row_of_the_table() -> None:
 
 @pytest.mark.parametrize("span", list(PROSE), ids=[first for first, _ in PROSE])
 def test_figures_quoted_in_the_text_come_from_stored_results(span: tuple[str, str]) -> None:
-    text = " ".join(README.read_text().split())
     first, last = span
+    saying = [(path, text) for path in PROSE_FILES if first in (text := " ".join(path.read_text().split()))]
+    names = " or ".join(path.relative_to(ROOT).as_posix() for path in PROSE_FILES)
+    assert saying, f"{names} no longer says {first!r}: update PROSE"
+    path, text = saying[0]
+    where = path.relative_to(ROOT).as_posix()
     start = text.find(first)
-    assert start >= 0, f"README no longer says {first!r}: update PROSE"
     end = text.find(last, start)
-    assert end >= 0, f"README: {last!r} does not follow {first!r}: update PROSE"
-    check(text[start:end + len(last)], PROSE[span], f"README text {first!r}")
+    assert end >= 0, f"{where}: {last!r} does not follow {first!r}: update PROSE"
+    check(text[start:end + len(last)], PROSE[span], f"{where} text {first!r}")
 
 
 def test_the_number_pattern() -> None:

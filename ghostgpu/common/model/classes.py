@@ -43,7 +43,7 @@ class Decider(StrEnum):
 @dataclass(frozen=True)
 class ClassRule:
     cls: ConsumerClass
-    meaning: str  # what the class says about the consumer, as README's "Classes" table tells users
+    meaning: str  # what the class says about the consumer, as docs/CLASSES.md's table tells users
     decided_by: tuple[Decider, ...]
     # A finding is a class a GPU team must look at: it opens a finding (history, `ghostgpu findings`),
     # a pushed alert, and per-process series on /metrics ("non-visible" there).
