@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import grpc
 
 from ghostgpu.common.transport.principal import Principal
-from ghostgpu.common.transport.tls import TlsError, not_after, parse_certs
+from ghostgpu.common.transport.tls import TlsError, first_auth_value, not_after, parse_certs
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def cert_not_after_s(context: grpc.aio.ServicerContext) -> float | None:
     auth = context.auth_context() or {}
     if auth.get("transport_security_type") != [b"ssl"]:
         return None
-    pems = auth.get("x509_pem_cert") or ()
-    return _cert_not_after_s(bytes(pems[0])) if pems else None
+    pem = first_auth_value(auth, "x509_pem_cert")
+    return _cert_not_after_s(pem) if pem is not None else None
 
 
 class OpenStreams:

@@ -50,7 +50,8 @@ def canonical_json(obj: Any) -> str:
 def normalize_detail(detail: Mapping[str, Any]) -> dict[str, Any]:
     """The detail as it reads back from JSON (tuples become lists, other objects their str()), so a
     record hashes the same in memory, in the file and in the store."""
-    return json.loads(json.dumps(dict(detail), default=str, allow_nan=False))
+    normal: dict[str, Any] = json.loads(json.dumps(dict(detail), default=str, allow_nan=False))
+    return normal
 
 
 def record_sha256(body: Mapping[str, Any]) -> str:
@@ -74,9 +75,11 @@ class AuditRecord:
     def make(cls, seq: int, ts_unix_ns: int, action: str, subject: str, result: str,
              detail: Mapping[str, Any], prev_sha256: str) -> AuditRecord:
         """A new record, its sha256 computed."""
+        normal = normalize_detail(detail)
         body = {"seq": seq, "ts_unix_ns": ts_unix_ns, "action": action, "subject": subject,
-                "result": result, "detail": normalize_detail(detail), "prev_sha256": prev_sha256}
-        return cls(**body, sha256=record_sha256(body))  # type: ignore[arg-type]
+                "result": result, "detail": normal, "prev_sha256": prev_sha256}
+        return cls(seq=seq, ts_unix_ns=ts_unix_ns, action=action, subject=subject, result=result,
+                   detail=normal, prev_sha256=prev_sha256, sha256=record_sha256(body))
 
     def to_json(self) -> dict[str, Any]:
         return {"seq": self.seq, "ts_unix_ns": self.ts_unix_ns, "action": self.action,
@@ -175,7 +178,7 @@ def check(records: Iterable[AuditRecord | BadLine], from_start: bool = False,
             if from_start and item.seq != 1 and not (rotated_ok and item.action == START):
                 return Verdict(False, 1, f"records 1..{item.seq - 1} are missing: the trail begins at record "
                                f"{item.seq} (its first records were deleted)"), warnings
-        elif item.seq != expected:
+        elif expected is not None and item.seq != expected:  # always set here: prev is
             why = (f"records {expected}..{item.seq - 1} are missing" if item.seq > expected
                    else f"seq {item.seq} comes again or out of order")
             return Verdict(False, expected, f"record {expected}: {why} (after record {prev.seq})"), warnings

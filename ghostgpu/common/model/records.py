@@ -13,6 +13,7 @@ pod_uid, runtime, class, reason, gpu_memory_bytes), so one reader handles events
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -283,7 +284,7 @@ Record = HolderRecord | ConsumerRecord | NoticeRecord | InfoRecord | Allocations
 # PodResources poller's `allocations`), read once where it enters.
 AnyRecord = Record | JsonRecord
 
-_FROM_JSON = {
+_FROM_JSON: dict[str, Callable[[JsonRecord], Record]] = {
     **dict.fromkeys(HOLDER_KINDS, HolderRecord.from_json),
     "finding": ConsumerRecord.from_json, "resolved": ConsumerRecord.from_json,
     "notice": NoticeRecord.from_json, "info": InfoRecord.from_json,
@@ -295,7 +296,7 @@ def record_from_json(d: JsonRecord) -> Record:
     """The typed record for a JSON one (the inverse of to_json()). Raises KeyError, TypeError or
     ValueError naming what is missing or wrong."""
     kind = d.get("event")
-    read = _FROM_JSON.get(kind)  # type: ignore[arg-type]
+    read = _FROM_JSON.get(kind) if kind is not None else None
     if read is None:
         raise ValueError(f"unknown record kind {kind!r}")
     return read(d)
@@ -303,4 +304,4 @@ def record_from_json(d: JsonRecord) -> Record:
 
 def as_json(record: AnyRecord) -> JsonRecord:
     """The JSON edge: a record's JSON object (a JSON record is already one)."""
-    return record if type(record) is dict else record.to_json()  # type: ignore[union-attr]
+    return record if isinstance(record, dict) else record.to_json()

@@ -22,16 +22,18 @@ import ipaddress
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from ghostgpu.common.transport.addresses import is_unix
 from ghostgpu.common.transport.principal import Principal
 
 if TYPE_CHECKING:
     import grpc
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 log = logging.getLogger(__name__)
 
@@ -119,31 +121,31 @@ class Loaded:
     cert_pem: bytes | None
     key_pem: bytes | None
     ca_pem: bytes | None
-    leaf: Any = None  # cryptography x509.Certificate of cert_pem's first certificate
+    leaf: x509.Certificate | None = None  # cert_pem's first certificate
 
     def describe(self) -> str:
         """'serial 0x1f.., CN=collector, notAfter 2026-05-01 12:00:00Z' of the served certificate."""
         return describe_cert(self.leaf) if self.leaf is not None else "no certificate"
 
 
-def describe_cert(cert: Any) -> str:
+def describe_cert(cert: x509.Certificate) -> str:
     cn = _attribute(cert.subject, "COMMON_NAME")
     return (f"serial {cert.serial_number:#x}, CN={cn[0] if cn else ''}, "
             f"notAfter {not_after(cert):%Y-%m-%d %H:%M:%S}Z")
 
 
-def not_before(cert: Any) -> dt.datetime:
+def not_before(cert: x509.Certificate) -> dt.datetime:
     """Aware UTC: cryptography 42+ has not_valid_before_utc; 38 (Debian 12) only the naive one."""
-    value = getattr(cert, "not_valid_before_utc", None)
+    value: dt.datetime | None = getattr(cert, "not_valid_before_utc", None)
     return value if value is not None else cert.not_valid_before.replace(tzinfo=dt.UTC)
 
 
-def not_after(cert: Any) -> dt.datetime:
-    value = getattr(cert, "not_valid_after_utc", None)
+def not_after(cert: x509.Certificate) -> dt.datetime:
+    value: dt.datetime | None = getattr(cert, "not_valid_after_utc", None)
     return value if value is not None else cert.not_valid_after.replace(tzinfo=dt.UTC)
 
 
-def _attribute(name: Any, oid_name: str) -> list[str]:
+def _attribute(name: x509.Name, oid_name: str) -> list[str]:
     from cryptography.x509.oid import NameOID
 
     return [str(a.value) for a in name.get_attributes_for_oid(getattr(NameOID, oid_name))]
@@ -163,7 +165,7 @@ def _read(files: TlsFiles, which: str, path: str) -> bytes:
                        "user") from None
 
 
-def parse_certs(data: bytes, label: str, path: str) -> list[Any]:
+def parse_certs(data: bytes, label: str, path: str) -> list[x509.Certificate]:
     """Every certificate in a PEM file, in order (a chain, or a CA bundle)."""
     from cryptography import x509
 
@@ -178,7 +180,19 @@ def parse_certs(data: bytes, label: str, path: str) -> list[Any]:
                        "may be half-written or damaged") from None
 
 
-def parse_key(data: bytes, label: str, path: str) -> Any:
+class PublicKey(Protocol):
+    """What every cryptography public key type has (cryptography 38 and 42+ name their unions apart)."""
+
+    def public_bytes(self, encoding: Encoding, format: PublicFormat, /) -> bytes: ...
+
+
+class PrivateKey(Protocol):
+    """What every cryptography private key type has."""
+
+    def public_key(self) -> PublicKey: ...
+
+
+def parse_key(data: bytes, label: str, path: str) -> PrivateKey:
     from cryptography.hazmat.primitives import serialization
 
     if b"-----BEGIN" not in data or b"PRIVATE KEY-----" not in data:
@@ -198,13 +212,13 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:160] or type(exc).__name__
 
 
-def _public_der(key: Any) -> bytes:
+def _public_der(key: PublicKey) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def issued_by(cert: Any, ca: Any) -> bool:
+def issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
     """`ca` signed `cert`: the issuer name and the signature (done by hand: cryptography 38 has no
     verify_directly_issued_by). A signature scheme this does not know is left to the handshake."""
     from cryptography.exceptions import InvalidSignature
@@ -213,14 +227,18 @@ def issued_by(cert: Any, ca: Any) -> bool:
     if cert.issuer != ca.subject:
         return False
     public = ca.public_key()
+    digest = cert.signature_hash_algorithm  # None for an Ed25519/Ed448 signature: not an EC or RSA CA's
     try:
         if isinstance(public, ec.EllipticCurvePublicKey):
-            public.verify(cert.signature, cert.tbs_certificate_bytes, ec.ECDSA(cert.signature_hash_algorithm))
+            if digest is None:
+                return False
+            public.verify(cert.signature, cert.tbs_certificate_bytes, ec.ECDSA(digest))
         elif isinstance(public, rsa.RSAPublicKey):
             if cert.signature_algorithm_oid.dotted_string == "1.2.840.113549.1.1.10":  # RSASSA-PSS
                 return True
-            public.verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(),
-                          cert.signature_hash_algorithm)
+            if digest is None:
+                return False
+            public.verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(), digest)
         elif isinstance(public, ed25519.Ed25519PublicKey | ed448.Ed448PublicKey):
             public.verify(cert.signature, cert.tbs_certificate_bytes)
     except InvalidSignature:
@@ -228,7 +246,7 @@ def issued_by(cert: Any, ca: Any) -> bool:
     return True
 
 
-def _check_dates(cert: Any, label: str, path: str, now: dt.datetime) -> None:
+def _check_dates(cert: x509.Certificate, label: str, path: str, now: dt.datetime) -> None:
     start, end = not_before(cert), not_after(cert)
     if now > end:
         raise TlsError(f"{label} {path}: certificate expired {end:%Y-%m-%d %H:%M:%S}Z "
@@ -335,7 +353,7 @@ def trust_domain_of_ca(ca_pem: bytes) -> str | None:
     return None
 
 
-def _uris(cert: Any) -> list[str]:
+def _uris(cert: x509.Certificate) -> list[str]:
     from cryptography import x509
 
     try:
@@ -345,16 +363,21 @@ def _uris(cert: Any) -> list[str]:
     return [str(u) for u in san.get_values_for_type(x509.UniformResourceIdentifier)]
 
 
-def principal_from_auth_context(auth: Mapping[str, Sequence[bytes]], trust_domain: str,
+def first_auth_value(auth: Mapping[str, Iterable[bytes]], key: str) -> bytes | None:
+    """The first value of a gRPC auth context's property (`x509_pem_cert`: the leaf), or None."""
+    return next((bytes(v) for v in auth.get(key) or ()), None)
+
+
+def principal_from_auth_context(auth: Mapping[str, Iterable[bytes]], trust_domain: str,
                                 peer: str) -> Principal | None:
     """Who a verified client certificate names, or None: no certificate (plaintext, or TLS without
     one), a foreign trust domain, or a SPIFFE ID that names no node or user (logged, once per cert)."""
     if [bytes(v) for v in auth.get("transport_security_type", ())] != [b"ssl"]:
         return None
-    pems = auth.get("x509_pem_cert") or ()
-    if not pems:
+    pem = first_auth_value(auth, "x509_pem_cert")
+    if pem is None:
         return None
-    found = _identity(bytes(pems[0]), trust_domain)
+    found = _identity(pem, trust_domain)
     if found is None:
         return None
     kind, name, groups = found
