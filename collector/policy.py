@@ -37,6 +37,7 @@ import yaml
 from ghostgpu.common.model.durations import parse_duration_s
 from ghostgpu.common.model.names import one_line
 from ghostgpu.common.system import safe_yaml
+from ghostgpu.common.system.filewatch import FileWatch
 from ghostgpu.common.transport.principal import Principal
 
 log = logging.getLogger(__name__)
@@ -248,28 +249,17 @@ class PolicyWatcher:
         self.path = path
         self.on_event = on_event
         self._lock = threading.Lock()
-        self._stat = self._stat_key()
-        self._refused: tuple[object, str] | None = None  # (stat key, line) of the last refused reload
+        self._watch = FileWatch((path,))  # follows symlinks: a ConfigMap's ..data swap changes the inode
+        self._refused: tuple[object, str] | None = None  # (signature, line) of the last refused reload
         # At start a bad file is fatal (PolicyError propagates): better no collector than a wrong one.
         self.policy = Policy.load(path) if path else Policy.default(own_uid)
 
-    def _stat_key(self) -> tuple[int, ...] | None:
-        if not self.path:
-            return None
-        try:
-            st = os.stat(self.path)  # follows symlinks: a ConfigMap's ..data swap changes the inode
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
-
     def maybe_reload(self) -> bool:
-        """Reload when the file's mtime, size or inode changed since the last look; True if reloaded."""
+        """Reload when the file changed since the last look (filewatch.py); True if reloaded."""
         if not self.path:
             return False
-        key = self._stat_key()
-        if key == self._stat:
+        if not self._watch.poll():
             return False
-        self._stat = key
         return self.reload()
 
     def reload(self) -> bool:
@@ -278,16 +268,16 @@ class PolicyWatcher:
             log.info("no --policy file: the built-in policy stays")
             return False
         with self._lock:
-            self._stat = self._stat_key()  # taken before reading: a change while reading is seen next time
+            self._watch.poll()  # taken before reading: a change while reading is seen next time
             try:
                 new = Policy.load(self.path)
             except Exception as e:  # of any kind (MemoryError, RecursionError too): the old policy stays
                 why = str(e) if isinstance(e, PolicyError) else (
                     f"policy {self.path}: cannot load it ({type(e).__name__}: {e})")
                 line = one_line(why, RELOAD_LINE_MAX - len(_KEPT)) + _KEPT
-                if (self._stat, line) == self._refused:
+                if (self._watch.signature, line) == self._refused:
                     return False  # the same file refused the same way (SIGHUP after the look): said once
-                self._refused = (self._stat, line)
+                self._refused = (self._watch.signature, line)
                 log.error("%s", line)
                 self._emit("policy.reload_error", line)
                 return False

@@ -3,7 +3,8 @@
     ghostgpu.cli (cli/)               the commands: entry point, client, views, up, demo
     ghostgpu.tracer | ghostgpu.collector   the node tracer and the collector, never each other
     ghostgpu.common (and ghostgpu)    the shared floor, in rooms: wire, web
-                                      over model, transport, audit, system
+                                      over model, transport, audit
+                                      over system
     ghostgpu.v1, ghostgpu.k8s         generated code
 
 Every import counts: at module level, inside a function (lazy), or under TYPE_CHECKING. The walk
@@ -25,8 +26,9 @@ ROOTS = {"ghostgpu": REPO / "ghostgpu", "ghostgpu.tracer": REPO / "tracer",
          "ghostgpu.cli": REPO / "cli"}
 FLOORS = {"generated": 0, "common": 1, "tracer": 2, "collector": 2, "cli": 3}
 # The shared floor's rooms (ghostgpu/common/*/): a room imports only rooms on a lower level, never one
-# beside it, so model, transport, audit and system each read on their own.
-ROOMS = {"model": 0, "transport": 0, "audit": 0, "system": 0, "wire": 1, "web": 1}
+# beside it, so model, transport and audit each read on their own. system (the process and its files:
+# fd limit, file modes, the YAML loader, the file watcher) is under them all.
+ROOMS = {"system": 0, "model": 1, "transport": 1, "audit": 1, "wire": 2, "web": 2}
 
 
 def modules() -> dict[str, Path]:

@@ -3,8 +3,8 @@
 cert-manager rewrites a mounted Secret in place (kubelet swaps a symlink); an operator may copy new
 files over the old ones. gRPC's dynamic server credentials ask `CertReloader.fetch` at every new
 handshake (once per connection, not per call) whether the configuration changed. The answer must be
-cheap, so it stats the three files (mtime_ns, size, inode, device: a few microseconds) and reads them
-only when one of those moved. A complete, valid new set is served from the next handshake on; a bad
+cheap, so it stats the three files (ghostgpu/common/system/filewatch.py: a few microseconds) and
+reads them only when one moved. A complete, valid new set is served from the next handshake on; a bad
 one (half-written, a key that does not match yet, expired) keeps the current set and is reported
 once per change of the files, not once per handshake. Connections already open keep the session
 they negotiated: a rotation never cuts a tracer's stream.
@@ -13,12 +13,12 @@ they negotiated: a rotation never cuts a tracer's stream.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 
 import grpc
 
+from ghostgpu.common.system.filewatch import FileWatch
 from ghostgpu.common.transport.tls import Loaded, TlsError, TlsFiles, check_server
 
 log = logging.getLogger(__name__)
@@ -43,21 +43,10 @@ class CertReloader:
         self.files = files
         self._on_reload = on_reload
         self._lock = threading.Lock()  # gRPC may run handshakes on several threads
-        self._signature = self._stat()
+        self._watch = FileWatch((files.cert, files.key, files.ca))
         self.current = check_server(files)
         self.reloads = 0
         self.errors = 0
-
-    def _stat(self) -> tuple[tuple[int, ...], ...]:
-        out = []
-        for path in (self.files.cert, self.files.key, self.files.ca):
-            try:
-                st = os.stat(path) if path else None
-            except OSError as exc:
-                out.append((-1, exc.errno or 0))
-                continue
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev) if st else ())
-        return tuple(out)
 
     def credentials(self) -> grpc.ServerCredentials:
         """Credentials for add_secure_port: client certificates required and verified by --tls-ca."""
@@ -71,10 +60,8 @@ class CertReloader:
         answer = None
         try:
             with self._lock:
-                signature = self._stat()
-                if signature == self._signature:
+                if not self._watch.poll():
                     return None
-                self._signature = signature
                 try:
                     loaded = check_server(self.files)
                 except TlsError as exc:

@@ -9,11 +9,11 @@
 Reload, as exporter-toolkit does, but never on the caller's thread: context() and refuse() run on
 the HTTP loop thread, which serves every connection and kubelet's probes, and a reload (YAML, every
 bcrypt hash, an SSLContext) would stall them all. So a call stats the config file and the files it
-names (mtime, size, inode: a mounted Secret's symlink swap changes the inode) at most once per
-RELOAD_CHECK_INTERVAL_S, and when one changed re-reads them on a thread of its own; calls meanwhile
-get the current set. A good new set serves the connections after it is in; open connections keep
-theirs. A bad one (half-written cert, key of another cert) keeps the old set and logs one line per
-change. Whether the port speaks TLS is decided at start: a reload cannot turn it on or off.
+names (ghostgpu/common/system/filewatch.py: a mounted Secret's symlink swap changes the inode) at
+most once per RELOAD_CHECK_INTERVAL_S, and when one changed re-reads them on a thread of its own;
+calls meanwhile get the current set. A good new set serves the connections after it is in; open
+connections keep theirs. A bad one (half-written cert, key of another cert) keeps the old set and
+logs one line per change. Whether the port speaks TLS is decided at start: a reload cannot turn it on or off.
 
 Basic auth: bcrypt is slow on purpose (~50 ms at cost 10), and Prometheus sends the same credentials
 every scrape, so successes are cached by SHA-256 of (user, hash, password), as exporter-toolkit does;
@@ -36,7 +36,6 @@ import binascii
 import hashlib
 import ipaddress
 import logging
-import os
 import ssl
 import threading
 import time
@@ -44,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ghostgpu.common.system.filewatch import Signature, file_signature
 from ghostgpu.common.web.webconfig import WebConfig, WebConfigError, load_web_config, server_context
 
 log = logging.getLogger("ghostgpu.http")
@@ -54,18 +54,6 @@ RATE_SOURCES_MAX = 10_000  # per-address buckets kept; the least recently used i
 RELOAD_CHECK_INTERVAL_S = 1.0  # how often the config's files are stat'ed for a change
 # bcrypt of "ghostgpu: no such user" at cost 10: what an unknown user's password is checked against.
 _NO_USER_HASH = b"$2b$10$A0xTZaiBgu17k1.wZ1wW5Okv9RoZKhTpFzXmnzxoV/ANa5kAeaAUK"
-Signature = tuple[tuple[str, int, int, int] | tuple[str], ...]
-
-
-def file_signature(paths: Iterable[str]) -> Signature:
-    out: list[tuple[str, int, int, int] | tuple[str]] = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-            out.append((path, st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            out.append((path,))
-    return tuple(out)
 
 
 class BasicAuth:
