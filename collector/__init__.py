@@ -1,4 +1,5 @@
 """The ghostgpu collector: ingests node tracers' streams and keeps the cluster-wide picture.
 
-It never imports tracer internals: it shares only ghostgpu.common.model.consumers and the generated API.
+It never imports the tracer: what the two share is the floor below them, ghostgpu.common and the
+generated API (ARCHITECTURE.md; tests/unit/test_layering.py checks it).
 """

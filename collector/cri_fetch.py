@@ -4,9 +4,10 @@ The transport is a plain function (method, serialized request, timeout) -> seria
 so the same procedure runs through a tracer's relay (the bytes travel in a stream Command) or a
 local unix socket (`direct_transport`). Only the read-only RuntimeService methods are ever called.
 
-Procedure (shared spec, "CRI resolution"): ListContainers(filter.id); nothing listed ->
-ContainerStatus to confirm (NOT_FOUND -> "not_found"); else PodSandboxStatus for the pod, and
-ContainerStatus for the reason and exit code of an exited or unknown container.
+Procedure (the calls and the runtimes' behaviour: docs/reference/cri-and-podresources.md, section 1):
+ListContainers(filter.id); nothing listed -> ContainerStatus to confirm (NOT_FOUND -> "not_found");
+else PodSandboxStatus for the pod, and ContainerStatus for the reason and exit code of an exited or
+unknown container.
 """
 
 from __future__ import annotations

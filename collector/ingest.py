@@ -6,10 +6,10 @@ Acks once the batch is committed, CRI relay Commands). Requests arrive as raw by
 parses them itself, so a malformed message is INVALID_ARGUMENT (gRPC's own deserializer would say
 INTERNAL), and a batch whose events are all new is stored as the very bytes that came in.
 
-Rules (shared spec, "Stream protocol", items 2, 4, 5): the first message must be a Hello of a
-supported API version naming a node; a new Hello for a node replaces (aborts) its older stream;
-a batch is validated whole before anything changes; events at or below the stored seq are
-duplicates (counted, not stored again); an Ack covers only committed events.
+The stream's rules: the first message must be a Hello of a supported API version naming a node;
+a new Hello for a node replaces (aborts) its older stream; a batch is validated whole before
+anything changes; events at or below the stored seq are duplicates (counted, not stored again); an
+Ack covers only committed events.
 
 Trace sessions (docs/TRACE.md): TraceBatches and the answers to trace commands go to `traces`
 (collector/traces.py's TraceBook, set by the Collector), which also hears every stream's end, as

@@ -1,1 +1,1 @@
-"""The ghostgpu node tracer: sources (bpf, procfs, nvml) -> node state -> classify -> sinks."""
+"""The ghostgpu node tracer: sources (bpf, procfs, nvml) -> the holder table -> classify -> sinks."""

@@ -1,4 +1,4 @@
-"""The long-running node agent: sources -> node state -> classify -> sinks.
+"""The long-running node agent: sources -> the holder table -> classify -> sinks.
 
 One thread, one loop: wait on the BPF ring buffer (or the stop event when BPF is off), apply
 what arrived, and on their own clocks read NVML, rescan /proc, read ioctl counters and
@@ -80,7 +80,7 @@ class Tracer:
         if not self.nvml.available:
             self._notice("nvml", f"{self.nvml.error}; classes that need NVML are reported as unknown")
         # BPF is attached before the first scan, so nothing opened in between slips through;
-        # what both see is merged by the node state.
+        # what both see is merged by the holder table.
         self.errors.run("scan", self._scan, True)
         self.errors.run("classify", self._classify)
         self.sink.emit(records.ready_record(self.cfg.node_name, self.bpf is not None, self.nvml.available,

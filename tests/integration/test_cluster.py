@@ -42,7 +42,7 @@ FAST = ["--grace-s", "0.5"]
 DEADLINE_S = 30.0  # generous: a 2-core VM shared with other test runs
 NS = "ghost-e2e"
 CRI_NODE = "node-cri"
-# What `ps -o json` adds to the node snapshot's keys (the JSON contract).
+# What `ps -o json` adds to the node snapshot's keys (the README's JSON contract).
 CLUSTER_KEYS = {"namespace", "pod", "container", "image", "allocated"}
 
 

@@ -1,4 +1,4 @@
-"""The real tracer's verdicts for issue 13's cases: node-wide holders, PIDs NVML lists that hold no GPU
+"""The real tracer's verdicts for the hard cases: node-wide holders, PIDs NVML lists that hold no GPU
 device file (reused, or MPS clients), a container process named like an allowlisted daemon, and the
 grace period that `unknown` waits out too.
 

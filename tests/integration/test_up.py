@@ -192,7 +192,7 @@ def _in_chroot(root: Path, argv: list[str]) -> list[str]:
 @needs_bpf
 def test_up_demo_in_a_chroot_says_at_once_why_it_sees_nothing(tmp_path: Path, root_bpf: None,
                                                               demo_guard: set[str]) -> None:
-    """Issue 16: the tracer cannot see a chroot's demo devices by path. up says which path and what to
+    """From a chroot the tracer cannot see the demo's devices by path. up says which path and what to
     do within seconds of the tracer's first scan (not after the 120 s cap), and the flags it names work."""
     root = Path(tempfile.mkdtemp(prefix="gg-ch-", dir="/tmp"))  # short: the prefix it suggests fits 40 bytes
     try:

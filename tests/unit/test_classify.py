@@ -136,7 +136,7 @@ CASES = [
      [(100, 0, C.VISIBLE)], "2048 MiB"),
     ("sorted-by-gpu-then-pid", [ctr(200, hold(NV1, 5)), ctr(101, hold(NV1, 5)), ctr(100, hold(NV0, 5))], nv(),
      [(100, 0, C.HIDDEN), (101, 1, C.HIDDEN), (200, 1, C.HIDDEN)], "in container"),
-    # --- unknown waits out the grace period like every other class (issue 13, item 7)
+    # --- unknown waits out the grace period like every other class
     ("no-nvml-pending-first", [ctr(100, hold(NV0, 5, seen_s=99.98))], NO_NVML, [(100, 0, C.PENDING)],
      "grace"),
     ("nvml-cannot-list-pending-first", [ctr(100, hold(NV0, 5, seen_s=99.5))], UNLISTED, [(100, 0, C.PENDING)],

@@ -1,6 +1,6 @@
 """The Grafana dashboard: every expression parses in a real Prometheus 2.42 (its query API answers
 400 bad_data on a parse error), reads only metrics ghostgpu exports, and the selectors and the four
-kinds of panels the issue asks for are there."""
+kinds of panels docs/ALERTING.md describes are there."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def procs(kernel, tgid: int) -> int | None:  # type: ignore[no-untyped-def]
 
 
 def test_the_kernel_deleting_between_our_lookup_and_delete_is_not_an_error() -> None:
-    """The crash of issue 9: bcc's table.pop(key, None) looks up, then deletes, and raises
+    """A crash seen with bcc: its table.pop(key, None) looks up, then deletes, and raises
     KeyError when the kernel removed the entry in between. Here the fake kernel closes the fd
     right after seed() looked it up (the process closed it itself): nothing raises, and the
     hold is released once, by the kernel's close, not a second time by us."""

@@ -43,7 +43,7 @@ class OneContainer:
 
 
 class StandInPusher:
-    """collector.alertpush.AlertPusher's interface (shared spec), recording how the Collector drives it."""
+    """collector.alertpush.AlertPusher's interface, recording how the Collector drives it."""
 
     made: list[StandInPusher] = []
 

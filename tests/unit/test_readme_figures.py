@@ -381,7 +381,7 @@ ROWS: dict[str, list[Figure]] = {
             lambda d: d["rss_bytes_last"]["tracer"] / 1e6),
         fig("one tracer PID throughout{}", "soak",
             lambda d: "" if len(d["tracer_pids_seen"]) == 1 else " (NO)"),
-        fixed("< 1 MB/h each", "the issue's goal for the soak's RSS slope"),
+        fixed("< 1 MB/h each", "the goal for the soak's RSS slope"),
         fig("missed by {:.2f} MB/h", "soak", lambda d: d["rss_slope_mb_per_h"]["up"] - 1),
     ],
     "`StreamSink.emit`": [
@@ -447,9 +447,9 @@ ROWS: dict[str, list[Figure]] = {
         fixed("every 1 s", "the reference poller's interval (bench/churn_poller.py)"),
         fig("saw {:,} of {:,}", "churn", "poller_1s.caught", "consumers"),
         fig("{:.1f}x the poller's catch", "churn", "ratio_tracer_exits_vs_poller"),
-        fixed("p99 < 100 ms, 0 false findings", "the issue's goals for exit lag and findings (bench_churn.py "
+        fixed("p99 < 100 ms, 0 false findings", "the goals for exit lag and findings (bench_churn.py "
               "checks them)"),
-        fixed("RSS flat within 5 MB", "the issue's goal for RSS growth (bench_churn.py checks it)"),
+        fixed("RSS flat within 5 MB", "the goal for RSS growth (bench_churn.py checks it)"),
         fig("flat within 5 MB ({})", "churn", lambda d: "met" if all(d["goals"].values()) else "missed"),
         fixed("as fd 3", "the fd tests/helpers/churn.c opens the device as"),
     ],

@@ -18,7 +18,7 @@ RULES = REPO / "deploy/prometheus/ghostgpu-rules.yaml"
 PROMETHEUS_RULE = REPO / "deploy/prometheus/ghostgpu-prometheusrule.yaml"
 RULE_TESTS = sorted((REPO / "deploy/prometheus/tests").glob("*.yaml"))
 
-# The spec's "Alertmanager push" table, plus the health alerts of the rules file.
+# Every alert's severity, as docs/ALERTING.md's table gives it.
 SEVERITIES = {
     "GhostGPUHiddenConsumer": "critical", "GhostGPUOrphanedConsumer": "critical",
     "GhostGPUGhostMemory": "warning", "GhostGPUUnallocatedAccess": "warning",

@@ -55,7 +55,7 @@ rules:
 CONNECT = "/ghostgpu.v1.NodeStream/Connect"
 WATCH_FINDINGS = "/ghostgpu.v1.Query/WatchFindings"
 WATCH_TRACE = "/ghostgpu.v1.Query/WatchTrace"
-WITHIN_S = 1.0  # the bound: a revoked stream ends within 1 s of the reload
+WITHIN_S = 1.0  # a revoked stream ends within 1 s of the reload (docs/SECURITY.md, "Revocation")
 
 
 @dataclass

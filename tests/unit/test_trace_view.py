@@ -21,7 +21,7 @@ from ghostgpu.common.model.trace import STATUS_NOT_WRITTEN, TraceRecord, is_driv
 T0 = 1_700_000_000_123_456_789  # 2023-11-14 22:13:20.123456789 UTC
 HC, HD, HO = 0xC1D00001, 0xCAF00002, 0xCAF00003
 ENOTTY, EINVAL = -25, -22
-FAKE = "999.99.99-fake"  # the driver in the report: not in the layout tables
+FAKE = "999.99.99-fake"  # a driver release the layout tables do not cover
 V595 = "595.45.04"
 UNCOVERED = f"driver {FAKE} not covered: decoded with the 595.45.04 layout"
 

@@ -157,7 +157,7 @@ class TraceRecord:
         return self.call or self.kind
 
     def to_json(self) -> dict[str, Any]:
-        """The stable JSON-lines keys of `ghostgpu trace -o jsonl` (issue 11's contract, then extras)."""
+        """The JSON-lines keys of `ghostgpu trace -o jsonl`: the contract's (never renamed), then extras."""
         return {
             "session": self.session, "node": self.node, "ts_ns": self.ts_ns, "pid": self.pid, "tid": self.tid,
             "ns_pid": self.ns_pid, "container_id": self.container_id, "namespace": self.namespace,
