@@ -54,10 +54,10 @@ def add_parser(sub: Any) -> None:
 
 
 def _since_ns(args: argparse.Namespace) -> int:
-    from ghostgpu.cli.client import parse_since
+    from ghostgpu.common.model.durations import LOOK_BACK, parse_duration_s
 
     text = args.since if args.since is not None else (None if args.verify else DEFAULT_SINCE)
-    return 0 if text is None else int((time.time() - parse_since(text)) * 1e9)
+    return 0 if text is None else int((time.time() - parse_duration_s(text, "--since", LOOK_BACK)) * 1e9)
 
 
 def read_file(path: str, since_unix_ns: int = 0) -> list[Item]:

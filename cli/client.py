@@ -24,6 +24,7 @@ from ghostgpu.cli import view
 from ghostgpu.cli.tls_flags import collector_uid_from_args, tls_from_args
 
 from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerClass
+from ghostgpu.common.model.durations import LOOK_BACK, parse_duration_s
 from ghostgpu.common.model.trace import TraceRecord, TraceScope, TraceSession
 from ghostgpu.common.transport.addresses import collector_address
 from ghostgpu.common.transport.dial import CollectorRefused, open_channel
@@ -37,8 +38,6 @@ from ghostgpu.v1 import query_pb2, query_pb2_grpc, trace_pb2
 CALL_TIMEOUT_S = 10.0
 WATCH_REDRAW_S = 2.0  # ages in the SINCE column move even when no finding does
 RECONNECT_MAX_S = 2.0
-_SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class ClientError(Exception):
@@ -57,14 +56,6 @@ def trace_error(exc: grpc.RpcError, address: str, tls: TlsFiles | None = None) -
     if exc.code() in TRACE_REFUSALS and exc.details():
         return TraceRefused(exc.details().splitlines()[0])
     return ClientError(describe_rpc_error(exc, address, tls))
-
-
-def parse_since(text: str) -> float:
-    """'30s', '15m', '1h', '7d' -> seconds."""
-    m = _SINCE.match(text.strip())
-    if not m:
-        raise ValueError(f"--since {text!r}: use a number and a unit s, m, h or d (e.g. 30s, 15m, 1h, 7d)")
-    return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
 def parse_classes(values: list[str] | None) -> list[ConsumerClass]:
@@ -336,7 +327,7 @@ def show(screen: str, last_printed: str, tty: bool) -> str:
 
 def cmd_findings(args: argparse.Namespace) -> int:
     filters = _filters(args)
-    since_s = parse_since(args.since)
+    since_s = parse_duration_s(args.since, "--since", LOOK_BACK)
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be 0 (the collector's default) or more")
     query = Query.from_args(args)

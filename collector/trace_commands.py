@@ -28,7 +28,7 @@ import grpc
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.trace_store import DEFAULT_MAX_RECORDS, DEFAULT_STORE_MAX_RECORDS
 
-from ghostgpu.common.model.durations import parse_duration_s
+from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.common.model.trace import TraceScope
 from ghostgpu.v1 import stream_pb2
 
@@ -60,14 +60,6 @@ class TraceLimits:
         return requested_ms or int(self.default_duration_s * 1000)
 
 
-def fmt_ms(ms: int) -> str:
-    """20m, 90s, 1h, 1500ms: as the flags take them."""
-    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
-        if ms and ms % size == 0:
-            return f"{ms // size}{unit}"
-    return f"{ms}ms"
-
-
 def validate(scope: TraceScope, duration_ms: int, max_records: int, limits: TraceLimits) -> tuple[int, int]:
     """(duration_ms, max_records) with the defaults filled in; INVALID_ARGUMENT naming what is wrong."""
     bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -80,7 +72,7 @@ def validate(scope: TraceScope, duration_ms: int, max_records: int, limits: Trac
     max_ms = int(limits.max_duration_s * 1000)
     duration_ms = limits.duration_ms(duration_ms)
     if duration_ms > max_ms:
-        raise TraceError(bad, f"duration {fmt_ms(duration_ms)} exceeds the maximum of {fmt_ms(max_ms)} "
+        raise TraceError(bad, f"duration {format_ms(duration_ms)} exceeds the maximum of {format_ms(max_ms)} "
                          "(--trace-max-duration)")
     if max_records > limits.max_records:
         raise TraceError(bad, f"max records {max_records} exceeds the maximum of {limits.max_records} "

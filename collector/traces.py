@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 from ghostgpu.collector.trace_access import InNamespace, confine
-from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, fmt_ms, node_error, validate
+from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, node_error, validate
 from ghostgpu.collector.trace_scope import (
     Names,
     TraceError,
@@ -41,6 +41,7 @@ from ghostgpu.collector.trace_scope import (
 from ghostgpu.collector.trace_store import TraceStore
 from ghostgpu.collector.trace_watch import LiveSession, NodePart, TraceWatcher, watch_messages
 
+from ghostgpu.common.model.durations import format_ms
 from ghostgpu.common.model.trace import TraceScope, TraceSession, TraceStatus
 from ghostgpu.common.wire.convert_trace import session_to_proto
 from ghostgpu.v1 import trace_pb2
@@ -101,7 +102,7 @@ class TraceBook:
         self.sessions[s.id] = s
         self.store.save(s)  # running from here: batches sent before the answers are kept
         # A client that goes away while the tracers answer changes nothing: the start runs on.
-        return await asyncio.shield(self._launch(live, where, who, f"for {fmt_ms(duration_ms)}",
+        return await asyncio.shield(self._launch(live, where, who, f"for {format_ms(duration_ms)}",
                                                  pid_containers))
 
     async def _launch(self, live: LiveSession, where: dict[str, set[str]], who: str,

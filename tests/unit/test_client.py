@@ -24,10 +24,11 @@ from typing import Any
 import grpc
 import pytest
 from ghostgpu.cli import view
-from ghostgpu.cli.client import parse_classes, parse_since
+from ghostgpu.cli.client import parse_classes
 from ghostgpu.cli.main import main
 
 from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.model.durations import LOOK_BACK, parse_duration_s
 from ghostgpu.common.wire.convert import cluster_consumer_to_proto
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, stream_pb2
 from tests.helpers.polling import wait_until
@@ -200,7 +201,7 @@ def test_bad_class_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("15m", 900), ("1h", 3600), ("7d", 604800),
                                                ("1.5h", 5400), (" 2m ", 120)])
 def test_parse_since(text: str, seconds: float) -> None:
-    assert parse_since(text) == seconds
+    assert parse_duration_s(text, "--since", LOOK_BACK) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "1", "h", "1w", "-1h", "1h30m", "abc"])

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ghostgpu.collector.trace_commands import fmt_ms, node_error
+from ghostgpu.collector.trace_commands import node_error
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.trace_watch import TraceWatcher, watch_messages
 from ghostgpu.collector.traces import TraceBook
 
-from ghostgpu.common.model.durations import parse_duration_s
+from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.polling import wait_until
@@ -326,7 +326,7 @@ def test_durations_parse_and_print_as_the_flags_take_them() -> None:
         30, 600, 3600, 0.5, 45, 600]
     with pytest.raises(ValueError, match=r"^--x 'ten': use"):
         parse_duration_s("ten", "--x")
-    assert [fmt_ms(v) for v in (1_200_000, 90_000, 3_600_000, 1500)] == ["20m", "90s", "1h", "1500ms"]
+    assert [format_ms(v) for v in (1_200_000, 90_000, 3_600_000, 1500)] == ["20m", "90s", "1h", "1500ms"]
 
 
 def test_a_watcher_that_falls_behind_is_dropped_not_the_session() -> None:
