@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 import yaml
+from yaml.events import Event
 from yaml.nodes import MappingNode, Node
 
 MAX_CONFIG_BYTES = 64 * 1024
@@ -35,10 +37,17 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 _HELP = "this file takes no anchors, aliases or merge keys; write the value out where it is used"
 
 
+class Mark(Protocol):
+    """Where in the file: PyYAML's pure and libyaml marks both have it (0-based)."""
+
+    line: int
+    column: int
+
+
 class YamlRefused(ValueError):
     """One line: `line L column C: what was refused` (or the file's size, from read_capped)."""
 
-    def __init__(self, why: str, mark: Any = None) -> None:
+    def __init__(self, why: str, mark: Mark | None = None) -> None:
         at = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
         super().__init__(at + why)
         self.line = mark.line + 1 if mark is not None else 0
@@ -55,15 +64,15 @@ def _shown(value: object) -> str:
 class StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader without anchors, aliases, merge keys and duplicate keys, nesting capped."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
-        event = self.peek_event()
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:  # index: an int or the key's node
+        event: Event = self.peek_event()
+        anchor: str | None = getattr(event, "anchor", None)
         if isinstance(event, yaml.AliasEvent):
-            raise YamlRefused(f"alias *{_clip(event.anchor)} refused; {_HELP}", event.start_mark)
-        anchor = getattr(event, "anchor", None)
+            raise YamlRefused(f"alias *{_clip(str(anchor))} refused; {_HELP}", event.start_mark)
         if anchor is not None:
             raise YamlRefused(f"anchor &{_clip(anchor)} refused; {_HELP}", event.start_mark)
         if self._depth >= MAX_DEPTH:
@@ -75,9 +84,9 @@ class StrictLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, MappingNode):
-            first: dict[Any, Any] = {}
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        if isinstance(node, MappingNode):  # SafeConstructor refuses anything else, in its own words
+            first: dict[Hashable, Mark] = {}
             for key_node, _ in node.value:
                 if key_node.tag == _MERGE_TAG:
                     raise YamlRefused(f"merge key << refused; {_HELP}", key_node.start_mark)

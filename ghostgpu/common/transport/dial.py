@@ -101,6 +101,7 @@ def serving_uid(target: str) -> int | None:
 
 def _unix_uid(path: str) -> int | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    uid: int
     with contextlib.closing(s):
         s.settimeout(CHECK_TIMEOUT_S)
         try:

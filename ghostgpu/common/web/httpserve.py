@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gzip
 import logging
 import socket
@@ -194,16 +195,16 @@ class HttpServer:
         return self
 
     def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        serve_until_stopped(loop, self._accept, self._sock)
+        loop, listening = self._loop, self._sock
+        assert loop is not None and listening is not None  # start() set both before the thread
+        serve_until_stopped(loop, functools.partial(self._accept, listening), listening)
 
-    async def _accept(self) -> None:
+    async def _accept(self, listening: socket.socket) -> None:
         """Accept here, so that the caps see a connection before its TLS handshake."""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, peer = await loop.sock_accept(self._sock)
+                sock, peer = await loop.sock_accept(listening)
             except OSError as e:  # EMFILE: out of descriptors; the caps are larger than the fd limit
                 self._cap_line("", f"accept failed: {e.strerror or e}")
                 await asyncio.sleep(0.1)
@@ -304,7 +305,7 @@ class HttpServer:
             else:
                 transport, _ = await loop.connect_accepted_socket(
                     lambda: protocol, sock, ssl=context, ssl_handshake_timeout=self.header_timeout_s)
-            writer = asyncio.StreamWriter(transport, protocol, reader, loop)  # type: ignore[arg-type]
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
             if self.guard is not None and context is not None:
                 ssl_object = writer.get_extra_info("ssl_object")
                 why = self.guard.peer_refused(ssl_object) if ssl_object is not None else None

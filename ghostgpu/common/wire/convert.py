@@ -42,10 +42,13 @@ from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
 log = logging.getLogger("ghostgpu.common.wire.convert")
 
-_CLASS_TO_PB = {cls: node_pb2.ConsumerClass.Value(f"CONSUMER_CLASS_{cls.name}") for cls in ConsumerClass}
-_PB_TO_CLASS = {v: k for k, v in _CLASS_TO_PB.items()}
-_KIND_TO_PB = {k: node_pb2.HolderEvent.Kind.Value(f"KIND_{k.upper()}") for k in HOLDER_KINDS}
-_PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
+# The enums' constants by name (typed as their enum; EnumTypeWrapper.Value() is typed int).
+_CLASS_TO_PB: dict[ConsumerClass, node_pb2.ConsumerClass] = {
+    cls: getattr(node_pb2, f"CONSUMER_CLASS_{cls.name}") for cls in ConsumerClass}
+_PB_TO_CLASS: dict[int, ConsumerClass] = {v: k for k, v in _CLASS_TO_PB.items()}
+_KIND_TO_PB: dict[str, node_pb2.HolderEvent.Kind] = {
+    k: getattr(node_pb2.HolderEvent, f"KIND_{k.upper()}") for k in HOLDER_KINDS}
+_PB_TO_KIND: dict[int, str] = {v: k for k, v in _KIND_TO_PB.items()}
 
 
 def opt_to_pb(value: int | None, unset: int) -> int:
@@ -67,7 +70,7 @@ def ns_to_ts(ns: int) -> float:
     return round(ns / 1e9, 6)
 
 
-def class_to_proto(cls: ConsumerClass) -> int:
+def class_to_proto(cls: ConsumerClass) -> node_pb2.ConsumerClass:
     return _CLASS_TO_PB[cls]
 
 

@@ -11,8 +11,10 @@ from ghostgpu.common.model.trace import TraceRecord, TraceScope, TraceSession, T
 from ghostgpu.common.wire.convert import opt_from_pb, opt_to_pb
 from ghostgpu.v1 import trace_pb2
 
-_STATUS_TO_PB = {s: trace_pb2.TraceStatus.Value(f"TRACE_STATUS_{s.name}") for s in TraceStatus}
-_PB_TO_STATUS = {v: k for k, v in _STATUS_TO_PB.items()}
+# The enum's constants by name (typed as the enum; EnumTypeWrapper.Value() is typed int).
+_STATUS_TO_PB: dict[TraceStatus, trace_pb2.TraceStatus] = {
+    s: getattr(trace_pb2, f"TRACE_STATUS_{s.name}") for s in TraceStatus}
+_PB_TO_STATUS: dict[int, TraceStatus] = {v: k for k, v in _STATUS_TO_PB.items()}
 
 
 def scope_to_proto(s: TraceScope) -> trace_pb2.TraceScope:
@@ -25,7 +27,7 @@ def scope_from_proto(m: trace_pb2.TraceScope) -> TraceScope:
                       gpu=m.gpu)
 
 
-def status_to_proto(s: TraceStatus) -> int:
+def status_to_proto(s: TraceStatus) -> trace_pb2.TraceStatus:
     return _STATUS_TO_PB[s]
 
 
