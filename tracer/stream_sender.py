@@ -1,8 +1,7 @@
-"""The sender thread's half of StreamSink (tracer/stream.py): connections, reconnects and flow control.
+"""The sender thread of a StreamSink (tracer/stream.py): connections, reconnects and flow control.
 
-StreamSink inherits it; the split follows the threads. stream.py is what the tracer's loop calls
-(emit, close, stats) and the state it keeps; this module is everything the one sender thread does
-with that state, as stream.proto and the issue 3 spec ("Stream protocol") say:
+The split follows the threads. stream.py is what the tracer's loop calls (emit, close, stats);
+`StreamSender` is everything the one sender thread does, as stream.proto says:
 
     connect -> Hello -> Welcome (drop spool <= acked_seq) -> Snapshot(seq = last assigned)
     -> the spool's unacknowledged events -> live EventBatches: at once on an idle link, else at
@@ -11,7 +10,7 @@ with that state, as stream.proto and the issue 3 spec ("Stream protocol") say:
 
 reading Acks (trim the spool) and Commands (CRI relay, answered on the same stream) through the
 StreamSession's receiver thread. A lost stream is retried with jittered exponential backoff.
-Every attribute declared on StreamSender below is shared with emit() and guarded by `_lock`.
+What the two sides share is one `Outbox`: the spool, the seq counter and the counters, under its lock.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from ghostgpu.tracer.spool import Spool, encode_event, encode_events_message
 from ghostgpu.tracer.stream_session import StreamSession
 
 from ghostgpu import __version__
-from ghostgpu.common.model.records import AnyRecord, InfoRecord
+from ghostgpu.common.model.consumers import Consumer, ConsumerKey
+from ghostgpu.common.model.records import AllocationsRecord, AnyRecord, InfoRecord
 from ghostgpu.common.transport.dial import CollectorRefused
 from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.common.transport.tls_explain import explain_connect_failure
@@ -60,61 +60,78 @@ class StreamOptions:
     collector_uid: int | None = None  # who besides root may serve a plaintext collector (dial.py)
 
 
+class Outbox:
+    """What a StreamSink's callers (emit, emit_trace, stats, the snapshot) and its sender thread
+    share, every field guarded by `lock`: the seq counter, the spool, the trace batches waiting
+    behind the events, the state a Snapshot is made of, and the counters stats() reports."""
+
+    __slots__ = ("allocations", "batches_sent", "closed", "connect_failures", "connected", "consumers",
+                 "dropped_unreported", "events_sent", "first_pending_s", "info", "lock", "max_batch",
+                 "overflowing", "seq", "spool", "trace_out", "welcomes")
+
+    def __init__(self, spool_events: int) -> None:
+        self.lock = threading.Lock()
+        self.seq = 0  # the last seq assigned
+        self.spool = Spool(spool_events)
+        self.first_pending_s = 0.0  # monotonic time of the oldest record not yet encoded
+        self.max_batch = protocol.MAX_BATCH_EVENTS  # until a Welcome says otherwise
+        self.dropped_unreported = 0  # spool drops not yet reported in a notice
+        self.overflowing = self.closed = self.connected = False
+        self.welcomes = self.connect_failures = self.events_sent = self.batches_sent = 0
+        self.trace_out: deque[bytes] = deque()  # TraceBatch messages, sent after the events before them
+        # The Snapshot's table, kept as records are emitted (so it matches seq); `info` also fills Hello.
+        self.consumers: dict[ConsumerKey, Consumer] = {}
+        self.info: InfoRecord | None = None
+        self.allocations: AllocationsRecord | None = None
+
+
 class StreamSender:
-    """The sender thread (`_run`) and the receiver callbacks; StreamSink sets every attribute up."""
+    """The sender thread (`run`) and the receiver callbacks of one StreamSink, sharing its Outbox.
+    What the sink alone knows comes in as calls: the Snapshot (built under the lock that assigns
+    seqs), the TracerStats, and `report`, which emits a record past the spool's bound."""
 
-    target: str
-    node: str
-    options: StreamOptions
-    instance_id: str
-    boot_id: str
-    _capabilities: list[str]
-    _backoff_s: float
-    # Shared with emit() and stats(), under _lock.
-    _lock: threading.Lock
-    _seq: int
-    _spool: Spool
-    _first_pending_s: float  # monotonic time of the oldest record not yet encoded
-    _info: InfoRecord | None
-    _max_batch: int
-    _dropped_unreported: int
-    _overflowing: bool
-    _connected: bool
-    _welcomes: int
-    _connect_failures: int
-    _events_sent: int
-    _batches_sent: int
-    # The sender thread's own.
-    _wake: threading.Event
-    _stopping: threading.Event
-    _deadline_s: float
-    _down_logged: bool
-    _refusal_logged: str
-    _commands: CommandRunner
-    _trace_out: deque[bytes]  # under _lock
-    on_reconnect: Callable[[], None] | None
+    def __init__(self, target: str, node: str, options: StreamOptions, out: Outbox, *, wake: threading.Event,
+                 commands: CommandRunner, instance_id: str, boot_id: str, capabilities: list[str],
+                 snapshot: Callable[[], stream_pb2.Snapshot],
+                 tracer_stats: Callable[[], stream_pb2.TracerStats],
+                 report: Callable[[AnyRecord], None]) -> None:
+        self.target = target
+        self.node = node
+        self.options = options
+        self._out = out
+        self._wake = wake  # set by emit (a batch's first event, a full batch), acks and close()
+        self._commands = commands
+        self._instance_id = instance_id
+        self._boot_id = boot_id
+        self._capabilities = capabilities
+        self._snapshot = snapshot
+        self._tracer_stats = tracer_stats
+        self._report = report
+        self._backoff_s = options.backoff_min_s
+        self.stopping = threading.Event()
+        self._deadline_s = float("inf")
+        self._down_logged = False
+        self._refusal_logged = ""
+        self.on_reconnect: Callable[[], None] | None = None
 
-    def emit(self, record: AnyRecord, _bounded: bool = True) -> None:
-        raise NotImplementedError  # StreamSink's
+    def stop(self, deadline_s: float) -> None:
+        """Flush until `deadline_s` (monotonic), then end the thread."""
+        self._deadline_s = deadline_s
+        self.stopping.set()
+        self._wake.set()
 
-    def _snapshot(self) -> stream_pb2.Snapshot:
-        raise NotImplementedError  # StreamSink's: built under the lock that assigns seqs
-
-    def _tracer_stats(self) -> stream_pb2.TracerStats:
-        raise NotImplementedError  # StreamSink's
-
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
-            self._idle_until(time.monotonic() + self.options.info_wait_s, lambda: self._info is not None)
+            self._idle_until(time.monotonic() + self.options.info_wait_s, lambda: self._out.info is not None)
             outcome = ""
-            while not self._stopping.is_set():
+            while not self.stopping.is_set():
                 outcome = self._attempt()
-                if outcome != "stopped" and not self._stopping.is_set():
+                if outcome != "stopped" and not self.stopping.is_set():
                     self._backoff()
             # One last try to hand over what is spooled, unless the collector refused this tracer
             # (a version it does not speak, a certificate or policy that keeps it out): the answer
             # would be the same, and the collector would audit one more refusal.
-            if (outcome != "stopped" and len(self._spool) and time.monotonic() < self._deadline_s
+            if (outcome != "stopped" and len(self._out.spool) and time.monotonic() < self._deadline_s
                     and not self._refusal_logged):
                 self._attempt()
         except Exception:
@@ -122,16 +139,17 @@ class StreamSender:
 
     def _idle_until(self, until_s: float, done: Callable[[], bool] = lambda: False) -> None:
         """Wait (encoding what arrives, so the spool stays compact) until a time, `done`, or close()."""
-        while not self._stopping.is_set() and not done():
+        out = self._out
+        while not self.stopping.is_set() and not done():
             self._wake.clear()
             now = time.monotonic()
             if now >= until_s:
                 return
             timeout = until_s - now
-            with self._lock:
-                if self._spool.pending:
-                    full = len(self._spool.pending) >= self._max_batch
-                    timeout = 0 if full else min(timeout, max(self._first_pending_s + FLUSH_S - now, 0))
+            with out.lock:
+                if out.spool.pending:
+                    full = len(out.spool.pending) >= out.max_batch
+                    timeout = 0 if full else min(timeout, max(out.first_pending_s + FLUSH_S - now, 0))
             if timeout <= 0:
                 self._encode_pending()
                 continue
@@ -144,39 +162,41 @@ class StreamSender:
 
     def _encode_pending(self) -> None:
         """Records -> NodeEvent bytes, a batch at a time, outside the lock so emit() never waits long."""
+        out = self._out
         while True:
-            with self._lock:
-                taken = self._spool.take_pending(self._max_batch)
-                if self._spool.pending:
-                    self._first_pending_s = time.monotonic()
+            with out.lock:
+                taken = out.spool.take_pending(out.max_batch)
+                if out.spool.pending:
+                    out.first_pending_s = time.monotonic()
             if not taken:
                 return
             encoded = [(seq, encode_event(seq, rec)) for seq, rec in taken]
-            with self._lock:
-                self._spool.put_encoded(len(taken), encoded)
+            with out.lock:
+                out.spool.put_encoded(len(taken), encoded)
 
     def _hello(self) -> bytes:
         caps = list(self._capabilities)
-        info = self._info
+        info = self._out.info
         if info is not None:
             # "trace": sessions run wherever the kernel side does (refused with a reason otherwise);
             # "trace-confine": it checks TraceStart.pid_containers (a caller who is not admin)
             caps[:0] = [name for name, on in (("bpf", info.bpf), ("nvml", info.nvml), ("trace", info.bpf),
                                               ("trace-confine", info.bpf)) if on]
-        hello = stream_pb2.Hello(api_version=protocol.API_VERSION, node=self.node, boot_id=self.boot_id,
-                                 instance_id=self.instance_id, tracer_version=__version__, capabilities=caps)
+        hello = stream_pb2.Hello(api_version=protocol.API_VERSION, node=self.node, boot_id=self._boot_id,
+                                 instance_id=self._instance_id, tracer_version=__version__, capabilities=caps)
         return stream_pb2.TracerMessage(hello=hello).SerializeToString()
 
     def _attempt(self) -> str:
         """One connection, from Hello to its end: "failed", "lost" or "stopped" (flushed on close)."""
+        out = self._out
         session = StreamSession(self.target, self._on_ack, self._on_command, self._wake, self.options.tls,
                                 collector_uid=self.options.collector_uid)
         try:
             try:
                 session.open(self._hello())
             except CollectorRefused as exc:  # a collector another local user serves: nothing sent
-                with self._lock:
-                    self._connect_failures += 1
+                with out.lock:
+                    out.connect_failures += 1
                 if str(exc) != self._refusal_logged:
                     log.error("%s; retrying", exc)
                     self._refusal_logged = str(exc)
@@ -186,29 +206,29 @@ class StreamSender:
                 log.warning("cannot open a stream to the collector at %s: %s", self.target, exc)
                 return "failed"
             timeout_s = self.options.welcome_timeout_s
-            if self._stopping.is_set():
+            if self.stopping.is_set():
                 timeout_s = max(0.0, self._deadline_s - time.monotonic())
             welcome = session.wait_welcome(
-                timeout_s, lambda: self._stopping.is_set() and time.monotonic() >= self._deadline_s)
+                timeout_s, lambda: self.stopping.is_set() and time.monotonic() >= self._deadline_s)
             if welcome is None:
                 self._connect_failed(session)
                 return "failed"
             if not self._on_welcome(welcome):  # a Welcome in an API version we do not speak (logged)
-                with self._lock:
-                    self._connect_failures += 1
+                with out.lock:
+                    out.connect_failures += 1
                 return "failed"
             snap = self._snapshot()
             session.put(stream_pb2.TracerMessage(snapshot=snap).SerializeToString(), self._put_deadline())
             return self._pump(session)
         finally:
-            session.close(graceful=self._stopping.is_set())
-            with self._lock:
-                self._connected = False
-                self._spool.requeue()
+            session.close(graceful=self.stopping.is_set())
+            with out.lock:
+                out.connected = False
+                out.spool.requeue()
 
     def _connect_failed(self, session: StreamSession) -> None:
-        with self._lock:
-            self._connect_failures += 1
+        with self._out.lock:
+            self._out.connect_failures += 1
         code, details = session.error_code(), session.error_details()
         if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
             # Version skew, or a certificate or policy that does not let this node in: nothing
@@ -230,21 +250,22 @@ class StreamSender:
             self._down_logged = True
 
     def _on_welcome(self, welcome: stream_pb2.Welcome) -> bool:
+        out = self._out
         if welcome.api_version not in protocol.SUPPORTED_API_VERSIONS:
             log.error("collector at %s speaks ghostgpu API v%d, this tracer (ghostgpu %s) speaks v%d; run "
                       "matching versions of ghostgpu", self.target, welcome.api_version, __version__,
                       protocol.API_VERSION)
             self._backoff_s = self.options.backoff_max_s
             return False
-        with self._lock:
-            self._max_batch = welcome.max_batch_events or protocol.MAX_BATCH_EVENTS
-            self._spool.ack(min(welcome.acked_seq, self._seq))
-            self._connected = True
-            self._welcomes += 1
+        with out.lock:
+            out.max_batch = welcome.max_batch_events or protocol.MAX_BATCH_EVENTS
+            out.spool.ack(min(welcome.acked_seq, out.seq))
+            out.connected = True
+            out.welcomes += 1
         self._backoff_s = self.options.backoff_min_s
         self._down_logged = False
         self._refusal_logged = ""
-        if self._welcomes > 1 and self.on_reconnect is not None:
+        if out.welcomes > 1 and self.on_reconnect is not None:
             # The collector ended what ran over the lost stream (trace sessions: "node lost").
             try:
                 self.on_reconnect()
@@ -256,33 +277,35 @@ class StreamSender:
 
     def _report_overflow(self) -> None:
         """Events the spool dropped, said once the collector is back (as a notice it stores, too)."""
-        with self._lock:
-            lost, self._dropped_unreported = self._dropped_unreported, 0
-            self._overflowing = False
+        out = self._out
+        with out.lock:
+            lost, out.dropped_unreported = out.dropped_unreported, 0
+            out.overflowing = False
         if lost:
             events = "event" if lost == 1 else "events"
             message = f"spool overflow: {lost} {events} lost while the collector at {self.target} was away"
             log.warning("%s", message)
-            self.emit(notice_record(self.node, "stream.spool_overflow", message), _bounded=False)
+            self._report(notice_record(self.node, "stream.spool_overflow", message))
 
     def _put_deadline(self) -> float:
-        return self._deadline_s if self._stopping.is_set() else float("inf")
+        return self._deadline_s if self.stopping.is_set() else float("inf")
 
     def _pump(self, session: StreamSession) -> str:
         """Live batches, resends, heartbeats and the ack watchdog until the stream ends or close()."""
+        out = self._out
         while True:
             if session.ended.is_set():
                 self._lost(session)
                 return "lost"
             self._wake.clear()
             now = time.monotonic()
-            stopping = self._stopping.is_set()
-            with self._lock:
-                n_pending, first = len(self._spool.pending), self._first_pending_s
-                n_unsent, n_inflight = len(self._spool.unsent), len(self._spool.inflight)
-                overflowed = self._dropped_unreported and len(self._spool) < self._spool.capacity
+            stopping = self.stopping.is_set()
+            with out.lock:
+                n_pending, first = len(out.spool.pending), out.first_pending_s
+                n_unsent, n_inflight = len(out.spool.unsent), len(out.spool.inflight)
+                overflowed = out.dropped_unreported and len(out.spool) < out.spool.capacity
             if stopping and (now >= self._deadline_s or not (n_pending or n_unsent or n_inflight
-                                                             or self._trace_out)):
+                                                             or out.trace_out)):
                 return "stopped"
             if overflowed:  # the collector fell behind while connected and has caught up again
                 self._report_overflow()
@@ -291,7 +314,7 @@ class StreamSender:
             # while batches await their acks, new events gather for up to FLUSH_S, and for as long
             # as the window is full (an ack wakes us).
             window = session.inflight_batches() < WINDOW_BATCHES
-            due = window and (n_pending >= self._max_batch or now - first >= FLUSH_S)
+            due = window and (n_pending >= out.max_batch or now - first >= FLUSH_S)
             if n_unsent or (n_pending and (stopping or n_inflight == 0 or due)):
                 self._encode_pending()
                 self._send_unsent(session)
@@ -304,7 +327,7 @@ class StreamSender:
                             self.options.ack_timeout_s)
                 return "lost"
             if now - session.last_send_s >= self.options.heartbeat_s:
-                hb = stream_pb2.Heartbeat(ts_unix_ns=time.time_ns(), last_seq=self._seq,
+                hb = stream_pb2.Heartbeat(ts_unix_ns=time.time_ns(), last_seq=out.seq,
                                           stats=self._tracer_stats())
                 session.put(stream_pb2.TracerMessage(heartbeat=hb).SerializeToString(), self._put_deadline())
                 continue
@@ -318,27 +341,29 @@ class StreamSender:
             self._wake.wait(max(0.0, min(timeouts)))
 
     def _send_unsent(self, session: StreamSession) -> None:
+        out = self._out
         while not session.ended.is_set():
-            with self._lock:
-                batch = self._spool.take_unsent(self._max_batch, MAX_BATCH_BYTES)
+            with out.lock:
+                batch = out.spool.take_unsent(out.max_batch, MAX_BATCH_BYTES)
             if not batch:
                 return
             session.sent(batch[-1][0])
             if not session.put(encode_events_message([data for _, data in batch]), self._put_deadline()):
                 return  # the stream ended (or close() ran out of time): requeued on teardown
-            with self._lock:
-                self._events_sent += len(batch)
-                self._batches_sent += 1
+            with out.lock:
+                out.events_sent += len(batch)
+                out.batches_sent += 1
 
     def _send_trace(self, session: StreamSession) -> bool:
         """Hand one queued TraceBatch to the stream if no event is waiting ahead of it."""
-        with self._lock:
-            if not self._trace_out or self._spool.pending or self._spool.unsent:
+        out = self._out
+        with out.lock:
+            if not out.trace_out or out.spool.pending or out.spool.unsent:
                 return False
-            data = self._trace_out.popleft()
+            data = out.trace_out.popleft()
         if not session.put(data, self._put_deadline()):
-            with self._lock:
-                self._trace_out.appendleft(data)  # the stream ended: the next connection sends it
+            with out.lock:
+                out.trace_out.appendleft(data)  # the stream ended: the next connection sends it
             return False
         return True
 
@@ -351,11 +376,12 @@ class StreamSender:
     # --- the receiver thread (StreamSession) ------------------------------------------------
 
     def _on_ack(self, session: StreamSession, seq: int) -> None:
-        with self._lock:
-            self._spool.ack(min(seq, self._seq))
-            waiting = bool(self._spool.pending)  # events held back while the window was full
+        out = self._out
+        with out.lock:
+            out.spool.ack(min(seq, out.seq))
+            waiting = bool(out.spool.pending)  # events held back while the window was full
         session.acked(seq)
-        if waiting or self._stopping.is_set():
+        if waiting or self.stopping.is_set():
             self._wake.set()  # close() waits for the last acks
 
     def _on_command(self, session: StreamSession, command: stream_pb2.Command) -> None:

@@ -234,7 +234,7 @@ def test_a_full_window_gathers_events_until_an_ack_frees_it(tcp_collector: FakeC
         sink.emit(notice(WINDOW_BATCHES + 1 + i))
     # The 10 ms flush timer lapses by the sink's own clock; then the sender is woken and must look at
     # the held events again, past their flush time: with the window full, nothing may leave.
-    wait_until(lambda: time.monotonic() >= sink._first_pending_s + FLUSH_S, "the flush timer to lapse")
+    wait_until(lambda: time.monotonic() >= sink._out.first_pending_s + FLUSH_S, "the flush timer to lapse")
     mark = wake.mark()
     wake.set()
     wait_until(lambda: wake.looked_again_since(mark), "the sender to look at the held events again")
