@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from ghostgpu.tracer.events import DeviceHold, EventKind, Holder, ProcessInfo, ProcView, SourceEvent
 
@@ -21,6 +22,7 @@ Identify = Callable[[int, int], ProcessInfo | None]
 CHANGE_KINDS = ("holder_added", "holder_removed", "device_added", "device_removed", "device_updated")
 # Bound on the "touched after the scan started" memory when no scan prunes it (procfs source off).
 _TOUCHED_MAX = 65536
+_K = TypeVar("_K")
 
 
 @dataclass
@@ -291,9 +293,10 @@ class HolderTable:
                 elif hold.mapped and not found.mapped:
                     emit(SourceEvent(EventKind.UNMAP, "procfs", ts_ns, pid, device=found.device))
             held = self.holders.get(pid)
-            for path in sorted(held.holds if held is not None else ()):
+            holds = held.holds if held is not None else {}
+            for path in sorted(holds):
                 if path not in seen and stale(pid, path):
-                    emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=held.holds[path].device))
+                    emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=holds[path].device))
 
         scope = set(self.holders) if scanned_pids is None else set(scanned_pids)
         for pid in sorted(scope - set(view)):
@@ -332,10 +335,8 @@ class HolderTable:
 
     def _trim(self) -> None:
         # No scan has pruned for long (procfs source off?): keep the newest half of the marks.
-        for marks in (self._touched_ns, self._exited_ns):
-            newest = sorted(marks.items(), key=lambda kv: kv[1])[len(marks) // 2:]
-            marks.clear()
-            marks.update(newest)
+        _keep_newest_half(self._touched_ns)
+        _keep_newest_half(self._exited_ns)
 
     # --- the agent's other inputs ---------------------------------------------------------
 
@@ -346,3 +347,10 @@ class HolderTable:
 
     def holders_snapshot(self) -> list[Holder]:
         return [copy_holder(self.holders[pid]) for pid in sorted(self.holders)]
+
+
+def _keep_newest_half(marks: dict[_K, int]) -> None:
+    """Keep the newer half of `marks` (key -> when, ns)."""
+    newest = sorted(marks.items(), key=lambda kv: kv[1])[len(marks) // 2:]
+    marks.clear()
+    marks.update(newest)

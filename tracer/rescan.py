@@ -27,11 +27,11 @@ before 6.2 (st_size of /proc/PID/fd is 0 there), in a process that released no f
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 Mark = tuple[int, int] | None  # (st_ino, st_size) of /proc/PID/fd; None when it cannot be read
 
@@ -73,7 +73,7 @@ def changed_pids(before: Mapping[int, Mark], after: Mapping[int, Mark], holders:
     return changed
 
 
-def take_marked(buf: bytearray | memoryview | Any) -> set[int]:
+def take_marked(buf: bytearray | mmap.mmap) -> set[int]:
     """The ids whose byte is set in a byte-per-id map (the kernel's touched_bytes), each cleared
     before it is returned: a mark the kernel sets again after that is for the next rescan."""
     taken: set[int] = set()
