@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
+from typing import TypedDict
 
 from ghostgpu.tracer.call_decode import DecodedCall, DriverLayout, IoctlCapture, decode_call, layout_for
 from ghostgpu.tracer.cgroup import CgroupIdResolver
@@ -51,6 +52,25 @@ def read_identity(proc_root: str, pid: int) -> tuple[int | None, str]:
     data = read_bytes(f"{proc_root}/{pid}/status")
     status = parse_status(data.decode("utf-8", "replace")) if data is not None else None
     return (status.ns_pid, status.name) if status is not None else (None, "")
+
+
+class _Common(TypedDict):
+    """The TraceRecord fields every kind of record fills the same way."""
+
+    session: str
+    node: str
+    seq: int
+    ts_ns: int
+    kind: str
+    pid: int
+    tid: int
+    ns_pid: int | None
+    comm: str
+    container_id: str
+    gpu: str
+    device: str
+    ret: int
+    duration_ns: int
 
 
 class RecordMaker:
@@ -128,10 +148,10 @@ class RecordMaker:
                 return None
         ns_pid, comm = self._identity(raw.tgid)
         kind = TRACE_KINDS.get(raw.kind, f"kind{raw.kind}")
-        base = dict(session=session, node=self.node, seq=seq, ts_ns=raw.ts_ns + offset_ns, kind=kind,
-                    pid=raw.tgid, tid=raw.tid, ns_pid=ns_pid, comm=comm,
-                    container_id=self._container(raw.cgroup_id), gpu=gpu,
-                    device=device.path if device is not None else "", ret=raw.ret, duration_ns=raw.dur_ns)
+        base = _Common(session=session, node=self.node, seq=seq, ts_ns=raw.ts_ns + offset_ns, kind=kind,
+                       pid=raw.tgid, tid=raw.tid, ns_pid=ns_pid, comm=comm,
+                       container_id=self._container(raw.cgroup_id), gpu=gpu,
+                       device=device.path if device is not None else "", ret=raw.ret, duration_ns=raw.dur_ns)
         if kind == "ioctl":
             return self._ioctl(raw, base, device)
         fd = raw.fd if raw.fd >= 0 else None
@@ -150,7 +170,7 @@ class RecordMaker:
             child = raw.a2
         return TraceRecord(**base, call=kind, fd=fd, args=args, child_pid=child)
 
-    def _ioctl(self, raw: RawTrace, base: dict, device: DeviceRef | None) -> TraceRecord:
+    def _ioctl(self, raw: RawTrace, base: _Common, device: DeviceRef | None) -> TraceRecord:
         xfer = bool(raw.flags & TF_XFER)
         kind = str(device.kind) if device is not None else "other"
         status = raw.status if raw.flags & TF_STATUS else None
