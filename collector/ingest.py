@@ -12,8 +12,8 @@ anything changes; events at or below the stored seq are duplicates (counted, not
 Ack covers only committed events.
 
 Trace sessions (docs/TRACE.md): TraceBatches and the answers to trace commands go to `traces`
-(collector/traces.py's TraceBook, set by the Collector), which also hears every stream's end, as
-a session running on a tracer whose stream ended has lost that node.
+(collector/traces.py's TraceBook, which reads the same `sessions`), which also hears every stream's
+end, as a session running on a tracer whose stream ended has lost that node.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -118,20 +118,25 @@ class Ingest:
     """The stream servicer; every method runs on the event loop. CRI calls to the tracers go through
     `relay` (collector/relay.py), which this servicer hands the tracers' answers and ended streams."""
 
-    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int,
+    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int, *,
+                 sessions: dict[str, IngestSession] | None = None, traces: TraceSink | None = None,
+                 audit: Callable[..., Any] | None = None, local_node: str | None = None,
                  max_batch_events: int = MAX_BATCH_EVENTS) -> None:
+        """sessions: the connected streams by node, filled here (the trace book reads the same dict);
+        traces: the trace session book; audit: AuditLog.append (collector/audit.py); local_node: the
+        collector's own node (`ghostgpu up`), whose tracer may speak as a local uid."""
         self.nodes = nodes
         self.cluster = cluster
         self.store = store
         self.event_log_max = event_log_max
         self.max_batch_events = max_batch_events
-        self.sessions: dict[str, IngestSession] = {}
+        self.sessions: dict[str, IngestSession] = {} if sessions is None else sessions
         self.relay = CriRelayClient(self.sessions)
-        self.traces: TraceSink | None = None  # the trace session book; the Collector sets it
-        self.audit: Any = None  # AuditLog.append (collector/audit.py); the Collector sets it
+        self.traces = traces
+        self.audit = audit
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
-        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
-        self.local_node: str | None = None  # the collector's own node (`ghostgpu up`); the Collector sets it
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once it runs (serve_on)
+        self.local_node = local_node
         self.local_uids = frozenset({0, os.getuid()})  # the uids that are this host's tracer (_speaks_for)
         self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
         self._refused = DenialFold()  # one tracer.refused record per (subject, reason) per 10 s
@@ -140,6 +145,10 @@ class Ingest:
         for pos in store.load_positions():
             self.durable[pos.key] = pos.delivered_seq
             self.nodes.setdefault(pos.node, NodeView(pos.node)).positions[pos.key] = pos
+
+    def serve_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop the streams (and the CRI calls through them) run on, known once it runs."""
+        self.loop = self.relay.loop = loop
 
     # ---- the handler ----------------------------------------------------------------------------
 
