@@ -48,7 +48,7 @@ REDETECT_INTERVAL_S = 1.0  # with no socket found, look again at most this often
 MAX_RESPONSE_BYTES = protocol.MAX_MESSAGE_BYTES - (64 << 10)
 
 
-def rpc_status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+def rpc_status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
     """(code, details) of a failed call; an RpcError that is not a call's outcome reads as UNKNOWN."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -124,6 +124,7 @@ class CriRelay:
                                           endpoint=self._path or "")
         timeout_s = min(timeout_ms / 1000, MAX_TIMEOUT_S) if timeout_ms > 0 else DEFAULT_TIMEOUT_S
         # No serializers: the request and answer stay the bytes the collector and the runtime wrote.
+        stub: grpc.UnaryUnaryMultiCallable[bytes, bytes]
         stub = channel.unary_unary(f"/runtime.v1.RuntimeService/{method}")
         try:
             response = stub(request, timeout=timeout_s)

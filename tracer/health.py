@@ -42,7 +42,7 @@ from prometheus_client.metrics_core import (
 
 from ghostgpu import __version__
 from ghostgpu.common.model.consumers import ConsumerClass
-from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response
+from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response, given_caps
 from ghostgpu.common.wire import protocol
 
 if TYPE_CHECKING:
@@ -289,7 +289,6 @@ def start_health_server(listen: str, health: AgentHealth, flag: str = FLAG,
     auth guards /metrics only: kubelet's probes cannot send credentials (docs/SECURITY.md). The probes
     are answered on the server's loop thread, outside the rate limit and never behind a slow scrape,
     and idle connections past the caps are closed for new ones (ghostgpu/common/web/httpserve.py)."""
-    caps = {k: v for k, v in (("max_connections", max_connections),
-                              ("max_connections_per_source", max_connections_per_source)) if v is not None}
+    caps = given_caps(max_connections, max_connections_per_source)
     return HttpServer(listen, health_routes(health), flag=flag, name="health", web_config=web_config,
                       open_paths=PROBE_PATHS, insecure=insecure, **caps).start()

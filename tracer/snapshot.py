@@ -6,18 +6,18 @@ The consumers only: the command (ghostgpu/cli) renders them with the table `ps` 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from ghostgpu.tracer.agent import Tracer
 from ghostgpu.tracer.config import TracerConfig
 
 from ghostgpu.common.model.consumers import Consumer
+from ghostgpu.common.model.records import AnyRecord
 
 
 class _Discard:
     """A snapshot reports what it finds, not how it got there: notices go to the log only."""
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: AnyRecord) -> None:
         pass
 
     def close(self) -> None:

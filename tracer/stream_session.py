@@ -75,6 +75,7 @@ class StreamSession:
         # Plaintext: CollectorRefused (before anything is sent) when another local uid serves it.
         self._channel = open_channel(self.target, self.tls, protocol.channel_options(),
                                      collector_uid=self.collector_uid)
+        connect: grpc.StreamStreamMultiCallable[bytes, stream_pb2.CollectorMessage]
         connect = self._channel.stream_stream(CONNECT_METHOD, request_serializer=None,
                                               response_deserializer=stream_pb2.CollectorMessage.FromString)
         self.outq.put(hello)

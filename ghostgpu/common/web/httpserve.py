@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import TypedDict
 from urllib.parse import parse_qs, urlsplit
 
 from ghostgpu.common.system.loopthread import serve_until_stopped
@@ -107,6 +108,23 @@ class Response:
 
 
 Handler = Callable[[Request], Response]
+
+
+class HttpCaps(TypedDict, total=False):
+    """The connection caps a command passes on to HttpServer: those given (the rest keep its defaults)."""
+
+    max_connections: int
+    max_connections_per_source: int
+
+
+def given_caps(max_connections: int | None, max_connections_per_source: int | None) -> HttpCaps:
+    """The caps that are set (a flag not given is None)."""
+    caps = HttpCaps()
+    if max_connections is not None:
+        caps["max_connections"] = max_connections
+    if max_connections_per_source is not None:
+        caps["max_connections_per_source"] = max_connections_per_source
+    return caps
 
 
 class _BadRequest(Exception):
