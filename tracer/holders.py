@@ -53,6 +53,15 @@ def _proc_exists(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
+@dataclass
+class _Reconciling:
+    """One reconcile under way: when its scan began, and what it applied so far."""
+
+    ts_ns: int
+    events: list[SourceEvent]
+    changes: list[Change]
+
+
 class HolderTable:
     def __init__(self, identify: Identify, exists: Callable[[int], bool] | None = None) -> None:
         self.holders: dict[int, Holder] = {}
@@ -247,75 +256,89 @@ class HolderTable:
         keep_since_ns: the start of a scan still in progress around this one (a FORK/EXEC rescan
         run while that scan applied the kernel's events): the marks it needs are kept.
         """
-        events: list[SourceEvent] = []
-        out: list[Change] = changes if changes is not None else []
-
-        def emit(ev: SourceEvent, fds: set[int] | None = None) -> None:
-            events.append(ev)
-            out.extend(self._apply(ev, check_reuse=False, fds=fds))
-
-        def stale(pid: int, path: str) -> bool:
-            hold = self.holders[pid].holds[path]
-            return hold.first_seen_ns < ts_ns and self._touched_ns.get((pid, path), 0) < ts_ns
-
+        rec = _Reconciling(ts_ns, [], changes if changes is not None else [])
         for pid in sorted(view):
-            if self._exited_ns.get(pid, -1) >= ts_ns:
-                continue
-            seen = {path: hold for path, hold in view[pid].items() if hold.held}
-            if pid in self.holders:
-                reused = self._check_reuse(pid, 0)
-                if reused:
-                    out.extend(reused)
-                    events.append(SourceEvent(EventKind.EXIT, "procfs", ts_ns, pid))
-            for path, found in sorted(seen.items()):
-                if self._touched_ns.get((pid, path), -1) >= ts_ns:
-                    continue
-                held = self.holders.get(pid)
-                hold = held.holds.get(path) if held is not None else None
-                if hold is None:
-                    if found.fds:
-                        emit(SourceEvent(EventKind.OPEN, "procfs", ts_ns, pid, fd=min(found.fds),
-                                         device=found.device), fds=found.fds)
-                    if found.mapped:
-                        emit(SourceEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
-                    if pid in self.holders and path in self.holders[pid].holds:
-                        self.holders[pid].holds[path].via_tasks = found.via_tasks
-                    continue
-                if not stale(pid, path):
-                    continue
-                if hold.fds != found.fds or hold.via_tasks != found.via_tasks:
-                    # fds moved within a device (dup, close of one of several): not an event.
-                    # Before any UNMAP, so that a mapped-only hold reopened since keeps its device.
-                    hold.fds, hold.via_tasks = set(found.fds), found.via_tasks
-                    out.append(Change("device_updated", pid, copy_holder(self.holders[pid]), path))
-                if found.mapped and not hold.mapped:
-                    emit(SourceEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
-                elif hold.mapped and not found.mapped:
-                    emit(SourceEvent(EventKind.UNMAP, "procfs", ts_ns, pid, device=found.device))
-            held = self.holders.get(pid)
-            holds = held.holds if held is not None else {}
-            for path in sorted(holds):
-                if path not in seen and stale(pid, path):
-                    emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=holds[path].device))
-
+            if self._exited_ns.get(pid, -1) < ts_ns:  # else an EXIT newer than the scan said it all
+                self._reconcile_seen(pid, view[pid], rec)
         scope = set(self.holders) if scanned_pids is None else set(scanned_pids)
         for pid in sorted(scope - set(view)):
-            holder = self.holders.get(pid)
-            if holder is None:
-                continue
-            old = [path for path in sorted(holder.holds) if stale(pid, path)]
-            if not old:
-                continue
-            gone = not self._still_there(pid)
-            if gone and exit_reported and pid in exit_reported:
-                continue
-            if gone or self._reused(pid):
-                emit(SourceEvent(EventKind.EXIT, "procfs", ts_ns, pid))
-                continue
-            for path in old:
-                emit(SourceEvent(EventKind.CLOSE, "procfs", ts_ns, pid, device=holder.holds[path].device))
+            self._reconcile_unseen(pid, rec, exit_reported)
         self._prune(ts_ns if keep_since_ns is None else min(ts_ns, keep_since_ns))
-        return events
+        return rec.events
+
+    def _reconcile_seen(self, pid: int, found_holds: dict[str, DeviceHold], rec: _Reconciling) -> None:
+        """A process the scan read: its PID reused, then each device it holds, then what it closed."""
+        seen = {path: hold for path, hold in found_holds.items() if hold.held}
+        if pid in self.holders:
+            reused = self._check_reuse(pid, 0)
+            if reused:
+                rec.changes.extend(reused)
+                rec.events.append(SourceEvent(EventKind.EXIT, "procfs", rec.ts_ns, pid))
+        for path, found in sorted(seen.items()):
+            if self._touched_ns.get((pid, path), -1) < rec.ts_ns:  # else an event newer than the scan
+                self._reconcile_hold(pid, path, found, rec)
+        held = self.holders.get(pid)
+        holds = held.holds if held is not None else {}
+        for path in sorted(holds):
+            if path not in seen and self._stale(pid, path, rec.ts_ns):
+                self._apply_scanned(rec, SourceEvent(EventKind.CLOSE, "procfs", rec.ts_ns, pid,
+                                                     device=holds[path].device))
+
+    def _reconcile_hold(self, pid: int, path: str, found: DeviceHold, rec: _Reconciling) -> None:
+        """One device the scan found held: a new hold is opened (and mapped); a known one takes the
+        fds and mappings the scan read, unless an event touched it since the scan began."""
+        ts_ns = rec.ts_ns
+        held = self.holders.get(pid)
+        hold = held.holds.get(path) if held is not None else None
+        if hold is None:
+            if found.fds:
+                self._apply_scanned(rec, SourceEvent(EventKind.OPEN, "procfs", ts_ns, pid, fd=min(found.fds),
+                                                     device=found.device), fds=found.fds)
+            if found.mapped:
+                self._apply_scanned(rec, SourceEvent(EventKind.MMAP, "procfs", ts_ns, pid,
+                                                     device=found.device))
+            if pid in self.holders and path in self.holders[pid].holds:
+                self.holders[pid].holds[path].via_tasks = found.via_tasks
+            return
+        if not self._stale(pid, path, ts_ns):
+            return
+        if hold.fds != found.fds or hold.via_tasks != found.via_tasks:
+            # fds moved within a device (dup, close of one of several): not an event.
+            # Before any UNMAP, so that a mapped-only hold reopened since keeps its device.
+            hold.fds, hold.via_tasks = set(found.fds), found.via_tasks
+            rec.changes.append(Change("device_updated", pid, copy_holder(self.holders[pid]), path))
+        if found.mapped and not hold.mapped:
+            self._apply_scanned(rec, SourceEvent(EventKind.MMAP, "procfs", ts_ns, pid, device=found.device))
+        elif hold.mapped and not found.mapped:
+            self._apply_scanned(rec, SourceEvent(EventKind.UNMAP, "procfs", ts_ns, pid, device=found.device))
+
+    def _reconcile_unseen(self, pid: int, rec: _Reconciling, exit_reported: set[int] | None) -> None:
+        """A holder in scope the scan did not find: gone (its EXIT, unless the kernel reports it),
+        its PID reused (an EXIT too), or still there holding nothing (a CLOSE per stale hold)."""
+        holder = self.holders.get(pid)
+        if holder is None:
+            return
+        old = [path for path in sorted(holder.holds) if self._stale(pid, path, rec.ts_ns)]
+        if not old:
+            return
+        gone = not self._still_there(pid)
+        if gone and exit_reported and pid in exit_reported:
+            return
+        if gone or self._reused(pid):
+            self._apply_scanned(rec, SourceEvent(EventKind.EXIT, "procfs", rec.ts_ns, pid))
+            return
+        for path in old:
+            self._apply_scanned(rec, SourceEvent(EventKind.CLOSE, "procfs", rec.ts_ns, pid,
+                                                 device=holder.holds[path].device))
+
+    def _apply_scanned(self, rec: _Reconciling, ev: SourceEvent, fds: set[int] | None = None) -> None:
+        rec.events.append(ev)
+        rec.changes.extend(self._apply(ev, check_reuse=False, fds=fds))
+
+    def _stale(self, pid: int, path: str, ts_ns: int) -> bool:
+        """Neither opened nor touched by an event since the scan began at ts_ns."""
+        hold = self.holders[pid].holds[path]
+        return hold.first_seen_ns < ts_ns and self._touched_ns.get((pid, path), 0) < ts_ns
 
     def _reused(self, pid: int) -> bool:
         """Does the PID now belong to another process than the cached one? (no table change)"""
