@@ -194,25 +194,49 @@ def _names(tls: dict[str, Any], key: str, where: str, known: Mapping[str, str]) 
     return tuple(values)
 
 
+_TLS_STRINGS = ("cert", "key", "client_ca", "cert_file", "key_file", "client_auth_type", "client_ca_file",
+                "min_version", "max_version")
+_TLS_ON = ("cert", "key", "client_ca", "cert_file", "key_file", "client_ca_file", "client_auth_type")
+
+
 def _tls(value: Any, where: str, base: str) -> TlsServerConfig | None:
+    """tls_server_config, checked in the order its errors are reported; None: plain HTTP."""
     if value is None:
         return None
     tls = _mapping(value, where, "tls_server_config", TLS_KEYS)
-    s = {k: _string(tls, k, where) for k in ("cert", "key", "client_ca", "cert_file", "key_file",
-                                              "client_auth_type", "client_ca_file", "min_version",
-                                              "max_version")}
-    if not any(s[k] for k in ("cert", "key", "client_ca", "cert_file", "key_file", "client_ca_file",
-                              "client_auth_type")):
+    s = {k: _string(tls, k, where) for k in _TLS_STRINGS}
+    if not any(s[k] for k in _TLS_ON):
         return None  # exporter-toolkit: no TLS key set means plain HTTP
     for k in ("cert_file", "key_file", "client_ca_file"):
         if s[k] and not os.path.isabs(s[k]):
             s[k] = os.path.join(base, s[k])  # as exporter-toolkit's SetDirectory
+    _check_key_pair(s, where)
+    auth = _client_auth(s, where)
+    min_version, max_version = _versions(s, where)
+    prefer = tls.get("prefer_server_cipher_suites", True)
+    if not isinstance(prefer, bool):
+        raise WebConfigError(f"{where}: tls_server_config.prefer_server_cipher_suites: not true or false")
+    sans = _allowed_sans(tls.get("client_allowed_sans"), auth, where)
+    return TlsServerConfig(
+        cert_file=s["cert_file"], key_file=s["key_file"], client_ca_file=s["client_ca_file"], cert=s["cert"],
+        key=s["key"], client_ca=s["client_ca"], client_auth_type=auth, min_version=min_version,
+        max_version=max_version, cipher_suites=_names(tls, "cipher_suites", where, CIPHERS),
+        curve_preferences=_names(tls, "curve_preferences", where, CURVES),
+        prefer_server_cipher_suites=prefer, client_allowed_sans=sans)
+
+
+def _check_key_pair(s: dict[str, str], where: str) -> None:
+    """Each of cert, key and client CA given once (inline PEM or file); a certificate and its key."""
     if any(s[k] and s[f"{k}_file"] for k in ("cert", "key", "client_ca")):
         raise WebConfigError(f"{where}: tls_server_config: give the inline PEM or the _file, not both")
     if not (s["cert"] or s["cert_file"]):
         raise WebConfigError(f"{where}: tls_server_config.cert_file: missing; TLS needs a certificate")
     if not (s["key"] or s["key_file"]):
         raise WebConfigError(f"{where}: tls_server_config.key_file: missing; TLS needs the certificate's key")
+
+
+def _client_auth(s: dict[str, str], where: str) -> str:
+    """client_auth_type (default NoClientCert): one that verifies what it asks for, with its CA."""
     auth = s["client_auth_type"] or "NoClientCert"
     if auth in _UNVERIFIED_AUTH:
         raise WebConfigError(f"{where}: tls_server_config.client_auth_type: {auth} (a certificate asked for "
@@ -228,7 +252,12 @@ def _tls(value: Any, where: str, base: str) -> TlsServerConfig | None:
     if auth != "NoClientCert" and not has_ca:
         raise WebConfigError(f"{where}: tls_server_config.client_ca_file: {auth} needs the CA that signs "
                              "client certificates")
-    versions = {}
+    return auth
+
+
+def _versions(s: dict[str, str], where: str) -> tuple[str, str]:
+    """min_version and max_version (default TLS12 and TLS13), known and in order."""
+    versions: dict[str, str] = {}
     for k, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
         versions[k] = s[k] or default
         if versions[k] not in TLS_VERSIONS:
@@ -236,23 +265,20 @@ def _tls(value: Any, where: str, base: str) -> TlsServerConfig | None:
                                  f"{', '.join(TLS_VERSIONS)}")
     if TLS_VERSIONS[versions["min_version"]] > TLS_VERSIONS[versions["max_version"]]:
         raise WebConfigError(f"{where}: tls_server_config.min_version: above max_version")
-    prefer = tls.get("prefer_server_cipher_suites", True)
-    if not isinstance(prefer, bool):
-        raise WebConfigError(f"{where}: tls_server_config.prefer_server_cipher_suites: not true or false")
-    sans = tls.get("client_allowed_sans")
-    if sans is not None:
-        if not isinstance(sans, list) or not all(isinstance(v, str) for v in sans):
-            raise WebConfigError(f"{where}: tls_server_config.client_allowed_sans: expected a list of "
-                                 "strings")
-        if auth != "RequireAndVerifyClientCert":
-            raise WebConfigError(f"{where}: tls_server_config.client_allowed_sans: needs client_auth_type "
-                                 "RequireAndVerifyClientCert")
-    return TlsServerConfig(
-        cert_file=s["cert_file"], key_file=s["key_file"], client_ca_file=s["client_ca_file"], cert=s["cert"],
-        key=s["key"], client_ca=s["client_ca"], client_auth_type=auth, min_version=versions["min_version"],
-        max_version=versions["max_version"], cipher_suites=_names(tls, "cipher_suites", where, CIPHERS),
-        curve_preferences=_names(tls, "curve_preferences", where, CURVES),
-        prefer_server_cipher_suites=prefer, client_allowed_sans=tuple(sans) if sans is not None else None)
+    return versions["min_version"], versions["max_version"]
+
+
+def _allowed_sans(sans: Any, auth: str, where: str) -> tuple[str, ...] | None:
+    """client_allowed_sans: a list of strings, only where every client shows a verified certificate."""
+    if sans is None:
+        return None
+    if not isinstance(sans, list) or not all(isinstance(v, str) for v in sans):
+        raise WebConfigError(f"{where}: tls_server_config.client_allowed_sans: expected a list of "
+                             "strings")
+    if auth != "RequireAndVerifyClientCert":
+        raise WebConfigError(f"{where}: tls_server_config.client_allowed_sans: needs client_auth_type "
+                             "RequireAndVerifyClientCert")
+    return tuple(sans)
 
 
 def _headers(value: Any, where: str) -> dict[str, str]:
