@@ -33,13 +33,14 @@ from ghostgpu.collector.authz import DenialFold, current_principal
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
 from ghostgpu.collector.relay import CriRelayClient
-from ghostgpu.collector.store import Position, Store
+from ghostgpu.collector.store import Op, Position, Store
 from google.protobuf.message import DecodeError
 
 from ghostgpu import __version__
 from ghostgpu.common.model.names import node_name_problem, shown
+from ghostgpu.common.transport.principal import Principal
 from ghostgpu.common.wire.protocol import API_VERSION, MAX_BATCH_EVENTS, version_mismatch
-from ghostgpu.v1 import stream_pb2
+from ghostgpu.v1 import stream_pb2, trace_pb2
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,14 @@ PENDING_BYTES_MAX = 64 << 20  # all streams: event bytes queued for the writer
 class TraceSink(Protocol):
     """What ingest hands the trace session book (collector/traces.py)."""
 
-    def batch(self, stream: Any, tb: Any) -> None: ...
+    def batch(self, stream: IngestSession, tb: trace_pb2.TraceBatch) -> None: ...
 
-    def answer(self, stream: Any, result: stream_pb2.CommandResult) -> bool: ...
+    def answer(self, stream: IngestSession, result: stream_pb2.CommandResult) -> bool: ...
 
-    def stream_ended(self, stream: Any) -> None: ...
+    def stream_ended(self, stream: IngestSession) -> None: ...
 
 
-def node_binding_refusal(node: str, who: Any, local_node: str | None,
+def node_binding_refusal(node: str, who: Principal, local_node: str | None,
                          local_uids: frozenset[int]) -> str | None:
     """None when `who` may send a Hello for `node`; else why not (one clause)."""
     if who.kind == "node":
@@ -101,7 +102,7 @@ class IngestSession:
         self.inflight = 0
         self.drained = asyncio.Event()
         self.drained.set()
-        self.who: Any = None  # the Principal that opened it (collector/authz.py), until it is audited closed
+        self.who: Principal | None = None  # who opened it (collector/authz.py), until it is audited closed
 
     def end(self, code: grpc.StatusCode | None, details: str = "") -> None:
         """Finish the stream: OK when code is None, else abort with the code."""
@@ -184,7 +185,7 @@ class Ingest:
                 reader.cancel()
             self._close(session)
 
-    def _hello(self, raw: bytes, who: Any) -> stream_pb2.Hello:
+    def _hello(self, raw: bytes, who: Principal) -> stream_pb2.Hello:
         msg = self._parse(raw)
         if msg.WhichOneof("msg") != "hello":
             raise StreamAbort(grpc.StatusCode.FAILED_PRECONDITION, "stream must start with Hello")
@@ -206,7 +207,7 @@ class Ingest:
                               "Hello.node is empty: start the tracer with --node-name NAME")
         return hello
 
-    def _speaks_for(self, node: str, who: Any) -> None:
+    def _speaks_for(self, node: str, who: Principal) -> None:
         """Node binding (docs/SECURITY.md, "Authorization", node binding), whatever the role rules say:
         a Hello is accepted only from `node:NAME` naming the Hello's node, or from a local uid the
         kernel names (unix socket, loopback) that is root or the collector's own: the host's tracer,
@@ -222,7 +223,7 @@ class Ingest:
         if self.audit is not None:
             self.audit(action, subject, result, **detail)
 
-    def _audit_refused(self, who: Any, reason: str, **detail: Any) -> None:
+    def _audit_refused(self, who: Principal, reason: str, **detail: Any) -> None:
         """tracer.refused, folded as denied RPCs are (collector/authz.py's DenialFold): one record per
         (subject, reason) per window, the next one with `repeats_folded`; a Hello flood costs a
         record per 10 s, not one per attempt."""
@@ -327,6 +328,11 @@ class Ingest:
 
     # ---- messages ------------------------------------------------------------------------------
 
+    def _store_position(self, state: NodeView) -> None:
+        pos = state.position
+        assert pos is not None  # NodeView.begin() set it at the stream's Hello
+        self.store.submit([Store.op_position(pos)])
+
     def _handle(self, session: IngestSession, raw: bytes) -> None:
         msg = self._parse(raw)
         kind = msg.WhichOneof("msg")
@@ -345,11 +351,11 @@ class Ingest:
                                   f"node {session.node}: Snapshot seq {snap.seq} is behind seq {delivered} "
                                   "already received on this tracer's stream; send snapshots in order")
             self.cluster.update(state, state.apply_snapshot(snap))
-            self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
+            self._store_position(state)
         elif kind == "heartbeat":
             if msg.heartbeat.HasField("stats"):
                 state.set_stats(msg.heartbeat.stats)
-                self.store.submit([Store.op_position(state.position)])  # type: ignore[arg-type]
+                self._store_position(state)
         elif kind == "result":
             if self.traces is None or not self.traces.answer(session, msg.result):
                 self.relay.answer(session, msg.result)
@@ -374,7 +380,7 @@ class Ingest:
         assert pos is not None
         first_new = state.accept(seqs)
         n = len(seqs)
-        ops = []
+        ops: list[Op] = []
         size = 0
         if first_new < n and self.event_log_max > 0:
             start = max(first_new, n - self.event_log_max)

@@ -51,7 +51,7 @@ def validate_batch(events: Sequence[stream_pb2.NodeEvent], max_events: int) -> t
         i = bodies.index(None)
         raise BatchError(f"EventBatch event {i} (seq {seqs[i]}) has no body (or one this collector "
                          "does not know: upgrade the collector)")
-    return seqs, bodies  # type: ignore[return-value]  # None was ruled out above
+    return seqs, bodies
 
 
 def _copy(msg: Any) -> Any:

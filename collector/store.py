@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from ghostgpu.common.system.filemodes import FILE_MODE, private_file, tighten
 
@@ -116,9 +116,22 @@ class FindingRow(NamedTuple):
     consumer: bytes  # a serialized ghostgpu.v1.ClusterConsumer
 
 
+# The rows of one positions insert: Position's fields in table order.
+PositionRow = tuple[str, str, str, int, int, int, int, int, int, int]
+# What submit() takes, tagged by its first item: the writer groups each kind into one statement.
+# events: node, boot_id, instance_id, first_seq, last_seq, count, blob
+EventsOp = tuple[Literal["events"], str, str, str, int, int, int, bytes]
+PositionOp = tuple[Literal["position"], PositionRow]
+FindingOp = tuple[Literal["finding"], FindingRow]
+AuditOp = tuple[Literal["audit"], tuple[int | str, ...]]  # collector/audit.py's AuditRow
+CallOp = tuple[Literal["call"], Callable[[sqlite3.Connection], None]]
+ReleaseOp = tuple[Literal["release"], int]  # bytes of blobs the group commits (back-pressure)
+Op = EventsOp | PositionOp | FindingOp | AuditOp | CallOp | ReleaseOp
+
+
 @dataclass
 class _Job:
-    ops: Sequence[tuple[Any, ...]] = ()
+    ops: Sequence[Op] = ()
     done: Callable[[BaseException | None], None] | None = None
     read: Callable[[sqlite3.Connection], Any] | None = None
     future: Future[Any] | None = None
@@ -164,7 +177,7 @@ class Store:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._log_events = self._conn.execute("SELECT COALESCE(SUM(count), 0) FROM events").fetchone()[0]
+        self._log_events: int = self._conn.execute("SELECT COALESCE(SUM(count), 0) FROM events").fetchone()[0]
         self._last_prune = 0.0
         self.failed: BaseException | None = None
         self._prune_retention()
@@ -182,37 +195,38 @@ class Store:
         return [FindingRow(*r) for r in rows]
 
     def max_finding_id(self) -> int:
-        return self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM findings").fetchone()[0]
+        max_id: int = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM findings").fetchone()[0]
+        return max_id
 
     # ---- writes ----------------------------------------------------------------------------
 
     @staticmethod
-    def op_events(pos: Position, first_seq: int, last_seq: int, count: int, blob: bytes) -> tuple[Any, ...]:
+    def op_events(pos: Position, first_seq: int, last_seq: int, count: int, blob: bytes) -> EventsOp:
         return ("events", pos.node, pos.boot_id, pos.instance_id, first_seq, last_seq, count, blob)
 
     @staticmethod
-    def op_position(pos: Position) -> tuple[Any, ...]:
+    def op_position(pos: Position) -> PositionOp:
         # A copy (the caller goes on counting), built by hand: dataclasses.astuple is 10x slower.
         return ("position", (pos.node, pos.boot_id, pos.instance_id, pos.delivered_seq, pos.ingested_total,
                              pos.duplicates_total, pos.gaps_total, pos.spool_dropped_total,
                              pos.ringbuf_dropped_total, pos.updated_unix_ns))
 
     @staticmethod
-    def op_finding(row: FindingRow) -> tuple[Any, ...]:
+    def op_finding(row: FindingRow) -> FindingOp:
         return ("finding", row)
 
     @staticmethod
-    def op_audit(row: Sequence[Any]) -> tuple[Any, ...]:
+    def op_audit(row: Sequence[int | str]) -> AuditOp:
         """One audit row (collector/audit.py's AuditRow), inserted with the group."""
         return ("audit", tuple(row))
 
     @staticmethod
-    def op_call(fn: Callable[[sqlite3.Connection], None]) -> tuple[Any, ...]:
+    def op_call(fn: Callable[[sqlite3.Connection], None]) -> CallOp:
         """Run fn(connection) inside the group's transaction, after the group's other writes, in the
         order submitted; a sqlite3.Error rolls the group back and retries it as any write does."""
         return ("call", fn)
 
-    def submit(self, ops: Sequence[tuple[Any, ...]],
+    def submit(self, ops: Sequence[Op],
                done: Callable[[BaseException | None], None] | None = None, size_bytes: int = 0) -> None:
         """Queue writes; `done(error)` runs on the writer thread once they are committed (or failed)."""
         if size_bytes:
@@ -312,25 +326,25 @@ class Store:
         return self.failed
 
     def _write(self, jobs: list[_Job]) -> None:
-        positions: dict[tuple[str, str, str], tuple[Any, ...]] = {}
-        findings: dict[int, tuple[Any, ...]] = {}
-        events: list[tuple[Any, ...]] = []
+        positions: dict[tuple[str, str, str], PositionRow] = {}
+        findings: dict[int, FindingRow] = {}
+        events: list[tuple[str, str, str, int, int, int, int, int, bytes]] = []
         calls: list[Callable[[sqlite3.Connection], None]] = []
-        audits: list[tuple[Any, ...]] = []
+        audits: list[tuple[int | str, ...]] = []
         now_ns = time.time_ns()
         for job in jobs:
             for op in job.ops:
-                kind = op[0]
-                if kind == "events":
+                # op[0] each time, not a local: mypy narrows the tagged tuple by its own item only
+                if op[0] == "events":
                     codec, blob = self.encode_blob(op[7])
                     events.append((*op[1:7], now_ns, codec, blob))
-                elif kind == "position":
+                elif op[0] == "position":
                     positions[op[1][:3]] = op[1]  # the latest counters of each instance win
-                elif kind == "finding":
+                elif op[0] == "finding":
                     findings[op[1][0]] = op[1]
-                elif kind == "call":
+                elif op[0] == "call":
                     calls.append(op[1])
-                elif kind == "audit":
+                elif op[0] == "audit":
                     audits.append(op[1])
         conn = self._conn
         conn.execute("BEGIN")
