@@ -78,6 +78,16 @@ class TraceLimits:
     max_records: int = 100_000  # --trace-max-records, per session
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """What a start's scope is on this node: container cgroups, the process tree, and the cgroups a
+    pid scope keeps to."""
+
+    cgroup_ids: set[int] = field(default_factory=set)
+    tgids: set[int] = field(default_factory=set)
+    pins: set[int] = field(default_factory=set)
+
+
 @dataclass
 class _Session:
     id: str
@@ -135,21 +145,9 @@ class TraceSessions:
         if result.error:
             return result
         # What the scope is on this node, read before anything is written to the kernel.
-        cgroup_ids = self._cgroup_ids(frozenset(cmd.container_ids)) if cmd.container_ids else set()
-        if cmd.container_ids and not cgroup_ids:
-            ids = ", ".join(c[:12] for c in cmd.container_ids)
-            result.error = (f"{NOT_FOUND_PREFIX}no cgroup of container {ids} on node {self.node} "
-                            f"(cgroup v2 under {self.cgroups.root or 'nowhere'})")
+        scope, result.error = self._scope(cmd)
+        if result.error:
             return result
-        tgids = process_tree(self.maker.proc_root, cmd.pid) if cmd.pid else set()
-        if cmd.pid and not tgids:
-            result.error = f"{NOT_FOUND_PREFIX}no process {cmd.pid} on node {self.node}"
-            return result
-        pins: set[int] = set()
-        if cmd.pid:
-            pins, result.error = self._pid_pins(cmd.pid, frozenset(cmd.pid_containers))
-            if result.error:
-                return result
         with self._lock:
             if cmd.session in self._sessions:
                 return result  # a retried command: already running
@@ -157,42 +155,72 @@ class TraceSessions:
                 result.error = (f"{LIMIT_PREFIX}node {self.node} runs {len(self._sessions)} trace sessions, "
                                 f"the limit (--trace-max-sessions {self.limits.max_sessions})")
                 return result
-            # Round robin, not the lowest free slot: a call in flight when a session ended (entered
-            # before, exits after) carries that slot's bit, and must not land in a new session.
-            used = {s.slot for s in self._sessions.values()}
-            slot = next(i % SLOTS for i in range(self._next_slot, self._next_slot + SLOTS)
-                        if i % SLOTS not in used)
-            self._next_slot = slot + 1
+            slot = self._next_free_slot()
             max_records = min(cmd.max_records or self.limits.max_records, self.limits.max_records)
             session = _Session(cmd.session, slot, cmd.deadline_unix_ns, max_records, cmd.gpu, cmd.pid,
                                frozenset(cmd.container_ids))
             if self._layout is None or not self._sessions:  # the driver may have changed since
-                self._layout = layout_for(self.driver_version())
-                self.kernel.set_layouts(self._layout.kernel_layouts())
-                self.maker.layout = self._layout
-                self.maker.forget_all()  # pids seen by earlier sessions may have been reused
+                self._read_layout()
             # --gpu filters in user space: the kernel's budget leaves room for the other GPUs' calls,
             # and the session's own limit is kept exactly here (_take).
-            try:
-                self.kernel.open_slot(slot, max_records * GPU_FILTER_HEADROOM if cmd.gpu else max_records)
-                if pins:  # before the tgids: no call of a descendant elsewhere is taken meanwhile
-                    self.kernel.pin(slot, pins)
-                for tgid in sorted(tgids):
-                    self.kernel.add_tgid(slot, tgid)
-                if cgroup_ids:
-                    self.kernel.set_cgroups(slot, cgroup_ids)
-            except Exception:
-                self.kernel.close_slot(slot)  # never a slot left recording for nobody
-                raise
+            self._open_slot(slot, max_records * GPU_FILTER_HEADROOM if cmd.gpu else max_records, scope)
             self._sessions[cmd.session] = session
             self._idle.clear()
         # At warning level: sessions are rare, user-started, and belong in the DaemonSet's log.
         log.warning("trace session %s started (slot %d, %s, until %s)", cmd.session, slot,
-                    f"pid {cmd.pid} and {len(tgids) - 1} descendants" if cmd.pid else
+                    f"pid {cmd.pid} and {len(scope.tgids) - 1} descendants" if cmd.pid else
                     f"{len(cmd.container_ids)} containers",
                     time.strftime("%H:%M:%S", time.localtime(cmd.deadline_unix_ns / 1e9)))
         self._wake.set()
         return result
+
+    def _scope(self, cmd: trace_pb2.TraceStart) -> tuple[_Scope, str]:
+        """(what the start's scope is on this node, "") or (_, why it cannot start: not found, denied)."""
+        cgroup_ids = self._cgroup_ids(frozenset(cmd.container_ids)) if cmd.container_ids else set()
+        if cmd.container_ids and not cgroup_ids:
+            ids = ", ".join(c[:12] for c in cmd.container_ids)
+            return _Scope(), (f"{NOT_FOUND_PREFIX}no cgroup of container {ids} on node {self.node} "
+                              f"(cgroup v2 under {self.cgroups.root or 'nowhere'})")
+        tgids = process_tree(self.maker.proc_root, cmd.pid) if cmd.pid else set()
+        if cmd.pid and not tgids:
+            return _Scope(), f"{NOT_FOUND_PREFIX}no process {cmd.pid} on node {self.node}"
+        pins: set[int] = set()
+        if cmd.pid:
+            pins, error = self._pid_pins(cmd.pid, frozenset(cmd.pid_containers))
+            if error:
+                return _Scope(), error
+        return _Scope(cgroup_ids, tgids, pins), ""
+
+    def _next_free_slot(self) -> int:
+        """Round robin, not the lowest free slot: a call in flight when a session ended (entered
+        before, exits after) carries that slot's bit, and must not land in a new session. Under _lock."""
+        used = {s.slot for s in self._sessions.values()}
+        slot = next(i % SLOTS for i in range(self._next_slot, self._next_slot + SLOTS)
+                    if i % SLOTS not in used)
+        self._next_slot = slot + 1
+        return slot
+
+    def _read_layout(self) -> None:
+        """The running driver's parameter-block layouts, for the kernel and the decoder."""
+        self._layout = layout_for(self.driver_version())
+        self.kernel.set_layouts(self._layout.kernel_layouts())
+        self.maker.layout = self._layout
+        self.maker.forget_all()  # pids seen by earlier sessions may have been reused
+
+    def _open_slot(self, slot: int, kernel_max_records: int, scope: _Scope) -> None:
+        """Write the session's slot and scope to the kernel, or nothing: never a slot left recording
+        for nobody."""
+        try:
+            self.kernel.open_slot(slot, kernel_max_records)
+            if scope.pins:  # before the tgids: no call of a descendant elsewhere is taken meanwhile
+                self.kernel.pin(slot, scope.pins)
+            for tgid in sorted(scope.tgids):
+                self.kernel.add_tgid(slot, tgid)
+            if scope.cgroup_ids:
+                self.kernel.set_cgroups(slot, scope.cgroup_ids)
+        except Exception:
+            self.kernel.close_slot(slot)
+            raise
 
     def _pid_pins(self, pid: int, allowed: frozenset[str]) -> tuple[set[int], str]:
         """(the cgroup ids a pid scope keeps to, "") or (_, the refusal). The scope keeps to the
