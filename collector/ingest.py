@@ -119,10 +119,10 @@ class Ingest:
     """The stream servicer; every method runs on the event loop. CRI calls to the tracers go through
     `relay` (collector/relay.py), which this servicer hands the tracers' answers and ended streams."""
 
-    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int, *,
+    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int,
+                 max_batch_events: int = MAX_BATCH_EVENTS, *,
                  sessions: dict[str, IngestSession] | None = None, traces: TraceSink | None = None,
-                 audit: Callable[..., Any] | None = None, local_node: str | None = None,
-                 max_batch_events: int = MAX_BATCH_EVENTS) -> None:
+                 audit: Callable[..., Any] | None = None, local_node: str | None = None) -> None:
         """sessions: the connected streams by node, filled here (the trace book reads the same dict);
         traces: the trace session book; audit: AuditLog.append (collector/audit.py); local_node: the
         collector's own node (`ghostgpu up`), whose tracer may speak as a local uid."""
