@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.heap import HeapPolicy
-from ghostgpu.collector.ingest import Ingest
+from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
@@ -177,8 +177,8 @@ class Collector:
         self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
                                     self.store.max_finding_id() + 1, self.store.load_open_findings(),
                                     forget=getattr(self.resolver, "forget", None))
-        self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events)
-        self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
+        # The tracers' connected streams by node: the stream servicer fills it, the trace book reads it.
+        self.streams: dict[str, IngestSession] = {}
         self.trace_store = TraceStore(self.store, self.trace_store_max_records, self.trace_retention_h * 3600)
         # Trace starts, stops, expiries and refusals go to the audit log too (the trace_audit table
         # keeps the per-session view `trace show` prints).
@@ -186,15 +186,18 @@ class Collector:
         self.trace_store.on_audit = lambda sid, action, who, detail: audit(
             f"trace.{action}", who, "ok" if action in ("start", "stop", "expire") else action,
             session=sid, detail=detail)
-        self.traces = TraceBook(self.ingest.sessions, self.trace_store, self.trace_limits,
+        self.traces = TraceBook(self.streams, self.trace_store, self.trace_limits,
                                 transport_for=self.transport_for, nodes=self.nodes,
                                 cluster_rows=self.cluster.rows,
                                 resolve_names=getattr(self.resolver, "get", None))
-        self.ingest.traces = self.traces
-        self.ingest.local_node = self.node_name  # its uid peers are this node's tracer (docs/SECURITY.md)
+        # Its uid peers are this node's tracer (docs/SECURITY.md).
+        self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events,
+                             sessions=self.streams, traces=self.traces, audit=self.security.audit,
+                             local_node=self.node_name)
+        self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures, traces=self.traces)
-        self.ingest.audit = self.query.audit = self.security.audit
+        self.query.audit = self.security.audit
         policy = self.security.policy
         self.query.trace_denial = lambda who, ns, duration_s: policy.policy.trace_denial(who, ns, duration_s)
         self.query.is_admin = lambda who: ADMIN in policy.policy.roles(who)  # reads and stops any session
@@ -232,7 +235,7 @@ class Collector:
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.ingest.loop = self.relay.loop = self.loop
+        self.ingest.serve_on(self.loop)
         self._stop_event = asyncio.Event()
         try:
             server, self.addresses = await start_server(self.ingest.connect, self.query, self.listen,
