@@ -11,7 +11,6 @@ certificate signed by the CA is required, and new handshakes pick up rotated fil
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -25,12 +24,17 @@ from ghostgpu.collector.authz import Authorizer, Identify
 from ghostgpu.collector.peers import UnixGate
 from ghostgpu.collector.policy import PolicyWatcher
 from ghostgpu.collector.store import Store
-from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE, TcpGate, default_max_connections
+from ghostgpu.collector.tcpgate import (
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
+    TcpGate,
+    connection_quota,
+    default_max_connections,
+)
 
 from ghostgpu import __version__
 from ghostgpu.common.audit.chain import AuditRecord
 from ghostgpu.common.system.filemodes import private_file
-from ghostgpu.common.transport.addresses import is_unix, parse_listen, port_of, unix_path, with_port
+from ghostgpu.common.transport.addresses import is_unix, port_of, unix_path, with_port
 from ghostgpu.common.transport.principal import Principal
 from ghostgpu.common.transport.tls import TlsFiles, check_server, plaintext_allowed
 from ghostgpu.common.transport.tls_reload import server_credentials
@@ -138,35 +142,44 @@ class Security:
         self.server_ports.add(port)
         return with_port(addr, port) if port_of(addr) == 0 else addr
 
-    def _bind_gated(self, server: grpc.aio.Server, addr: str) -> str:
+    def max_connections(self) -> int:
+        """Each mTLS TCP listener's cap: --max-connections, or what the fd limit holds."""
         opts = self.opts
         cap = opts.max_connections if opts.max_connections is not None else default_max_connections()
         for value, flag in ((cap, "--max-connections"), (opts.max_connections_per_source,
                                                          "--max-connections-per-source")):
             if value < 1:
                 raise SecurityError(f"{flag} {value}: must be 1 or more")
-        host, port = parse_listen(addr, "--listen", SecurityError)
-        gate = TcpGate(host, port, cap, opts.max_connections_per_source,  # OSError: the caller names --listen
-                       holds_stream=self.authorizer.streams.holds)
-        try:
-            credentials = server_credentials(opts.tls, self._tls_event)
-            if not server.add_secure_port(gate.internal_address, credentials):
-                raise SecurityError(f"--listen {addr}: cannot open the private gRPC socket behind it")
-        except BaseException:
-            gate.stop()
-            raise
-        gate.start()
-        self.tcp_gates.append(gate)
-        self.server_ports.add(gate.port)
-        return with_port(addr, gate.port) if port_of(addr) == 0 else addr
+        return cap
+
+    def server_options(self, listen: list[str]) -> list[tuple[str, int]]:
+        """gRPC server options for these listeners: with TLS, the connection quota that backs the
+        TCP gates' caps (collector/tcpgate.py)."""
+        tcp = {port_of(a) or a for a in listen if not is_unix(a)}
+        if not self.opts.tls.enabled or not tcp:
+            return []
+        quota = connection_quota(self.max_connections() * len(tcp))
+        return [("grpc.max_allowed_incoming_connections", quota)]
+
+    def _bind_gated(self, server: grpc.aio.Server, addr: str) -> str:
+        cap = self.max_connections()
+        credentials = server_credentials(self.opts.tls, self._tls_event)
+        port = server.add_secure_port(addr, credentials)
+        if not port:
+            raise SecurityError(f"--listen {addr}: cannot listen there; pick a free port")
+        if not any(g.port == port for g in self.tcp_gates):  # [::1]:P and 127.0.0.1:P: one port, one gate
+            gate = TcpGate(port, cap, self.opts.max_connections_per_source,
+                           holds_stream=self.authorizer.streams.holds)
+            gate.start()
+            self.tcp_gates.append(gate)
+        self.server_ports.add(port)
+        return with_port(addr, port) if port_of(addr) == 0 else addr
 
     def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
-        """Identify, with the client's own address for a connection relayed by a TCP gate."""
+        """Identify, and tell the TCP gates the connection it came over is proven."""
         principal = self.identify(context)
         for gate in self.tcp_gates:
-            real = gate.peer(principal.peer)
-            if real is not None:
-                return dataclasses.replace(principal, peer=real)
+            gate.prove(principal.peer)
         return principal
 
     def tick(self) -> None:

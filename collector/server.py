@@ -150,7 +150,11 @@ async def start_server(connect: Callable[..., Any], query: Any, listen: Sequence
     `security` (collector/security.py) binds each listener (mTLS, plaintext, a unix socket behind
     SO_PEERCRED) and puts the authorization check in front of every method."""
     # The authorizer first: a caller without the role is refused before its request is even parsed.
-    server = grpc.aio.server(options=SERVER_OPTIONS,
+    try:
+        options = [*SERVER_OPTIONS, *security.server_options(list(listen))]
+    except ValueError as e:  # SecurityError: a cap flag out of range, its own line
+        raise ListenError(str(e)) from None
+    server = grpc.aio.server(options=options,
                              interceptors=[security.authorizer, ApiVersionInterceptor()],
                              maximum_concurrent_rpcs=None)
     # Connect takes raw bytes: ingest parses them itself (see collector/ingest.py).

@@ -78,12 +78,14 @@ def pki(tmp_path: Path) -> Pki:
 
 def _accept_queue(port: int) -> int:
     """Connections waiting in the accept queue of the listener on `port` (a LISTEN row's rx_queue in
-    /proc/net/tcp); -1 while no such listener is there."""
-    with open("/proc/net/tcp") as f:
-        for row in f.read().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                return int(fields[4].split(":")[1], 16)
+    /proc/net/tcp, or tcp6: gRPC may listen on 127.0.0.1 through an IPv6 socket); -1 while no such
+    listener is there."""
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    return int(fields[4].split(":")[1], 16)
     return -1
 
 
