@@ -13,8 +13,9 @@ of unsent and are written again. When the spool is full the oldest event goes (i
 unsent, then pending): the newest say most about the node now, and the snapshot sent on reconnect
 carries the state regardless.
 
-Not thread-safe: StreamSink calls it under its lock. Seqs in the spool are contiguous except
-where events were dropped (always from the oldest end), so the stages stay sorted.
+Not thread-safe: it lives in a stream's Outbox (tracer/stream_sender.py), used under its lock. Seqs
+in the spool are contiguous except where events were dropped (always from the oldest end), so the
+stages stay sorted.
 """
 
 from __future__ import annotations
