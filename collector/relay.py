@@ -70,7 +70,7 @@ class CriRelayClient:
 
     def __init__(self, streams: Mapping[str, RelayStream]) -> None:
         self.streams = streams
-        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop; the Collector sets it
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once it runs (Ingest.serve_on)
         # The calls sent on each stream and not answered yet; an entry goes with its stream.
         self.pending: weakref.WeakKeyDictionary[RelayStream, Calls] = weakref.WeakKeyDictionary()
         self._command_ids = itertools.count(1)
