@@ -63,7 +63,7 @@ from ghostgpu.tracer.cgroup import CgroupIdResolver  # noqa: E402
 from ghostgpu.tracer.devices import classify_device_path  # noqa: E402
 from ghostgpu.tracer.events import EventKind, boot_ns  # noqa: E402
 from ghostgpu.tracer.trace_records import RecordMaker  # noqa: E402
-from ghostgpu.tracer.trace_sessions import TraceLimits, TraceSessions  # noqa: E402
+from ghostgpu.tracer.trace_sessions import NodeTraceLimits, TraceSessions  # noqa: E402
 
 from bench.bench_syscall_cost import Attachment, foreign_bpf_programs  # noqa: E402
 from bench.common import (  # noqa: E402
@@ -299,7 +299,7 @@ class Bench:
         cgroups = CgroupIdResolver()
         maker = RecordMaker("bench", "/proc", cgroups, classify_device_path, kernel.dev_paths,
                             lambda minor: (str(minor), ""))
-        self.limits = TraceLimits(max_sessions=4, max_duration_s=600.0, max_records=args.max_records)
+        self.limits = NodeTraceLimits(max_sessions=4, max_duration_s=600.0, max_records=args.max_records)
         self.emit = Counting()
         self.sessions = TraceSessions(kernel, "bench", self.limits, maker, cgroups, self.emit,
                                       lambda: DRIVER)

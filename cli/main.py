@@ -21,26 +21,22 @@ from ghostgpu.common.transport.addresses import DEFAULT_COLLECTOR
 
 
 def _add_tracer_flags(p: argparse.ArgumentParser) -> None:
+    """The tracer's settings (snapshot, tracer, up): each flag's help and default come from its
+    TracerConfig field (tracer/config.py); a flag left out is None, so the config file's value, the
+    environment's or the field's default stands."""
     p.add_argument("--config", help="TOML config file (keys as in tracer/config.py; env GHOSTGPU_CONFIG)")
-    p.add_argument("--node-name", dest="node_name", help="node name reported with every record")
-    p.add_argument("--proc-root", dest="proc_root", help="host /proc (in a pod: the host mount)")
-    p.add_argument("--sys-root", dest="sys_root", help="host /sys")
-    p.add_argument("--cgroup-root", dest="cgroup_root", help="host cgroup mount")
-    p.add_argument("--vendor", dest="vendors", action="append", choices=("nvidia", "amd", "ascend"),
-                   help="device families to watch (repeatable; default nvidia)")
-    p.add_argument("--device-prefix", dest="device_prefixes", action="append",
-                   help="device path prefix to watch (repeatable; overrides --vendor)")
-    p.add_argument("--grace-s", dest="grace_s", type=float,
-                   help="seconds a holder may go unlisted by NVML before it is hidden (default 2)")
-    p.add_argument("--scan-interval-s", dest="scan_interval_s", type=float,
-                   help="seconds between /proc scans (default 30)")
-    p.add_argument("--trace-max-sessions", dest="trace_max_sessions", type=int, metavar="N",
-                   help="trace sessions at once on this node (default 4, at most 8)")
-    p.add_argument("--trace-max-duration", dest="trace_max_duration", metavar="D",
-                   help="longest trace session (default 10m; 30s, 10m, 1h)")
-    p.add_argument("--trace-max-records", dest="trace_max_records", type=int, metavar="N",
-                   help="records kept per trace session; calls past it are counted (default 100000)")
+    for name in ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
+                 "scan_interval_s", "trace_max_sessions", "trace_max_duration_s", "trace_max_records"):
+        _add_tracer_flag(p, name)
     add_tls_flags(p)
+
+
+def _add_tracer_flag(p: argparse.ArgumentParser, name: str) -> None:
+    from ghostgpu.tracer.config import TracerConfig
+
+    from ghostgpu.common.system.settings import add_flag
+
+    add_flag(p, TracerConfig, name)
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -110,9 +106,7 @@ def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None)
 
 
 def _add_health_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--health-listen", dest="health_listen", metavar="HOST:PORT",
-                   help="the tracer serves /healthz, /readyz and /metrics here (default off; "
-                   "env GHOSTGPU_HEALTH_LISTEN)")
+    _add_tracer_flag(p, "health_listen")
     _add_web_config_flag(p)
     import contextlib
 
@@ -226,10 +220,9 @@ def _build_parser() -> argparse.ArgumentParser:
                             help="the node agent: BPF + /proc + NVML, events and findings as JSON lines")
     tracer.add_argument("--jsonl", help="where to write JSON lines ('-' = stdout, the default without "
                         "--collector)")
-    tracer.add_argument("--bpf", choices=("auto", "on", "off"), help="kernel tracing (default auto)")
+    _add_tracer_flag(tracer, "bpf")
     tracer.add_argument("--collector", help="stream to this collector: HOST:PORT or unix:///path")
-    tracer.add_argument("--spool-events", dest="spool_events", type=int, default=100_000,
-                        help="events kept unacknowledged while the collector is out (default 100000, ~40MB)")
+    _add_tracer_flag(tracer, "spool_events")
     _add_tracer_flags(tracer)
     _add_node_flags(tracer)
     _add_health_flag(tracer)
@@ -258,7 +251,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="collector and tracer on this node with a live view of the GPU consumers")
     up.add_argument("--jsonl", help="also write the tracer's JSON lines to this path")
-    up.add_argument("--bpf", choices=("auto", "on", "off"))
+    _add_tracer_flag(up, "bpf")
     up.add_argument("--once", action="store_true", help="print one view after start-up and exit")
     up.add_argument("--demo", action="store_true",
                     help="plant demonstration consumers (hidden, orphaned, short-lived), removed on exit "
@@ -274,17 +267,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from ghostgpu.tracer.config import load_config
+    from ghostgpu.tracer.config import tracer_config
 
-    from ghostgpu.common.model.durations import parse_duration_s
-
-    keys = ("node_name", "proc_root", "sys_root", "cgroup_root", "vendors", "device_prefixes", "grace_s",
-            "scan_interval_s", "bpf", "health_listen", "trace_max_sessions", "trace_max_records",
-            "tls_cert", "tls_key", "tls_ca", "tls_trust_domain", "web_config_file", "collector_uid")
-    overrides = {k: getattr(args, k, None) for k in keys}
-    if getattr(args, "trace_max_duration", None) is not None:
-        overrides["trace_max_duration_s"] = parse_duration_s(args.trace_max_duration, "--trace-max-duration")
-    return load_config(args.config, overrides=overrides)
+    return tracer_config(args)
 
 
 def _install_signals(stop: Any) -> None:

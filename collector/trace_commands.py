@@ -26,10 +26,10 @@ from typing import Any
 
 import grpc
 from ghostgpu.collector.trace_scope import TraceError
-from ghostgpu.collector.trace_store import DEFAULT_MAX_RECORDS, DEFAULT_STORE_MAX_RECORDS
+from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS
 
 from ghostgpu.common.model.durations import format_ms, parse_duration_s
-from ghostgpu.common.model.trace import TraceScope
+from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS, TraceScope
 from ghostgpu.v1 import stream_pb2
 
 _CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,
@@ -40,9 +40,9 @@ COMMAND_ID_BASE = 1 << 62
 
 @dataclass(frozen=True)
 class TraceLimits:
-    max_duration_s: float = 600.0  # --trace-max-duration
+    max_duration_s: float = TRACE_MAX_DURATION_S  # --trace-max-duration
     default_duration_s: float = 30.0  # --trace-default-duration
-    max_records: int = DEFAULT_MAX_RECORDS  # --trace-max-records: per session, default and maximum
+    max_records: int = TRACE_MAX_RECORDS  # --trace-max-records: per session, default and maximum
     end_grace_s: float = 5.0  # past the deadline (or a stop) the collector ends what tracers did not
     command_timeout_s: float = 5.0  # for each trace_start/update/stop answer
     reresolve_s: float = 1.0  # a namespace scope takes in containers started since

@@ -31,7 +31,6 @@ from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_RECORDS = 100_000  # per session (--trace-max-records)
 DEFAULT_STORE_MAX_RECORDS = 1_000_000  # all sessions together (--trace-store-max-records)
 DEFAULT_RETENTION_S = 24 * 3600.0  # after a session's end (--trace-retention-h)
 RESTARTED = "collector restarted while it ran; records so far are kept"

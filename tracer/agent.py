@@ -314,11 +314,8 @@ class Tracer:
     # --- classification -------------------------------------------------------------------
 
     def classify_config(self) -> ClassifyConfig:
-        return ClassifyConfig(
-            grace_ns=int(self.cfg.grace_s * 1e9),
-            system_allowlist=tuple(self.cfg.system_allowlist),
-            system_places=(*self.cfg.system_namespaces, *self.cfg.system_containers),
-            reaper_comms=tuple(self.cfg.reaper_comms),
+        return replace(
+            ClassifyConfig.of(self.cfg),
             own_pids=frozenset(self.own_pids),
             nvml_first_listed=dict(self.nvml_first_listed),
             boot_ns_of_ticks=ticks_to_boot_ns,

@@ -11,6 +11,10 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from ghostgpu.tracer.config import TracerConfig
+
+from ghostgpu.common.system.settings import default_of
+
 BPF_FILES = ("ghostgpu.h", "trace.bpf.c", "alloc.bpf.c", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c",
              "sched.bpf.c")
 
@@ -76,7 +80,8 @@ def map_sizes(max_fds: int) -> dict[str, int]:
 
 
 def build_cflags(
-    prefixes: tuple[str, ...], *, max_fds: int = 65536, ringbuf_pages: int = 64,
+    prefixes: tuple[str, ...], *, max_fds: int = default_of(TracerConfig, "bpf_max_fds"),
+    ringbuf_pages: int = default_of(TracerConfig, "bpf_ringbuf_pages"),
     pid_max: int = PID_MAX_LIMIT, have_group_dead: bool = True, syscalls: Iterable[str] = (),
     bpf_dir: Path = BPF_DIR, holder_filter: bool = True,
 ) -> list[str]:

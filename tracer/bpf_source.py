@@ -28,6 +28,7 @@ from ghostgpu.tracer.bpf_build import (
     has_caps,
     program_text,
 )
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.events import EventKind, Holder, ProcView, SourceEvent, boot_ns
 from ghostgpu.tracer.identity import group_dead
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
@@ -35,6 +36,7 @@ from ghostgpu.tracer.kernel_tables import HolderTables
 from ghostgpu.tracer.rescan import take_marked
 
 from ghostgpu.common.model.consumers import DeviceRef
+from ghostgpu.common.system.settings import default_of
 
 EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
 # ghostgpu.h GG_EV_*, GG_FLAG_* and the GG_STAT_* slot order.
@@ -102,7 +104,8 @@ class BpfSource:
     """Kernel-side tracking of GPU device holders; see bpf/ghostgpu.h for the maps."""
 
     def __init__(
-        self, prefixes: tuple[str, ...], max_fds: int = 65536, ringbuf_pages: int = 64,
+        self, prefixes: tuple[str, ...], max_fds: int = default_of(TracerConfig, "bpf_max_fds"),
+        ringbuf_pages: int = default_of(TracerConfig, "bpf_ringbuf_pages"),
         bpf_dir: Path | None = None, classify: Callable[[str], DeviceRef] = DeviceRef,
         proc_root: str = "/proc", holder_filter: bool = True,
     ) -> None:

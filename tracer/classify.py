@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ghostgpu.tracer.config import DEFAULT_SYSTEM_ALLOWLIST
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.consumer_diff import by_gpu_then_pid
 from ghostgpu.tracer.consumer_diff import diff_consumers as diff_consumers  # where the agent imports it
 from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
@@ -43,14 +43,17 @@ def _ticks_to_ns(ticks: int) -> int:
 
 @dataclass(frozen=True)
 class ClassifyConfig:
-    grace_ns: int = 2_000_000_000
+    """What classify() is told: a slice of TracerConfig (its settings have no defaults here), and what
+    the agent knows at the moment of one classification."""
+
+    grace_ns: int
     # Entries with a "/" match the executable path exactly; others the comm or the exe's file name.
-    system_allowlist: tuple[str, ...] = DEFAULT_SYSTEM_ALLOWLIST
+    system_allowlist: tuple[str, ...]
     # Where, besides the host, an allowlisted daemon counts as system: Kubernetes namespaces and
     # NAMESPACE/CONTAINER pairs (tracer config system_namespaces, system_containers). Only CRI names
     # them, so they travel on the consumer for the collector's enrich() to check.
-    system_places: tuple[str, ...] = ()
-    reaper_comms: tuple[str, ...] = ("systemd", "init")
+    system_places: tuple[str, ...]
+    reaper_comms: tuple[str, ...]
     own_pids: frozenset[int] = frozenset()
     # (gpu uuid, pid) -> boot ns when the tracer first saw NVML list that pid on that GPU
     nvml_first_listed: Mapping[tuple[str, int], int] = field(default_factory=dict)
@@ -60,6 +63,13 @@ class ClassifyConfig:
     # before it and that holds no GPU device file was reused; one listed later may be a holder not
     # scanned yet.
     holders_complete_ns: int | None = None
+
+    @classmethod
+    def of(cls, cfg: TracerConfig) -> ClassifyConfig:
+        """The settings from `cfg`; the agent replaces the rest with what it knows now."""
+        return cls(grace_ns=int(cfg.grace_s * 1e9), system_allowlist=tuple(cfg.system_allowlist),
+                   system_places=(*cfg.system_namespaces, *cfg.system_containers),
+                   reaper_comms=tuple(cfg.reaper_comms))
 
 
 def _s(ns: int) -> str:

@@ -1,11 +1,14 @@
 """The tracer's one typed configuration: defaults < config file (TOML) < GHOSTGPU_* env < flags.
 
+Every default, unit and check of the tracer is written once, on TracerConfig's field; the field's
+metadata says its flag, and cli/main.py declares the flags from it (help with the default filled in).
 Host paths are settings because in a pod they are host mounts (/host/proc, /host/sys, ...).
 A bad value raises ConfigError with one line naming the key and what to do.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
@@ -14,7 +17,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.common.model.names import node_name_problem
+from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.system.settings import flag_values, meta, setting
 from ghostgpu.common.transport.addresses import parse_listen
 
 VENDOR_PREFIXES: dict[str, tuple[str, ...]] = {
@@ -38,6 +44,8 @@ DEFAULT_SYSTEM_ALLOWLIST = (
 )
 
 
+BPF_MODES = ("auto", "on", "off")
+TRACE_SLOTS = 8  # trace sessions the kernel side can hold at once (bpf/trace.bpf.c's slots)
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123: namespace and container names
 
 
@@ -45,50 +53,97 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message is one line naming the key."""
 
 
+def _node_name() -> str:
+    return os.environ.get("NODE_NAME") or socket.gethostname().lower()
+
+
+def _vendors_text(vendors: list[str]) -> str:
+    return ",".join(vendors)
+
+
+def _duration_text(seconds: float) -> str:
+    return format_ms(int(seconds * 1000))
+
+
+def _trace_max_duration(value: str) -> float:
+    return parse_duration_s(value, "--trace-max-duration")
+
+
 @dataclass
 class TracerConfig:
+    """Every tracer setting: its default, unit and check (validate), and its flag in the metadata
+    (ghostgpu/common/system/settings.py: cli/main.py declares the flags from here). A component takes
+    its slice (ClassifyConfig, NodeTraceLimits, StreamOptions) and has no defaults of its own."""
+
     # kubelet's default node name is the hostname lowercased; the collector refuses a Hello whose node
     # is no DNS-1123 subdomain (collector/ingest.py)
-    node_name: str = field(default_factory=lambda: os.environ.get("NODE_NAME")
-                           or socket.gethostname().lower())
-    proc_root: str = "/proc"
-    sys_root: str = "/sys"
-    cgroup_root: str = "/sys/fs/cgroup"
-    vendors: list[str] = field(default_factory=lambda: ["nvidia"])
-    device_prefixes: list[str] = field(default_factory=list)  # empty: derived from vendors
+    node_name: str = field(default_factory=_node_name,
+                           metadata=meta(flag="--node-name", help="node name reported with every record"))
+    proc_root: str = setting("/proc", flag="--proc-root", help="host /proc (in a pod: the host mount)")
+    sys_root: str = setting("/sys", flag="--sys-root", help="host /sys")
+    cgroup_root: str = setting("/sys/fs/cgroup", flag="--cgroup-root", help="host cgroup mount")
+    vendors: list[str] = field(default_factory=lambda: ["nvidia"], metadata=meta(
+        flag="--vendor", dest="vendors", action="append", choices=tuple(VENDOR_PREFIXES), show=_vendors_text,
+        help="device families to watch (repeatable; default {default})"))
+    device_prefixes: list[str] = field(default_factory=list, metadata=meta(  # empty: derived from vendors
+        flag="--device-prefix", dest="device_prefixes", action="append",
+        help="device path prefix to watch (repeatable; overrides --vendor)"))
     # The periodic /proc rescan reads only processes whose fd table changed (tracer/rescan.py); every
     # full_scan_interval_s it reads them all (the reconcile: what no rescan can notice).
-    scan_interval_s: float = 30.0
+    scan_interval_s: float = setting(30.0, flag="--scan-interval-s", type=float,
+                                     help="seconds between /proc scans (default {default})")
     full_scan_interval_s: float = 600.0
     nvml_interval_s: float = 1.0
-    grace_s: float = 2.0
+    grace_s: float = setting(
+        2.0, flag="--grace-s", type=float,
+        help="seconds a holder may go unlisted by NVML before it is hidden (default {default})")
     system_allowlist: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEM_ALLOWLIST))
     # Where else allowlisted daemons are system: Kubernetes namespaces (e.g. gpu-operator), and
     # NAMESPACE/CONTAINER pairs. A pod chooses its process and container names but not its namespace,
     # so only CRI's names count: the collector checks them (collector/enrich.py). Default: the host only.
     system_namespaces: list[str] = field(default_factory=list)
     system_containers: list[str] = field(default_factory=list)
+    # The parent of a reparented container process when it is orphaned (tracer/classify.py)
     reaper_comms: list[str] = field(default_factory=lambda: ["systemd", "init"])
-    bpf: str = "auto"  # auto | on | off
+    bpf: str = setting("auto", flag="--bpf", choices=BPF_MODES,
+                       help="kernel tracing (default {default})")  # auto | on | off
     bpf_max_fds: int = 65536
     bpf_ringbuf_pages: int = 64
     ioctl_poll_interval_s: float = 1.0
-    health_listen: str = ""  # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
+    # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
+    health_listen: str = setting(
+        "", flag="--health-listen", metavar="HOST:PORT", show=lambda listen: listen or "off",
+        help="the tracer serves /healthz, /readyz and /metrics here (default {default}; "
+        "env GHOSTGPU_HEALTH_LISTEN)")
     # TLS and basic auth of the health port: a Prometheus exporter-toolkit web config file
     # (ghostgpu/common/web/webconfig.py); /healthz and /readyz stay open to kubelet's probes.
-    web_config_file: str = ""
-    trace_max_sessions: int = 4  # trace sessions at once on this node (at most 8: bpf/trace.bpf.c slots)
-    trace_max_duration_s: float = 600.0
-    trace_max_records: int = 100_000  # per session; calls past it are counted, not recorded
+    # Its flag is shared with the collector's /metrics (cli/main.py's _add_web_config_flag).
+    web_config_file: str = setting("", flag="--web-config-file")
+    # Unacknowledged events kept while the collector is out: ~40 MB at ~370 B each (tracer/spool.py
+    # checks the bound, naming the flag).
+    spool_events: int = setting(
+        100_000, flag="--spool-events", type=int,
+        help="events kept unacknowledged while the collector is out (default {default}, ~40MB)")
+    trace_max_sessions: int = setting(
+        4, flag="--trace-max-sessions", type=int, metavar="N",
+        help=f"trace sessions at once on this node (default {{default}}, at most {TRACE_SLOTS})")
+    trace_max_duration_s: float = setting(
+        TRACE_MAX_DURATION_S, flag="--trace-max-duration", dest="trace_max_duration", metavar="D",
+        parse=_trace_max_duration, show=_duration_text,
+        help="longest trace session (default {default}; 30s, 10m, 1h)")
+    trace_max_records: int = setting(  # per session; calls past it are counted, not recorded
+        TRACE_MAX_RECORDS, flag="--trace-max-records", type=int, metavar="N",
+        help="records kept per trace session; calls past it are counted (default {default})")
     # mTLS to the collector (docs/SECURITY.md): this node's certificate (URI SAN
     # spiffe://TRUST_DOMAIN/node/NODE_NAME) and key, and the CA the collector's certificate chains to.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_trust_domain: str = "ghostgpu"
+    # Their flags are every command's (cli/tls_flags.py).
+    tls_cert: str = setting("", flag="--tls-cert")
+    tls_key: str = setting("", flag="--tls-key")
+    tls_ca: str = setting("", flag="--tls-ca")
+    tls_trust_domain: str = setting("ghostgpu", flag="--tls-trust-domain")
     # Who besides root may serve a plaintext collector (unix socket, loopback): the tracer checks the
     # uid serving the address before it sends anything (ghostgpu/common/transport/dial.py). -1: nobody else.
-    collector_uid: int = -1
+    collector_uid: int = setting(-1, flag="--collector-uid")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,7 +183,7 @@ class TracerConfig:
                                   "gpu-operator/nvidia-dcgm-exporter")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s: must be >= 0 seconds, got {self.grace_s}")
-        if self.bpf not in ("auto", "on", "off"):
+        if self.bpf not in BPF_MODES:
             raise ConfigError(f"bpf: must be auto, on or off, got {self.bpf!r}")
         if not 64 <= self.bpf_max_fds <= 1 << 22:
             raise ConfigError(f"bpf_max_fds: must be between 64 and 4194304, got {self.bpf_max_fds}")
@@ -137,8 +192,9 @@ class TracerConfig:
             raise ConfigError(f"bpf_ringbuf_pages: must be a power of two, got {pages}")
         if self.collector_uid < -1:
             raise ConfigError(f"collector_uid: a uid is 0 or more, got {self.collector_uid}")
-        if not 1 <= self.trace_max_sessions <= 8:
-            raise ConfigError(f"trace_max_sessions: must be 1 to 8, got {self.trace_max_sessions}")
+        if not 1 <= self.trace_max_sessions <= TRACE_SLOTS:
+            raise ConfigError(f"trace_max_sessions: must be 1 to {TRACE_SLOTS}, got "
+                              f"{self.trace_max_sessions}")
         if self.trace_max_duration_s <= 0 or self.trace_max_records <= 0:
             raise ConfigError("trace_max_duration_s and trace_max_records: must be positive")
         if not self.node_name:
@@ -213,3 +269,9 @@ def load_config(
             raise ConfigError(f"{key}: unknown setting")
         values[key] = _coerce(key, hints[key], raw)
     return TracerConfig(**values)
+
+
+def tracer_config(args: argparse.Namespace) -> TracerConfig:
+    """The command line's settings: the defaults, then --config FILE (or GHOSTGPU_CONFIG), then the
+    GHOSTGPU_* environment, then the flags given (ValueError naming a flag, ConfigError a key)."""
+    return load_config(getattr(args, "config", None), overrides=flag_values(TracerConfig, args))

@@ -65,11 +65,9 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
     if not collector:
         return sinks, None, None
     target = collector_address(collector)
-    spool_events = getattr(args, "spool_events", None)
     tls = tracer_tls(cfg)
     trusted = cfg.collector_uid if cfg.collector_uid >= 0 else None  # a plaintext collector's other uid
-    options = StreamOptions(tls=tls, collector_uid=trusted) if spool_events is None else StreamOptions(
-        spool_events=spool_events, tls=tls, collector_uid=trusted)
+    options = StreamOptions(spool_events=cfg.spool_events, tls=tls, collector_uid=trusted)
     # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.
     relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)
     stream = StreamSink(target, cfg.node_name, relay=relay,
@@ -97,7 +95,7 @@ def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) 
     from ghostgpu.tracer.call_decode import read_driver_version
     from ghostgpu.tracer.cgroup import CgroupIdResolver
     from ghostgpu.tracer.trace_records import RecordMaker
-    from ghostgpu.tracer.trace_sessions import TraceLimits, TraceSessions
+    from ghostgpu.tracer.trace_sessions import NodeTraceLimits, TraceSessions
 
     def gpu_names(minor: int) -> tuple[str, str]:
         gpu = tracer.nvml.gpu_by_minor(minor)  # the view is replaced whole by the agent: safe to read
@@ -113,7 +111,7 @@ def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) 
 
     maker = RecordMaker(cfg.node_name, cfg.proc_root, cgroups, tracer.catalog.ref_for, bpf.trace.dev_paths,
                         gpu_names, known_identity)
-    limits = TraceLimits(cfg.trace_max_sessions, cfg.trace_max_duration_s, cfg.trace_max_records)
+    limits = NodeTraceLimits.of(cfg)
     sessions = TraceSessions(bpf.trace, cfg.node_name, limits, maker, cgroups, stream.emit_trace,
                              driver_version)
     stream.set_trace_handler(sessions.handle)

@@ -21,9 +21,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.cri_relay import CommandRunner
 from ghostgpu.tracer.records import notice_record
 from ghostgpu.tracer.spool import Spool, encode_event, encode_events_message
@@ -32,6 +33,7 @@ from ghostgpu.tracer.stream_session import StreamSession
 from ghostgpu import __version__
 from ghostgpu.common.model.consumers import Consumer, ConsumerKey
 from ghostgpu.common.model.records import AllocationsRecord, AnyRecord, InfoRecord
+from ghostgpu.common.system.settings import default_of
 from ghostgpu.common.transport.dial import CollectorRefused
 from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.common.transport.tls_explain import explain_connect_failure
@@ -46,9 +48,16 @@ MAX_BATCH_BYTES = protocol.MAX_MESSAGE_BYTES // 2  # a batch of long command lin
 COMMAND_REPLY_S = 5.0  # a command's answer that cannot be queued this soon is dropped (the collector retries)
 
 
+def _spool_events() -> int:
+    return int(default_of(TracerConfig, "spool_events"))
+
+
 @dataclass(frozen=True)
 class StreamOptions:
-    spool_events: int = 100_000  # unacknowledged events kept (--spool-events): ~40 MB at ~370 B each
+    """The stream's settings, a slice of TracerConfig (spool_events, tls, collector_uid: tracer/node.py
+    passes them), and its protocol timings, which are no setting (tests shorten them)."""
+
+    spool_events: int = field(default_factory=_spool_events)  # --spool-events: TracerConfig's default
     heartbeat_s: float = 5.0  # a Heartbeat after this much silence
     backoff_min_s: float = 0.1  # reconnect delay, doubling (with jitter) up to backoff_max_s
     backoff_max_s: float = 5.0

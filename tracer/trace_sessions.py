@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ghostgpu.tracer.call_decode import DriverLayout, layout_for
 from ghostgpu.tracer.cgroup import CgroupIdResolver, parse_proc_cgroup, unified_path
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.events import boot_ns
 from ghostgpu.tracer.procfs import parse_stat, read_bytes
 from ghostgpu.tracer.trace_kernel import SLOTS, TraceKernel, slot_bits, unpack_trace
@@ -72,10 +73,16 @@ def process_tree(proc_root: str, root: int) -> set[int]:
 
 
 @dataclass(frozen=True)
-class TraceLimits:
-    max_sessions: int = 4  # --trace-max-sessions (at most SLOTS)
-    max_duration_s: float = 600.0  # --trace-max-duration
-    max_records: int = 100_000  # --trace-max-records, per session
+class NodeTraceLimits:
+    """The tracer's own trace limits: a slice of TracerConfig (its trace_* settings)."""
+
+    max_sessions: int  # --trace-max-sessions (at most SLOTS)
+    max_duration_s: float  # --trace-max-duration
+    max_records: int  # --trace-max-records, per session
+
+    @classmethod
+    def of(cls, cfg: TracerConfig) -> NodeTraceLimits:
+        return cls(cfg.trace_max_sessions, cfg.trace_max_duration_s, cfg.trace_max_records)
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ class _Session:
 
 
 class TraceSessions:
-    def __init__(self, kernel: TraceKernel, node: str, limits: TraceLimits, maker: RecordMaker,
+    def __init__(self, kernel: TraceKernel, node: str, limits: NodeTraceLimits, maker: RecordMaker,
                  cgroups: CgroupIdResolver, emit: Callable[[stream_pb2.TracerMessage], bool],
                  driver_version: Callable[[], str | None]) -> None:
         self.kernel, self.node, self.limits, self.maker = kernel, node, limits, maker

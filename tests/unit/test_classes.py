@@ -13,6 +13,7 @@ import pytest
 from ghostgpu.collector.alertbook import FINDING_ALERTS
 from ghostgpu.collector.enrich import allocations_from, enrich
 from ghostgpu.tracer.classify import ClassifyConfig, classify
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
 from ghostgpu.common.model import classes
@@ -25,7 +26,8 @@ PID = 100
 UUID0 = "GPU-00000000-aaaa"
 CID = "c" * 64
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)
-CFG = ClassifyConfig(grace_ns=2 * S, boot_ns_of_ticks=lambda ticks: ticks * 10_000_000)
+CFG = replace(ClassifyConfig.of(TracerConfig(node_name="node-a", grace_s=2.0)),
+              boot_ns_of_ticks=lambda ticks: ticks * 10_000_000)
 # The node's evidence, one switch per rule; a scenario turns on any subset of them.
 NODE_SWITCHES = ("system", "ghost", "orphaned", "unknown", "listed", "pending", "monitor", "container")
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef
@@ -29,8 +30,8 @@ UUID0, UUID1 = "GPU-00000000-aaaa", "GPU-11111111-bbbb"
 
 # Processes that exist on the host: pid -> start_ticks (100 Hz ticks, so 6000 = 60 s after boot).
 EXISTING = {100: 1000, 101: 1000, 200: 1000, 300: 6000, 301: 4000, 999: 10}
-CFG = ClassifyConfig(
-    grace_ns=2 * S,
+CFG = replace(
+    ClassifyConfig.of(TracerConfig(node_name="node-a", grace_s=2.0)),
     own_pids=frozenset({999}),
     nvml_first_listed={(UUID0, 300): 50 * S, (UUID0, 301): 50 * S, (UUID0, 4242): 50 * S},
     boot_ns_of_ticks=lambda ticks: ticks * 10_000_000,

@@ -11,9 +11,12 @@ record bytes (unpack_alloc) -> judge/fill -> Holder.gpu_work -> classify().
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from ghostgpu.tracer import gpu_work
 from ghostgpu.tracer.classify import ClassifyConfig, classify
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.events import DeviceHold, GpuWork, Holder, NvmlGpu, NvmlView, ProcessInfo
 from ghostgpu.tracer.gpu_work import ALLOC, AllocRecord, Category, category_of, judge, unpack_alloc
 from ghostgpu.tracer.nvabi_names import RM_CLASS_NAMES
@@ -30,7 +33,8 @@ NOW = 100 * S
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)
 CTL = DeviceRef("/dev/nvidiactl", DeviceKind.CONTROL, None, 195, 255)
 VIEW = NvmlView(True, NOW, "595.45.04", (NvmlGpu(0, "GPU-00000000-aaaa", 0, processes=()),))
-CFG = ClassifyConfig(grace_ns=2 * S, boot_ns_of_ticks=lambda ticks: ticks * 10_000_000)
+CFG = replace(ClassifyConfig.of(TracerConfig(node_name="node-a", grace_s=2.0)),
+              boot_ns_of_ticks=lambda ticks: ticks * 10_000_000)
 
 
 def raw_record(*cats: Category, first: int = 0, calls: int = 1) -> bytes:

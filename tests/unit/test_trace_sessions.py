@@ -7,18 +7,22 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from ghostgpu.tracer.cgroup import CgroupIdResolver
+from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.trace_kernel import TREC
 from ghostgpu.tracer.trace_records import RecordMaker, bit_names, open_flags
-from ghostgpu.tracer.trace_sessions import LIMIT_PREFIX, TraceLimits, TraceSessions
+from ghostgpu.tracer.trace_sessions import LIMIT_PREFIX, NodeTraceLimits, TraceSessions
 
 from ghostgpu.common.model.consumers import DeviceKind, DeviceRef
 from ghostgpu.common.wire.convert_trace import record_from_proto
 from ghostgpu.v1 import stream_pb2, trace_pb2
 from tests.helpers.polling import wait_until
+
+LIMITS = NodeTraceLimits.of(TracerConfig(node_name="n1"))  # the tracer's defaults
 
 RM_CONTROL = 0xC020462A
 CTL, GPU0, GPU1 = 1, 2, 3
@@ -89,7 +93,7 @@ def fake_proc(root: Path, parents: dict[int, int]) -> None:
 
 
 class Node:
-    def __init__(self, tmp: Path, limits: TraceLimits | None = None) -> None:
+    def __init__(self, tmp: Path, limits: NodeTraceLimits | None = None) -> None:
         fake_proc(tmp, {4242: 1, 4300: 4242, 4301: 4300, 5000: 1})  # 4242 has a child and a grandchild
         self.kernel = FakeTraceKernel()
         self.batches: list[trace_pb2.TraceBatch] = []
@@ -97,7 +101,7 @@ class Node:
         cgroups = CgroupIdResolver(str(tmp))
         maker = RecordMaker("n1", str(tmp), cgroups, device_ref, self.kernel.dev_paths,
                             lambda minor: (str(minor), f"GPU-{minor}"))
-        self.sessions = TraceSessions(self.kernel, "n1", limits or TraceLimits(), maker, cgroups, self.emit,  # type: ignore[arg-type]
+        self.sessions = TraceSessions(self.kernel, "n1", limits or LIMITS, maker, cgroups, self.emit,  # type: ignore[arg-type]
                                       lambda: "550.54.15")
 
     def emit(self, msg: stream_pb2.TracerMessage) -> bool:
@@ -167,7 +171,7 @@ def test_records_lost_to_a_full_stream_queue_are_counted(node: Node) -> None:
 
 
 def test_limits_are_refused_naming_them(tmp_path: Path) -> None:
-    n = Node(tmp_path, TraceLimits(max_sessions=2, max_duration_s=60, max_records=10))
+    n = Node(tmp_path, NodeTraceLimits(max_sessions=2, max_duration_s=60, max_records=10))
     try:
         assert n.start("a").error == "" and n.start("b").error == ""
         refused = n.start("c").error
@@ -223,7 +227,7 @@ def test_a_start_that_fails_midway_leaves_no_slot_recording(node: Node) -> None:
 
 
 def test_a_gpu_filtered_session_keeps_its_own_limit_exactly(tmp_path: Path) -> None:
-    n = Node(tmp_path, TraceLimits(max_records=2))
+    n = Node(tmp_path, replace(LIMITS, max_records=2))
     try:
         n.start("t-1", gpu="1")
         assert n.kernel.slots[0][3] == 2 * 16  # room in the kernel for the calls the filter drops
