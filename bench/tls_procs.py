@@ -30,6 +30,14 @@ from bench.common import ROOT
 
 PY = sys.executable
 ARMS = ("plaintext", "mtls")
+# The mTLS collectors' policy: the bench's nodes stream, the local root (NodeStatus over the unix
+# socket) reads. The recheck arm rewrites it while tracers stream, so each reload re-checks them all.
+POLICY = """rules:
+  - role: admin
+    subjects: ["uid:0"]
+  - role: tracer
+    subjects: ["node:*"]
+"""
 RECONNECT_NODE = "bench-reconnect"
 CONSUMERS = 20  # per node in the scraped collectors, as the ingest clients' snapshots
 
@@ -45,6 +53,7 @@ def make_pki(directory: Path, tracers: int) -> Path:
     pki.write("collector", pki.collector())
     for node in [*(f"bench-node-{i:03d}" for i in range(tracers)), RECONNECT_NODE]:
         pki.write(f"node-{node}", pki.node(node))
+    (directory / "policy.yaml").write_text(POLICY)
     (directory / "web.yml").write_text("tls_server_config:\n  cert_file: collector.crt\n"
                                        "  key_file: collector.key\n")
     return directory
@@ -80,13 +89,16 @@ def web_config_supported() -> bool:
 
 
 @contextmanager
-def collector(arm: str, pki: Path, metrics: bool = False, web_config: bool = False) -> Iterator[Server]:
+def collector(arm: str, pki: Path, metrics: bool = False, web_config: bool = False,
+              policy: Path | None = None) -> Iterator[Server]:
     with tempfile.TemporaryDirectory(prefix="ghostgpu-bench-tls-") as tmp:
         cmd = [PY, "-m", "ghostgpu.cli", "collector", "--listen", f"127.0.0.1:0,unix://{tmp}/c.sock",
                "--db", f"{tmp}/collector.db"]
         if arm == "mtls":
             cmd += ["--tls-cert", f"{pki}/collector.crt", "--tls-key", f"{pki}/collector.key",
                     "--tls-ca", f"{pki}/ca.crt"]
+        if policy is not None:
+            cmd += ["--policy", str(policy)]
         if metrics:
             cmd += ["--metrics-listen", "127.0.0.1:0"]
             if web_config:
