@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ghostgpu.collector.store import Store, StoreError
 
@@ -52,6 +52,12 @@ _TAIL_BLOCK_BYTES = 64 * 1024
 DETAIL_MAX_BYTES = 4096
 _VALUE_KEPT = 256  # characters kept of a long value when the detail is over
 _HEAD_KEPT = 1500  # characters of the detail's JSON kept when cutting values is not enough
+
+
+class AuditFn(Protocol):
+    """What the servicers and checks call to audit: AuditLog.append (one record; details as keywords)."""
+
+    def __call__(self, action: str, subject: str, result: str, **detail: Any) -> object: ...
 
 
 def bound_detail(detail: dict[str, Any], max_bytes: int = DETAIL_MAX_BYTES) -> dict[str, Any]:

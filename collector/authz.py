@@ -11,13 +11,22 @@ start's namespace and duration limits, `requested_by`).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
+from ghostgpu.collector.aio_handlers import (
+    Context,
+    Continuation,
+    Req,
+    Resp,
+    Streaming,
+    behaviours,
+    is_generator,
+)
+from ghostgpu.collector.audit import AuditFn
 from ghostgpu.collector.peers import UnixGate, loopback_uid
 from ghostgpu.collector.revoke import OpenStreams
 
@@ -27,8 +36,6 @@ from ghostgpu.common.transport.tls import principal_from_auth_context
 DENIED_WINDOW_S = 10.0  # one `denied` audit record per (subject, method, transport) per window
 DENIED_KEYS_MAX = 10_000
 _CURRENT: ContextVar[Principal] = ContextVar("ghostgpu_principal", default=ANONYMOUS)
-
-AuditFn = Callable[..., Any]  # AuditLog.append(action, subject, result, **detail)
 
 
 class PolicyLike(Protocol):
@@ -82,7 +89,7 @@ class Identify:
         self.gates = gates if gates is not None else []
         self.server_ports = server_ports if server_ports is not None else set()
 
-    def __call__(self, context: grpc.aio.ServicerContext) -> Principal:
+    def __call__(self, context: Context) -> Principal:
         peer = context.peer() or ""
         auth = context.auth_context() or {}
         if auth.get("transport_security_type") == [b"ssl"]:
@@ -101,7 +108,7 @@ class Identify:
 
 
 class Authorizer(grpc.aio.ServerInterceptor):
-    def __init__(self, identify: Callable[[grpc.aio.ServicerContext], Principal],
+    def __init__(self, identify: Callable[[Context], Principal],
                  policy: Callable[[], PolicyLike], audit: AuditFn | None = None) -> None:
         self.identify = identify
         self.policy = policy  # the current policy: a reload swaps what this returns
@@ -115,15 +122,14 @@ class Authorizer(grpc.aio.ServerInterceptor):
         self.streams = OpenStreams(audit)
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
         return _wrap(handler, handler_call_details.method, self.admit, self.streams)
 
-    async def admit(self, method: str, context: grpc.aio.ServicerContext) -> Principal:
+    async def admit(self, method: str, context: Context) -> Principal:
         principal = self.identify(context)
         policy = self.policy()
         line = policy.denial(principal, method)
@@ -145,44 +151,45 @@ class Authorizer(grpc.aio.ServerInterceptor):
         return self._denied((subject, method, via))
 
 
-Admit = Callable[[str, grpc.aio.ServicerContext], Awaitable[Principal]]
+Admit = Callable[[str, Context], Awaitable[Principal]]
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit,
-          streams: OpenStreams) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler[Req, Resp], method: str, admit: Admit,
+          streams: OpenStreams) -> grpc.RpcMethodHandler[Req, Resp]:
     """The same handler, behind `admit` and with the caller set for its whole run."""
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
+    parse, serialize = handler.request_deserializer, handler.response_serializer
+    behaviour = behaviours(handler)
+    if behaviour.unary_unary is not None:
+        inner_uu = behaviour.unary_unary
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary_unary(request: object, context: Context) -> object:
             _CURRENT.set(await admit(method, context))
             return await inner_uu(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_streaming(handler.unary_stream, method, admit, streams),
-                                                    **kwargs)
-    if handler.stream_stream is not None:
+        return grpc.unary_unary_rpc_method_handler(unary_unary, parse, serialize)
+    if behaviour.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            _streaming(behaviour.unary_stream, method, admit, streams), parse, serialize)
+    if behaviour.stream_stream is not None:
         return grpc.stream_stream_rpc_method_handler(
-            _streaming(handler.stream_stream, method, admit, streams), **kwargs)
-    inner_su = handler.stream_unary
+            _streaming(behaviour.stream_stream, method, admit, streams), parse, serialize)
+    inner_su = behaviour.stream_unary
+    assert inner_su is not None  # a handler has one behaviour
 
-    async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream_unary(requests: object, context: Context) -> object:
         _CURRENT.set(await admit(method, context))
         return await inner_su(requests, context)
 
-    return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(stream_unary, parse, serialize)
 
 
-def _streaming(inner: Callable[..., Any], method: str, admit: Admit,
-               streams: OpenStreams) -> Callable[..., Any]:
+def _streaming(inner: Streaming, method: str, admit: Admit,
+               streams: OpenStreams) -> Callable[[object, Context], Awaitable[object]]:
     """A response-streaming behavior: an async generator (yields answers) or a coroutine that writes
     with context.write (collector/ingest.py's Connect). Either runs as a coroutine registered in
     `streams` (a generator's answers written by it), so a revocation can end it at any await."""
-    if inspect.isasyncgenfunction(inner):
-        async def generator(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if is_generator(inner):
+        async def generator(request: object, context: Context) -> None:
             who = await admit(method, context)
             _CURRENT.set(who)
             await streams.run(who, method, context,
@@ -190,7 +197,7 @@ def _streaming(inner: Callable[..., Any], method: str, admit: Admit,
 
         return generator
 
-    async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def coroutine(request: object, context: Context) -> object:
         who = await admit(method, context)
         _CURRENT.set(who)
         return await streams.run(who, method, context, lambda: inner(request, context))

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TypeVar
 
 import grpc
-from ghostgpu.collector.audit import record_from_row, select_audit
+from ghostgpu.collector.aio_handlers import Context
+from ghostgpu.collector.audit import AuditFn, record_from_row, select_audit
 from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable, Watcher
 from ghostgpu.collector.nodes import NodeView
@@ -57,7 +58,7 @@ def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequ
     """A read for Store.read(): findings opened or resolved at or after `since`, or open now;
     the newest `limit` of them, oldest first."""
     where = ["(opened_unix_ns >= ? OR resolved_unix_ns >= ? OR resolved_unix_ns = 0)"]
-    args: list[Any] = [since_unix_ns, since_unix_ns]
+    args: list[int | str] = [since_unix_ns, since_unix_ns]
     for column, value in (("node", node), ("namespace", namespace)):
         if value:
             where.append(f"{column} = ?")
@@ -85,7 +86,7 @@ def select_events(node: str, instance_id: str, after_seq: int,
     def run(conn: sqlite3.Connection) -> list[EventRow]:
         cols = "node, boot_id, instance_id, codec, blob, count"
         if instance_id:
-            args: list[Any] = [instance_id, after_seq]
+            args: list[int | str] = [instance_id, after_seq]
             sql = f"SELECT {cols} FROM events WHERE instance_id = ? AND last_seq > ?"
             if node:
                 sql += " AND node = ?"
@@ -96,8 +97,8 @@ def select_events(node: str, instance_id: str, after_seq: int,
             cursor = conn.execute(sql, (node,) if node else ())
         rows: list[EventRow] = []
         total = 0
-        for *row, count in cursor:
-            rows.append(tuple(row))  # type: ignore[arg-type]
+        for row_node, boot_id, row_instance, codec, blob, count in cursor:
+            rows.append((row_node, boot_id, row_instance, codec, blob))
             total += count
             if total >= limit:
                 break
@@ -106,8 +107,8 @@ def select_events(node: str, instance_id: str, after_seq: int,
     return run
 
 
-def _classes(values: object) -> list[str]:
-    return [str(class_from_proto(v)) for v in values]  # type: ignore[attr-defined]
+def _classes(values: Iterable[int]) -> list[str]:
+    return [str(class_from_proto(v)) for v in values]
 
 
 def _limit(value: int) -> int:
@@ -125,7 +126,8 @@ def _stored_events(rows: list[EventRow], instance_id: str, after_seq: int,
             out.append(query_pb2.StoredEvent(node=node, boot_id=boot_id, instance_id=inst, event=ev))
     # With instance_id a page runs on from after_seq (cut at its end); without, it is the newest.
     page = out[:limit] if instance_id else out[-limit:][::-1]
-    kept, size = [], 0
+    kept: list[query_pb2.StoredEvent] = []
+    size = 0
     for stored in page:
         size += stored.ByteSize() + 8  # the field's tag and length prefix
         if kept and size > EVENTS_RESPONSE_BYTES:
@@ -144,17 +146,17 @@ class QueryService(query_pb2_grpc.QueryServicer):
         self.traces = traces
         self.trace_denial: TraceDenial | None = None  # the Collector sets it from the policy
         self.is_admin: Callable[[Principal], bool] | None = None  # the Collector sets it from the policy
-        self.audit: Callable[..., Any] | None = None  # AuditLog.append, for refused traces
+        self.audit: AuditFn | None = None  # AuditLog.append, for refused traces
         self._closing = False
 
     async def ListConsumers(self, request: query_pb2.ListConsumersRequest,
-                            context: grpc.aio.ServicerContext) -> query_pb2.ListConsumersResponse:
+                            context: Context) -> query_pb2.ListConsumersResponse:
         rows = self.cluster.consumers(request.node, request.namespace, request.pod, _classes(request.classes))
         return query_pb2.ListConsumersResponse(consumers=[cluster_consumer_to_proto(c) for c in rows],
                                                ts_unix_ns=time.time_ns())
 
     async def WatchFindings(self, request: query_pb2.WatchFindingsRequest,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[query_pb2.FindingEvent]:
+                            context: Context) -> AsyncIterator[query_pb2.FindingEvent]:
         watcher = Watcher(request.node, request.namespace, _classes(request.classes))
         self.cluster.watch(watcher, request.include_open)
         try:
@@ -175,7 +177,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
             self.cluster.unwatch(watcher)
 
     async def ListFindings(self, request: query_pb2.ListFindingsRequest,
-                           context: grpc.aio.ServicerContext) -> query_pb2.ListFindingsResponse:
+                           context: Context) -> query_pb2.ListFindingsResponse:
         read = select_findings(request.since_unix_ns, request.node, request.namespace,
                                _classes(request.classes), _limit(request.limit))
         self.cluster.flush_changed()
@@ -187,7 +189,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         return query_pb2.ListFindingsResponse(findings=findings)
 
     async def NodeStatus(self, request: query_pb2.NodeStatusRequest,
-                         context: grpc.aio.ServicerContext) -> query_pb2.NodeStatusResponse:
+                         context: Context) -> query_pb2.NodeStatusResponse:
         names = [request.node] if request.node else sorted(self.nodes)
         out = []
         for name in names:
@@ -201,7 +203,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         return query_pb2.NodeStatusResponse(nodes=out, collector_version=__version__)
 
     async def ListEvents(self, request: query_pb2.ListEventsRequest,
-                         context: grpc.aio.ServicerContext) -> query_pb2.ListEventsResponse:
+                         context: Context) -> query_pb2.ListEventsResponse:
         limit = _limit(request.limit)
         read = select_events(request.node, request.instance_id, request.after_seq, limit)
         rows = await self._read(read, context)
@@ -210,13 +212,13 @@ class QueryService(query_pb2_grpc.QueryServicer):
 
     # ---- trace sessions (collector/traces.py) ------------------------------------------------------
 
-    async def _book(self, context: grpc.aio.ServicerContext) -> TraceBook:
+    async def _book(self, context: Context) -> TraceBook:
         if self.traces is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this collector runs no trace sessions")
-        return self.traces  # type: ignore[return-value]  # abort raised otherwise
+        return self.traces
 
     async def StartTrace(self, request: trace_pb2.StartTraceRequest,
-                         context: grpc.aio.ServicerContext) -> trace_pb2.StartTraceResponse:
+                         context: Context) -> trace_pb2.StartTraceResponse:
         book = await self._book(context)
         who = current_principal()
         try:
@@ -243,19 +245,19 @@ class QueryService(query_pb2_grpc.QueryServicer):
     def _in_namespace(self, who: Principal) -> Callable[[str | None], bool]:
         return lambda ns: self.trace_denial is None or self.trace_denial(who, ns, 0.0) is None
 
-    def _audit_denied(self, method: str, who: Principal, why: str, **detail: Any) -> None:
+    def _audit_denied(self, method: str, who: Principal, why: str, **detail: object) -> None:
         if self.audit is not None:
             self.audit("denied", who.subject, "denied", method=f"/ghostgpu.v1.Query/{method}", why=why,
                        peer=who.peer, **detail)
 
-    async def _deny(self, context: grpc.aio.ServicerContext, method: str, who: Principal, why: str,
+    async def _deny(self, context: Context, method: str, who: Principal, why: str,
                     session: str) -> None:
         """PERMISSION_DENIED for a session the caller may not read or stop, audited."""
         self._audit_denied(method, who, why, session=session)
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"permission denied: {method}: {why}")
 
     async def StopTrace(self, request: trace_pb2.StopTraceRequest,
-                        context: grpc.aio.ServicerContext) -> trace_pb2.StopTraceResponse:
+                        context: Context) -> trace_pb2.StopTraceResponse:
         book = await self._book(context)
         who = current_principal()
         try:
@@ -268,7 +270,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
             await context.abort(e.code, e.line)
         return trace_pb2.StopTraceResponse(session=session_to_proto(s))
 
-    async def _may_trace(self, context: grpc.aio.ServicerContext, method: str, who: Principal,
+    async def _may_trace(self, context: Context, method: str, who: Principal,
                          namespace: str | None, duration_s: float) -> None:
         """PERMISSION_DENIED (audited) for a trace outside the caller's namespaces or duration."""
         why = self.trace_denial(who, namespace or None, duration_s) if self.trace_denial else None
@@ -281,7 +283,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
                             f"permission denied: {method}: {why}")
 
     async def ListTraces(self, request: trace_pb2.ListTracesRequest,
-                         context: grpc.aio.ServicerContext) -> trace_pb2.ListTracesResponse:
+                         context: Context) -> trace_pb2.ListTracesResponse:
         book = await self._book(context)
         who = current_principal()
         admin, in_namespace = self._admin(who), self._in_namespace(who)
@@ -289,7 +291,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         return trace_pb2.ListTracesResponse(sessions=[session_to_proto(s) for s in readable])
 
     async def WatchTrace(self, request: trace_pb2.WatchTraceRequest,
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[trace_pb2.TraceWatchMessage]:
+                         context: Context) -> AsyncIterator[trace_pb2.TraceWatchMessage]:
         book = await self._book(context)
         who = current_principal()
         try:
@@ -304,7 +306,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
     # ---- the audit trail (collector/audit.py); admin only, checked before this runs ------------------
 
     async def ListAudit(self, request: query_pb2.ListAuditRequest,
-                        context: grpc.aio.ServicerContext) -> query_pb2.ListAuditResponse:
+                        context: Context) -> query_pb2.ListAuditResponse:
         rows = await self._read(select_audit(request.since_unix_ns, request.after_seq,
                                              _limit(request.limit)), context)
         out = []
@@ -316,7 +318,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
                 result=row.result, detail_json=row.detail, prev_sha256=row.prev_sha256, sha256=row.sha256))
         return query_pb2.ListAuditResponse(records=out)
 
-    async def _read(self, read: Callable[[sqlite3.Connection], T], context: grpc.aio.ServicerContext) -> T:
+    async def _read(self, read: Callable[[sqlite3.Connection], T], context: Context) -> T:
         try:
             return await asyncio.wrap_future(self.store.read(read))
         except sqlite3.Error as e:

@@ -26,12 +26,14 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
 
 import grpc
+from ghostgpu.collector.aio_handlers import Context
+from ghostgpu.collector.audit import AuditFn
 
 from ghostgpu.common.transport.principal import Principal
 from ghostgpu.common.transport.tls import TlsError, first_auth_value, not_after, parse_certs
@@ -39,7 +41,6 @@ from ghostgpu.common.transport.tls import TlsError, first_auth_value, not_after,
 log = logging.getLogger(__name__)
 
 AUDIT_GROUPS_MAX = 100  # stream.revoked records per pass; the rest are counted in one more
-AuditFn = Callable[..., Any]  # AuditLog.append(action, subject, result, **detail)
 
 
 class PolicyLike(Protocol):
@@ -63,7 +64,7 @@ def _cert_not_after_s(pem: bytes) -> float | None:
         return None
 
 
-def cert_not_after_s(context: grpc.aio.ServicerContext) -> float | None:
+def cert_not_after_s(context: Context) -> float | None:
     """The verified client certificate's notAfter, or None (plaintext, no certificate)."""
     auth = context.auth_context() or {}
     if auth.get("transport_security_type") != [b"ssl"]:
@@ -95,8 +96,8 @@ class OpenStreams:
 
     # ---- the handler's side (collector/authz.py) -----------------------------------------------
 
-    async def run(self, principal: Principal, method: str, context: grpc.aio.ServicerContext,
-                  serve: Callable[[], Awaitable[Any]]) -> Any:
+    async def run(self, principal: Principal, method: str, context: Context,
+                  serve: Callable[[], Awaitable[object]]) -> object:
         """`serve()` (the handler), registered while it runs; a revocation ends it with its status."""
         stream = self._add(principal, method, cert_not_after_s(context) if principal.via == "mtls" else None)
         try:
@@ -117,10 +118,10 @@ class OpenStreams:
         return result
 
     @staticmethod
-    async def write_all(items: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    async def write_all(items: AsyncGenerator[object, None], context: Context) -> None:
         """An async generator handler's answers, written by this task (so a revocation that comes
         while one is being sent still ends the handler here), the generator closed whatever happens."""
-        async with contextlib.aclosing(items) as gen:  # type: ignore[type-var]
+        async with contextlib.aclosing(items) as gen:
             async for item in gen:
                 await context.write(item)
 

@@ -86,7 +86,7 @@ class TraceStore:
         self.total = 0
         # Also told of every audit row (the collector's audit log, collector/audit.py): session,
         # action, who, detail.
-        self.on_audit: Callable[[str, str, str, str], None] | None = None
+        self.on_audit: Callable[[str, str, str, str], object] | None = None
 
     # ---- start-up ------------------------------------------------------------------------------
 
