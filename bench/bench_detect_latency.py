@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ghostgpu.cli.client import Query
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.cri import CriStats
 from ghostgpu.collector.main import Collector
 
@@ -230,7 +231,8 @@ def main() -> int:
         ctd = stack.enter_context(Containerd())
         embedded: Collector | None = None
         if args.embedded:
-            embedded = Collector(["127.0.0.1:0"], db_path=str(workdir / "collector.db")).start()
+            config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(workdir / "collector.db"))
+            embedded = Collector(config).start()
             stack.callback(embedded.stop)
             address = embedded.address
         else:

@@ -192,6 +192,7 @@ def main() -> int:
     p.add_argument("--out", default="metrics_scrape", help="result name under bench/results/")
     args = p.parse_args()
 
+    from ghostgpu.collector.config import CollectorConfig
     from ghostgpu.collector.main import Collector
     from prometheus_client import generate_latest
 
@@ -199,8 +200,9 @@ def main() -> int:
 
     sys.setswitchinterval(0.0005)  # as `ghostgpu collector` runs (cli/main.py main)
     tmp = tempfile.mkdtemp(prefix="ghostgpu-bench-metrics-")
-    collector = Collector(["127.0.0.1:0"], f"{tmp}/collector.db", resolver_factory=Names,
-                          metrics_listen="127.0.0.1:0", metrics_max_process_series=args.max_process_series)
+    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=f"{tmp}/collector.db",
+                             metrics_listen="127.0.0.1:0", metrics_max_process_series=args.max_process_series)
+    collector = Collector(config, resolver_factory=Names)
     collector.start()
     results: dict[str, Any] = {}
     try:

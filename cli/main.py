@@ -48,60 +48,35 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
                    "(default unix:///var/lib/kubelet/pod-resources/kubelet.sock)")
 
 
-def _add_collector_flags(p: argparse.ArgumentParser, listen_default: str | None) -> None:
-    p.add_argument("--listen", default=listen_default,
-                   help="gRPC address for tracers and clients: HOST:PORT or unix:///path")
-    p.add_argument("--db", help="SQLite file for findings and the event log "
-                   "(default /var/lib/ghostgpu/collector.db; ':memory:' keeps nothing)")
-    p.add_argument("--retention-days", dest="retention_days", type=float, default=7.0,
-                   help="keep findings resolved within this many days (default 7)")
-    p.add_argument("--event-log-max", dest="event_log_max", type=int, default=1_000_000,
-                   help="events kept in the event log, newest first (default 1000000; 0 keeps none)")
-    p.add_argument("--collector-cri-endpoint", dest="collector_cri_endpoint",
-                   help="resolve containers of tracers without a CRI relay through this local socket")
-    p.add_argument("--cri-ttl-s", dest="cri_ttl_s", type=float, default=30.0,
-                   help="seconds a CRI answer is cached (default 30; unknown containers 5)")
-    p.add_argument("--metrics-listen", dest="metrics_listen", metavar="HOST:PORT",
-                   help="serve Prometheus /metrics on this address (default off; e.g. 0.0.0.0:9400)")
-    p.add_argument("--metrics-max-process-series", dest="metrics_max_process_series", type=int, default=1000,
-                   metavar="N", help="at most N non-visible consumers get per-process series, oldest "
-                   "findings first (default 1000; ghostgpu_metrics_process_series_capped counts the rest)")
-    p.add_argument("--alertmanager", action="append", metavar="URL",
-                   help="push findings to this Alertmanager as they open and resolve, e.g. "
-                   "http://127.0.0.1:9093 (repeatable, or comma-separated)")
-    p.add_argument("--alertmanager-resend-s", dest="alertmanager_resend_s", type=float, default=60.0,
-                   metavar="S", help="re-send open alerts every S seconds (default 60)")
-    p.add_argument("--alert-label", dest="alert_labels", action="append", metavar="KEY=VALUE",
-                   help="extra label on every pushed alert (repeatable), e.g. cluster=prod")
-    # Trace sessions (docs/TRACE.md). --trace-max-duration and --trace-max-records are also tracer
-    # limits: where the parser has them already (`up`, from its tracer's flags), one value serves both.
+def _add_collector_flags(p: argparse.ArgumentParser) -> None:
+    """The collector's settings (`collector` and `up`): each flag's help and default come from its
+    CollectorConfig field (collector/config.py); a flag left out is None, so a config file's value or the
+    field's default stands."""
     import contextlib
 
-    for flags, kw in (
-        (("--trace-max-duration",), {"metavar": "D", "help": "longest trace session a client may start "
-                                     "(default 10m; 30s, 10m, 1h)"}),
-        (("--trace-max-records",), {"type": int, "metavar": "N", "help": "records kept per trace session at "
-                                    "most, and its default (default 100000)"}),
-    ):
+    from ghostgpu.collector.config import CollectorConfig
+
+    from ghostgpu.common.system.settings import add_flag
+
+    def add(name: str) -> None:
+        add_flag(p, CollectorConfig, name)
+
+    for name in ("listen", "db_path", "retention_days", "event_log_max", "cri_endpoint", "cri_ttl_s",
+                 "metrics_listen", "metrics_max_process_series", "alertmanager", "alert_resend_s",
+                 "alert_labels"):
+        add(name)
+    # Trace sessions (docs/TRACE.md). --trace-max-duration and --trace-max-records are also tracer
+    # limits: where the parser has them already (`up`, from its tracer's flags), one value serves both.
+    for name in ("trace_max_duration_s", "trace_max_records"):
         with contextlib.suppress(argparse.ArgumentError):
-            p.add_argument(*flags, dest=flags[0][2:].replace("-", "_"), **kw)  # type: ignore[arg-type]
-    p.add_argument("--trace-default-duration", dest="trace_default_duration", metavar="D",
-                   help="length of a trace session whose client names none (default 30s)")
-    p.add_argument("--trace-store-max-records", dest="trace_store_max_records", type=int, default=1_000_000,
-                   metavar="N", help="trace records kept in all sessions together; the oldest ended sessions "
-                   "make room, else records past it are counted as dropped (default 1000000)")
-    p.add_argument("--trace-retention-h", dest="trace_retention_h", type=float, default=24.0, metavar="H",
-                   help="hours an ended trace session and its records are kept (default 24)")
+            add(name)
+    for name in ("trace_default_duration_s", "trace_store_max_records", "trace_retention_h"):
+        add(name)
     with contextlib.suppress(argparse.ArgumentError):  # `up` has them already, from its tracer's flags
         add_tls_flags(p)
     add_server_security_flags(p)
-    p.add_argument("--max-connections", dest="max_connections", type=int, metavar="N",
-                   help="connections at once on each mTLS --listen port; past it the oldest one not yet "
-                   "authenticated is closed for the new one (default 10000, fewer where the fd limit "
-                   "holds fewer: docs/SECURITY.md)")
-    p.add_argument("--max-connections-per-source", dest="max_connections_per_source", type=int, metavar="N",
-                   help="connections not yet authenticated at once from one address on each mTLS port; "
-                   "past it that address's oldest is closed (default 32)")
+    add("max_connections")
+    add("max_connections_per_source")
     _add_web_config_flag(p)
 
 
@@ -230,7 +205,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     coll = sub.add_parser("collector", help="the cluster collector: ingests tracers, resolves containers "
                           "through CRI, answers queries")
-    _add_collector_flags(coll, listen_default="0.0.0.0:7450")
+    coll.add_argument("--config", metavar="FILE", help="TOML config file (keys as in collector/config.py, "
+                      "in a [collector] table or at the top level); a flag given wins over it")
+    _add_collector_flags(coll)
 
     ps = sub.add_parser("ps", help="the cluster's nvidia-smi: every GPU consumer the collector knows")
     _add_query_flags(ps)
@@ -262,7 +239,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_tracer_flags(up)
     _add_node_flags(up)
     _add_health_flag(up)
-    _add_collector_flags(up, listen_default=DEFAULT_COLLECTOR)
+    _add_collector_flags(up)  # --listen: up's own default, DEFAULT_COLLECTOR (cli/up.py)
     return parser
 
 

@@ -34,15 +34,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ghostgpu.cli import view
 from ghostgpu.cli.client import ClientError, FindingWaker, Query, show
 from ghostgpu.cli.demo import Demo, DemoError
 from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
+from ghostgpu.collector.config import CollectorConfig
 
 from ghostgpu.common.model.consumers import ConsumerClass
 from ghostgpu.common.system.fdlimit import raise_fd_limit
+from ghostgpu.common.system.settings import default_of
 from ghostgpu.common.transport.addresses import (
     DEFAULT_COLLECTOR,
     dial_address,
@@ -52,7 +55,7 @@ from ghostgpu.common.transport.addresses import (
 )
 from ghostgpu.v1 import query_pb2, stream_pb2
 
-DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
+DEFAULT_DB = default_of(CollectorConfig, "db_path")  # the collector's (collector/config.py)
 CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
 DEMO_TIMEOUT_S = 60.0
 # Counted from the tracer's first snapshot (its `info`), not from its start, so a slow BPF compile does
@@ -189,12 +192,12 @@ def _open_db(db: str) -> str:
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None,
                      db: str) -> Any:
+    from ghostgpu.collector.config import CollectorConfig
+    from ghostgpu.collector.heap import HeapPolicy
     from ghostgpu.collector.main import Collector
-    from ghostgpu.collector.run import collector_options
-    from ghostgpu.collector.security import SecurityOptions
     from ghostgpu.collector.server import ListenError
-    from ghostgpu.collector.trace_commands import trace_options
 
+    from ghostgpu.common.system.settings import flag_values
     from ghostgpu.common.web.httpserve import HttpListenError
 
     busy = port_free(listen)
@@ -202,16 +205,15 @@ def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpo
         raise UpError(f"cannot listen on {listen} ({busy}): another collector or `ghostgpu up` may be "
                       f"running; pass --listen HOST:PORT (e.g. --listen 127.0.0.1:7451)")
     try:  # a bad --metrics-listen, --alertmanager, --alert-label, ... is a ValueError naming the flag
-        security = SecurityOptions.from_args(args)
-        listens = [listen]
-        if security.tls.enabled and not is_unix(listen):
+        given = {"listen": (listen,), "db_path": _open_db(db), "cri_endpoint": cri_endpoint,
+                 "node_name": node}
+        config = CollectorConfig(**{**flag_values(CollectorConfig, args), **given})
+        if config.security_options().tls.enabled and not is_unix(listen):
             # The TLS files are the collector's; up's own tracer and live view come in through a
             # private unix socket instead, as the local root (SO_PEERCRED), which needs no certificate.
-            listens.append(unix_address(os.path.join(tempfile.mkdtemp(prefix="ghostgpu-up-"), "up.sock")))
-        collector = Collector(listen=listens, db_path=_open_db(db), retention_days=args.retention_days,
-                              event_log_max=args.event_log_max, cri_endpoint=cri_endpoint,
-                              cri_ttl_s=args.cri_ttl_s, node_name=node, **collector_options(args),
-                              **trace_options(args), security=security)
+            private = unix_address(os.path.join(tempfile.mkdtemp(prefix="ghostgpu-up-"), "up.sock"))
+            config = replace(config, listen=(listen, private))
+        collector = Collector(config, heap=HeapPolicy())  # gc state is process-wide: the commands only
     except ValueError as e:
         raise FlagError(str(e)) from None
     try:

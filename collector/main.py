@@ -1,6 +1,6 @@
 """`ghostgpu collector`, and the Collector class that `ghostgpu up` and the tests embed.
 
-    c = Collector(["127.0.0.1:0", "unix:///run/ghostgpu.sock"], db_path="/tmp/c.db")
+    c = Collector(CollectorConfig(listen=("127.0.0.1:0", "unix:///run/ghostgpu.sock"), db_path="/tmp/c.db"))
     c.start()                 # binds, loads the database; raises ListenError / StoreError
     c.addresses               # ["127.0.0.1:41234", "unix:///run/ghostgpu.sock"]
     c.metrics_address         # "127.0.0.1:9400" with metrics_listen="127.0.0.1:9400", else None
@@ -23,32 +23,30 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.security import Security, SecurityOptions
-from ghostgpu.collector.server import ListenError, check_listen, start_server
+from ghostgpu.collector.server import ListenError, start_server
 from ghostgpu.collector.store import Store
 from ghostgpu.collector.trace_commands import TraceLimits
-from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS, TraceStore
+from ghostgpu.collector.trace_store import TraceStore
 from ghostgpu.collector.traces import TraceBook
 
 from ghostgpu.common.model.consumers import K8sInfo
-from ghostgpu.common.transport.addresses import dial_address, is_unix, parse_listen, port_of
-from ghostgpu.common.web.httpserve import HttpListenError, HttpServer, Unavailable
-from ghostgpu.common.wire.protocol import MAX_BATCH_EVENTS
+from ghostgpu.common.transport.addresses import dial_address, is_unix, port_of
+from ghostgpu.common.web.httpserve import HttpServer, Unavailable
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DB = "/var/lib/ghostgpu/collector.db"
-DEFAULT_LISTEN = "0.0.0.0:7450"
 FINDINGS_FLUSH_S = 1.0  # changed open findings reach the history at most this late
 T = TypeVar("T")
 
@@ -65,76 +63,49 @@ ResolverFactory = Callable[[Callable[[str], Any], Callable[[str, str], None]], R
 
 
 class Collector:
-    def __init__(self, listen: list[str] | str, db_path: str, retention_days: float = 7.0,
-                 event_log_max: int = 1_000_000, cri_endpoint: str | None = None, cri_ttl_s: float = 30.0,
-                 node_name: str | None = None, *, resolver_factory: ResolverFactory | None = None,
-                 max_batch_events: int = MAX_BATCH_EVENTS, metrics_listen: str | None = None,
-                 metrics_max_process_series: int = 1000, alertmanager: Sequence[str] = (),
-                 alert_resend_s: float = 60.0, alert_labels: dict[str, str] | None = None,
+    """The collector in this process: `config` holds every setting (collector/config.py); the keywords
+    are collaborators, not settings: stand-ins the tests pass, the long-running commands' gc policy."""
+
+    def __init__(self, config: CollectorConfig, *, resolver_factory: ResolverFactory | None = None,
                  pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None,
-                 trace_limits: TraceLimits | None = None,
-                 trace_store_max_records: int = DEFAULT_STORE_MAX_RECORDS,
-                 trace_retention_h: float = 24.0, security: SecurityOptions | None = None,
-                 web_config_file: str | None = None, http_max_connections: int | None = None,
-                 http_max_connections_per_source: int | None = None) -> None:
-        self.listen = [listen] if isinstance(listen, str) else list(listen)
-        for addr in self.listen:
-            check_listen(addr)
-        if retention_days <= 0:
-            raise ValueError(f"--retention-days {retention_days}: must be more than 0")
-        if event_log_max < 0:
-            raise ValueError(f"--event-log-max {event_log_max}: must be 0 (keep none) or more")
-        if cri_ttl_s <= 0:
-            raise ValueError(f"--cri-ttl-s {cri_ttl_s}: must be more than 0")
-        if metrics_listen is not None:
-            parse_listen(metrics_listen, "--metrics-listen", HttpListenError)  # one line naming the flag
-        if metrics_max_process_series < 0:
-            raise ValueError(f"--metrics-max-process-series {metrics_max_process_series}: must be 0 or more")
-        if alert_resend_s <= 0:
-            raise ValueError(f"--alertmanager-resend-s {alert_resend_s}: must be more than 0")
-        if trace_store_max_records < 0:
-            raise ValueError(f"--trace-store-max-records {trace_store_max_records}: must be 0 or more")
-        if trace_retention_h <= 0:
-            raise ValueError(f"--trace-retention-h {trace_retention_h}: must be more than 0")
-        self.security_options = security or SecurityOptions()  # collector/security.py
-        self.security: Security | None = None
-        self.trace_limits = trace_limits or TraceLimits()  # collector/traces.py: trace sessions
-        self.trace_store_max_records = trace_store_max_records
-        self.trace_retention_h = trace_retention_h
-        self.metrics_listen = metrics_listen
-        self.web_config_file = web_config_file  # TLS and basic auth of /metrics (common/web/webconfig.py)
-        # /metrics' connection caps (ghostgpu/common/web/httpserve.py); None: its defaults
-        self.http_caps = {k: v for k, v in (("max_connections", http_max_connections),
-                                            ("max_connections_per_source", http_max_connections_per_source))
-                          if v is not None}
-        self.metrics_max_process_series = metrics_max_process_series
-        self.alertmanager = list(alertmanager)
-        self.alert_resend_s = alert_resend_s
-        self.alert_labels = dict(alert_labels or {})
-        self._pusher_factory = pusher_factory  # tests: a stand-in for collector.alertpush.AlertPusher
-        self.heap = heap  # collector/heap.py: the commands' gc policy, ticked by the loop
-        self.db_path = db_path
-        self.retention_days = retention_days
-        self.event_log_max = event_log_max
-        self.cri_endpoint = cri_endpoint
-        self.cri_ttl_s = cri_ttl_s
-        self.node_name = node_name
-        self.max_batch_events = max_batch_events
+                 trace_timing: TraceLimits | None = None, security: SecurityOptions | None = None) -> None:
+        """resolver_factory, pusher_factory: stand-ins for the CRI resolver and the Alertmanager pusher;
+        heap: the commands' gc policy (collector/heap.py), ticked by the loop; trace_timing: the trace
+        sessions' waits and ticks (tests shorten them); security: SecurityOptions already built (tests
+        with their own TLS files), else the config's."""
+        self.config = config
         self._resolver_factory = resolver_factory
+        self._pusher_factory = pusher_factory
+        self.heap = heap
+        self.trace_limits = config.trace_limits(trace_timing)  # collector/traces.py: trace sessions
+        self.security_options = security or config.security_options()  # collector/security.py
+        self._init_loop_state()
+        self._init_components()
+
+    def _init_loop_state(self) -> None:
+        """The loop thread and its start/stop signals."""
         self.addresses: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._direct: Any = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopped = threading.Event()
         self._start_error: BaseException | None = None
         self._stop_event: asyncio.Event | None = None
         self._grace_s = 1.0
+
+    def _init_components(self) -> None:
+        """What start() builds (_build), None until then or when not configured."""
+        self.security: Security | None = None
+        self._direct: Any = None  # the local CRI socket's transport (cri_endpoint)
         self.resolver: Any = None
         self.metrics: Any = None  # collector.metrics.CollectorMetrics with metrics_listen
         self._metrics_server: HttpServer | None = None
         self.pusher: Any = None  # collector.alertpush.AlertPusher with alertmanager URLs
         self._pusher_started = False
+
+    @property
+    def db_path(self) -> str:
+        return self.config.db_path
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -157,74 +128,112 @@ class Collector:
         return self
 
     def _build(self) -> None:
-        if self.cri_endpoint:
+        """Every component, in the order each needs the ones before it."""
+        self._open_local_cri()
+        self._open_store_and_security()
+        self._build_cluster()
+        self._build_traces()
+        self._build_ingest()
+        self._build_query()
+        self._build_pusher()
+        self._serve_metrics()
+
+    def _open_local_cri(self) -> None:
+        if self.config.cri_endpoint:
             from ghostgpu.collector.cri import direct_transport
 
             try:
-                self._direct = direct_transport(self.cri_endpoint)
+                self._direct = direct_transport(self.config.cri_endpoint)
             except ValueError as e:  # a malformed endpoint: name the flag, as every other bad value does
                 raise ValueError(f"--collector-cri-endpoint: {e}") from None
-        self.store = Store(self.db_path, self.event_log_max, self.retention_days)
-        self.security = Security(self.security_options, self.store, self.db_path)
-        self.security.check_listen(self.listen)
+
+    def _open_store_and_security(self) -> None:
+        cfg = self.config
+        self.store = Store(cfg.db_path, cfg.event_log_max, cfg.retention_days)
+        self.security = Security(self.security_options, self.store, cfg.db_path)
+        self.security.check_listen(list(cfg.listen))
+
+    def _build_cluster(self) -> None:
+        """The nodes, the CRI resolver and the cluster table."""
         self.nodes: dict[str, NodeView] = {}
         if self._resolver_factory is not None:
             self.resolver = self._resolver_factory(self.transport_for, self._on_cri_change)
         else:
             from ghostgpu.collector.cri import CriResolver
 
-            self.resolver = CriResolver(self.transport_for, self._on_cri_change, ttl_s=self.cri_ttl_s)
+            self.resolver = CriResolver(self.transport_for, self._on_cri_change, ttl_s=self.config.cri_ttl_s)
         self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
                                     self.store.max_finding_id() + 1, self.store.load_open_findings(),
                                     forget=getattr(self.resolver, "forget", None))
-        # The tracers' connected streams by node: the stream servicer fills it, the trace book reads it.
-        self.streams: dict[str, IngestSession] = {}
-        self.trace_store = TraceStore(self.store, self.trace_store_max_records, self.trace_retention_h * 3600)
+
+    def _build_traces(self) -> None:
+        """Trace sessions: their store (audited) and the book, which reads the connected streams."""
+        assert self.security is not None
+        self.trace_store = TraceStore(self.store, self.config.trace_store_max_records,
+                                      self.config.trace_retention_h * 3600)
         # Trace starts, stops, expiries and refusals go to the audit log too (the trace_audit table
         # keeps the per-session view `trace show` prints).
         audit = self.security.audit
         self.trace_store.on_audit = lambda sid, action, who, detail: audit(
             f"trace.{action}", who, "ok" if action in ("start", "stop", "expire") else action,
             session=sid, detail=detail)
+        self.streams: dict[str, IngestSession] = {}  # by node: filled by Ingest, read by the book
         self.traces = TraceBook(self.streams, self.trace_store, self.trace_limits,
                                 transport_for=self.transport_for, nodes=self.nodes,
                                 cluster_rows=self.cluster.rows,
                                 resolve_names=getattr(self.resolver, "get", None))
-        # Its uid peers are this node's tracer (docs/SECURITY.md).
-        self.ingest = Ingest(self.nodes, self.cluster, self.store, self.event_log_max, self.max_batch_events,
+
+    def _build_ingest(self) -> None:
+        """The stream servicer, feeding the cluster table and the trace book."""
+        assert self.security is not None
+        # the local node: its uid peers are this node's tracer (docs/SECURITY.md)
+        self.ingest = Ingest(self.nodes, self.cluster, self.store, self.config.event_log_max,
                              sessions=self.streams, traces=self.traces, audit=self.security.audit,
-                             local_node=self.node_name)
+                             local_node=self.config.node_name)
         self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
+
+    def _build_query(self) -> None:
+        """The Query service, audited, its trace rules read from the current policy."""
+        assert self.security is not None
         failures = getattr(self.resolver, "node_failures", None)
         self.query = QueryService(self.nodes, self.cluster, self.store, failures, traces=self.traces)
         self.query.audit = self.security.audit
         policy = self.security.policy
         self.query.trace_denial = lambda who, ns, duration_s: policy.policy.trace_denial(who, ns, duration_s)
         self.query.is_admin = lambda who: ADMIN in policy.policy.roles(who)  # reads and stops any session
-        if self.alertmanager:
-            if self._pusher_factory is not None:
-                factory = self._pusher_factory
-            else:
-                from ghostgpu.collector.alertpush import AlertPusher as factory  # only with --alertmanager
-            # ValueError naming --alertmanager or --alert-label on a bad URL or label
-            self.pusher = factory(self.alertmanager, extra_labels=self.alert_labels,
-                                  resend_s=self.alert_resend_s)
-        if self.metrics_listen is not None:
-            from ghostgpu.collector.metrics import CollectorMetrics
 
-            self.metrics = CollectorMetrics(
-                self.nodes, self.cluster, call=self._call_for_scrape,
-                cri_stats=getattr(self.resolver, "stats", None),
-                push_stats=self.pusher.stats if self.pusher is not None else None,
-                audit_head=self.security.audit_head,
-                max_process_series=self.metrics_max_process_series)
-            # Bound before the loop runs (a taken port fails start() at once); a scrape that comes
-            # before the loop is up is answered 503 by _call_for_scrape.
-            self._metrics_server = HttpServer(self.metrics_listen, {"/metrics": self.metrics.handle},
-                                              flag="--metrics-listen", name="metrics",
-                                              web_config=self.web_config_file,
-                                              insecure=self.security_options.insecure,  # as gRPC's rule
-                                              **self.http_caps).start()
+    def _build_pusher(self) -> None:
+        """The Alertmanager pusher, with alertmanager URLs only."""
+        cfg = self.config
+        if not cfg.alertmanager:
+            return
+        if self._pusher_factory is not None:
+            factory = self._pusher_factory
+        else:
+            from ghostgpu.collector.alertpush import AlertPusher as factory  # only with --alertmanager
+        # ValueError naming --alertmanager or --alert-label on a bad URL or label
+        self.pusher = factory(list(cfg.alertmanager), extra_labels=dict(cfg.alert_labels),
+                              resend_s=cfg.alert_resend_s)
+
+    def _serve_metrics(self) -> None:
+        """/metrics, with metrics_listen only. Bound before the loop runs (a taken port fails start()
+        at once); a scrape that comes before the loop is up is answered 503 by _call_for_scrape."""
+        cfg = self.config
+        if cfg.metrics_listen is None:
+            return
+        assert self.security is not None
+        from ghostgpu.collector.metrics import CollectorMetrics
+
+        self.metrics = CollectorMetrics(
+            self.nodes, self.cluster, call=self._call_for_scrape,
+            cri_stats=getattr(self.resolver, "stats", None),
+            push_stats=self.pusher.stats if self.pusher is not None else None,
+            audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series)
+        self._metrics_server = HttpServer(cfg.metrics_listen, {"/metrics": self.metrics.handle},
+                                          flag="--metrics-listen", name="metrics",
+                                          web_config=cfg.web_config_file,
+                                          insecure=self.security_options.insecure,  # as gRPC's rule
+                                          **cfg.http_caps()).start()
 
     def _run(self) -> None:
         try:
@@ -238,8 +247,8 @@ class Collector:
         self.ingest.serve_on(self.loop)
         self._stop_event = asyncio.Event()
         try:
-            server, self.addresses = await start_server(self.ingest.connect, self.query, self.listen,
-                                                        self.security)
+            server, self.addresses = await start_server(self.ingest.connect, self.query,
+                                                        list(self.config.listen), self.security)
         except (ListenError, OSError) as e:
             self._start_error = e if isinstance(e, ListenError) else ListenError(f"--listen: {e}")
             return
@@ -357,7 +366,8 @@ class Collector:
     def transport_for(self, node: str) -> Any:
         """The CRI transport for a node: the local socket for the collector's own node, else the
         node's tracer relay, else the local socket (--collector-cri-endpoint), else None."""
-        if self._direct is not None and self.node_name and node == self.node_name:
+        node_name = self.config.node_name
+        if self._direct is not None and node_name and node == node_name:
             return self._direct
         return self.relay.transport(node) or self._direct
 

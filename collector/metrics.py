@@ -1,6 +1,7 @@
 """The collector's Prometheus /metrics (`ghostgpu collector --metrics-listen HOST:PORT`).
 
-    metrics = CollectorMetrics(nodes, cluster, call=collector.call, cri_stats=resolver.stats)
+    metrics = CollectorMetrics(nodes, cluster, call=collector.call, cri_stats=resolver.stats,
+                               max_process_series=config.metrics_max_process_series)
     server = HttpServer(listen, {"/metrics": metrics.handle}, flag="--metrics-listen").start()
 
 A scrape runs on the HTTP server's thread. The collector's state lives on its event loop, so one
@@ -47,10 +48,9 @@ from ghostgpu.common.model.consumers import ClusterConsumer
 from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, Request, Response
 from ghostgpu.common.wire.protocol import API_VERSION
 
-__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "DEFAULT_MAX_PROCESS_SERIES", "CollectorMetrics"]
+__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "CollectorMetrics"]
 
 T = TypeVar("T")
-DEFAULT_MAX_PROCESS_SERIES = 1000
 
 
 def _run_here(fn: Callable[[], T]) -> T:
@@ -80,10 +80,9 @@ class CollectorMetrics:
                  call: Callable[[Callable[[], Any]], Any] = _run_here,
                  cri_stats: Callable[[], CriStats] | None = None, push_stats: Callable[[], Any] | None = None,
                  audit_head: Callable[[], tuple[int, int]] | None = None,
-                 max_process_series: int = DEFAULT_MAX_PROCESS_SERIES) -> None:
-        """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head."""
-        if max_process_series < 0:
-            raise ValueError(f"--metrics-max-process-series {max_process_series}: must be 0 or more")
+                 max_process_series: int) -> None:
+        """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head;
+        max_process_series: CollectorConfig.metrics_max_process_series (checked there)."""
         self.nodes, self.cluster = nodes, cluster
         self.call = call
         self.cri_stats, self.push_stats = cri_stats, push_stats

@@ -1,6 +1,6 @@
-"""`ghostgpu collector`: its flags turned into a Collector (collector/main.py), its life until
-SIGTERM, and SIGHUP re-reading the policy. `ghostgpu up` builds its collector with the same
-`collector_options`."""
+"""`ghostgpu collector`: its settings (collector/config.py: defaults, --config FILE, flags) turned into a
+Collector (collector/main.py), its life until SIGTERM, and SIGHUP re-reading the policy. `ghostgpu up`
+builds its collector from the same settings (cli/up.py)."""
 
 from __future__ import annotations
 
@@ -12,67 +12,32 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ghostgpu.collector.config import collector_config
 from ghostgpu.collector.heap import HeapPolicy
-from ghostgpu.collector.main import DEFAULT_DB, DEFAULT_LISTEN, Collector
-from ghostgpu.collector.security import SecurityOptions
+from ghostgpu.collector.main import Collector
 from ghostgpu.collector.server import ListenError
 from ghostgpu.collector.store import StoreError
-from ghostgpu.collector.trace_commands import trace_options
 
 from ghostgpu import __version__
 from ghostgpu.common.system.fdlimit import raise_fd_limit
 from ghostgpu.common.web.httpserve import HttpListenError
 
 
-def collector_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The metrics, Alertmanager and heap keyword arguments of Collector from `collector`/`up` flags."""
-    urls: list[str] = list(getattr(args, "alertmanager", None) or ())
-    labels: Any = list(getattr(args, "alert_labels", None) or ())
-    if labels and not urls:
-        raise ValueError("--alert-label: labels go on alerts pushed to Alertmanager; add --alertmanager URL "
-                         "(alerts from Prometheus rules take labels from its external_labels)")
-    if urls:
-        from ghostgpu.collector.alertpush import parse_alert_labels, parse_alertmanager_urls
-
-        urls, labels = parse_alertmanager_urls(urls), parse_alert_labels(labels)
-    return {
-        "metrics_listen": getattr(args, "metrics_listen", None),
-        "metrics_max_process_series": getattr(args, "metrics_max_process_series", 1000),
-        "alertmanager": urls,
-        "alert_resend_s": getattr(args, "alertmanager_resend_s", 60.0),
-        "alert_labels": dict(labels),
-        "heap": HeapPolicy(),  # the long-running commands only: gc state is process-wide
-        "web_config_file": getattr(args, "web_config_file", None),
-        "http_max_connections": getattr(args, "http_max_connections", None),
-        "http_max_connections_per_source": getattr(args, "http_max_connections_per_source", None),
-    }
-
-
 def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
     """The body of `ghostgpu collector`: exit 0 on SIGTERM/SIGINT, 2 on a bad flag, 1 if storage fails."""
     raise_fd_limit()  # before anything listens: descriptors are what a flood of connections takes
-    listen = [a.strip() for a in (args.listen or DEFAULT_LISTEN).split(",") if a.strip()]
-    db = args.db or DEFAULT_DB
-    if getattr(args, "web_config_file", None) and not getattr(args, "metrics_listen", None):
-        print("ghostgpu: collector: --web-config-file: it secures /metrics; add --metrics-listen HOST:PORT",
-              file=sys.stderr)
-        return 2
     try:
-        collector = Collector(listen, db, args.retention_days, args.event_log_max,
-                              getattr(args, "collector_cri_endpoint", None), args.cri_ttl_s,
-                              **collector_options(args), **trace_options(args),
-                              security=SecurityOptions.from_args(args))
+        config = collector_config(args)  # defaults < --config FILE < flags; ValueError naming one
+        if config.web_config_file and not config.metrics_listen:
+            print("ghostgpu: collector: --web-config-file: it secures /metrics; add --metrics-listen "
+                  "HOST:PORT", file=sys.stderr)
+            return 2
+        collector = Collector(config, heap=HeapPolicy())  # gc state is process-wide: the commands only
         collector.start()
     except (ListenError, StoreError, HttpListenError, ValueError) as e:
         print(f"ghostgpu: collector: {e}", file=sys.stderr)
         return 2
-    extra = ""
-    if collector.metrics_address:
-        extra += f"; metrics {collector.metrics_url}"
-    if collector.pusher is not None:  # its URLs without a user:password@ the flag may carry
-        extra += f"; alerts to {', '.join(collector.pusher.urls)}"
-    print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database {db}"
-          f"{extra}", file=sys.stderr, flush=True)
+    _say_started(collector)
     stop = threading.Event()
     install_signals(stop.set)
     reload_on_hangup(collector)
@@ -87,6 +52,16 @@ def run_collector(args: argparse.Namespace, install_signals: Callable[[Callable[
             break
     collector.stop()
     return rc
+
+
+def _say_started(collector: Collector) -> None:
+    extra = ""
+    if collector.metrics_address:
+        extra += f"; metrics {collector.metrics_url}"
+    if collector.pusher is not None:  # its URLs without a user:password@ the flag may carry
+        extra += f"; alerts to {', '.join(collector.pusher.urls)}"
+    print(f"ghostgpu collector {__version__}: listening on {', '.join(collector.addresses)}; database "
+          f"{collector.db_path}{extra}", file=sys.stderr, flush=True)
 
 
 def reload_on_hangup(collector: Collector) -> None:

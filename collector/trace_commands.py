@@ -18,7 +18,6 @@ FAILED_PRECONDITION (it cannot trace now). The line names the node, or the colle
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 from dataclasses import dataclass
@@ -26,9 +25,8 @@ from typing import Any
 
 import grpc
 from ghostgpu.collector.trace_scope import TraceError
-from ghostgpu.collector.trace_store import DEFAULT_STORE_MAX_RECORDS
 
-from ghostgpu.common.model.durations import format_ms, parse_duration_s
+from ghostgpu.common.model.durations import format_ms
 from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS, TraceScope
 from ghostgpu.v1 import stream_pb2
 
@@ -135,19 +133,3 @@ class TraceCommands:
         for (s, _), fut in list(self._pending.items()):
             if s is stream and not fut.done():
                 fut.set_result(f"gone: node {stream.node}'s tracer disconnected before it answered")
-
-
-def trace_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The trace session keyword arguments of Collector from the --trace-* flags (ValueError naming one)."""
-    kw: dict[str, Any] = {}
-    # Durations as "10m", "30s" (or seconds): `up` may share --trace-max-duration with its tracer.
-    for flag, key in (("trace_max_duration", "max_duration_s"),
-                      ("trace_default_duration", "default_duration_s")):
-        if (value := getattr(args, flag, None)) is not None:
-            kw[key] = parse_duration_s(value, "--" + flag.replace("_", "-"))
-    if (records := getattr(args, "trace_max_records", None)) is not None:
-        kw["max_records"] = int(records)
-    limits = TraceLimits(**kw)
-    return {"trace_limits": limits,
-            "trace_store_max_records": getattr(args, "trace_store_max_records", DEFAULT_STORE_MAX_RECORDS),
-            "trace_retention_h": getattr(args, "trace_retention_h", 24.0)}

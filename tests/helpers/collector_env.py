@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 
 from ghostgpu.common.transport.dial import open_channel
@@ -14,13 +15,18 @@ from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.common.wire.protocol import API_VERSION, API_VERSION_METADATA, channel_options
 from ghostgpu.v1 import query_pb2, query_pb2_grpc
 
+# Collector's keywords that are collaborators, not settings (CollectorConfig holds those).
+COLLABORATORS = ("resolver_factory", "pusher_factory", "heap", "trace_timing", "security")
+
 
 @contextlib.contextmanager
 def running_collector(tmp_path: Path, db_name: str = "collector.db", unix: bool = False,
                       **kwargs: Any) -> Iterator[Collector]:
-    """A started Collector on 127.0.0.1:0 (and a unix socket in tmp_path when unix=True)."""
-    listen = ["127.0.0.1:0"] + ([f"unix://{tmp_path}/collector.sock"] if unix else [])
-    c = Collector(listen, str(tmp_path / db_name), **kwargs).start()
+    """A started Collector on 127.0.0.1:0 (and a unix socket in tmp_path when unix=True); kwargs are
+    CollectorConfig's settings and Collector's collaborators."""
+    listen = ("127.0.0.1:0",) + ((f"unix://{tmp_path}/collector.sock",) if unix else ())
+    parts = {k: kwargs.pop(k) for k in COLLABORATORS if k in kwargs}
+    c = Collector(CollectorConfig(listen=listen, db_path=str(tmp_path / db_name), **kwargs), **parts).start()
     try:
         yield c
     finally:

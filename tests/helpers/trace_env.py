@@ -107,7 +107,7 @@ class TraceCluster:
 
 @contextlib.contextmanager
 def trace_cluster(tmp_path: Path, limits: TraceLimits = FAST, **collector_kw: Any) -> Iterator[TraceCluster]:
-    with running_collector(tmp_path, trace_limits=limits, **collector_kw) as c, TraceClient(c.address) as q:
+    with running_collector(tmp_path, trace_timing=limits, **collector_kw) as c, TraceClient(c.address) as q:
         cluster = TraceCluster(c, q)
         try:
             yield cluster

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 
 from ghostgpu.common.transport.tls import TlsFiles
@@ -78,7 +79,8 @@ def attack(tmp_path: Path) -> Iterator[Attack]:
     fake.add_container(ML, "sb-ml", "main")
     fake.add_sandbox("sb-sys", "dns-0", "kube-system", "uid-dns-0")
     fake.add_container(SYS, "sb-sys", "main")
-    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), trace_limits=FAST, security=opts).start()
+    c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db")), trace_timing=FAST,
+                  security=opts).start()
     try:
         yield Attack(c, pki, audit, fake)
     finally:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from ghostgpu.cli.main import main
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 
 from ghostgpu.common.audit.chain import GENESIS_SHA256
@@ -32,7 +33,8 @@ class Trail:
         self.heads: list[float] = []
 
     def run(self, records: int = 3) -> None:
-        c = Collector(["127.0.0.1:0"], str(self.db), metrics_listen="127.0.0.1:0").start()
+        c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path=str(self.db),
+                                      metrics_listen="127.0.0.1:0")).start()
         try:
             self.heads.append(scrape(c.metrics_address).get("ghostgpu_audit_head_seq", -1.0))
             for i in range(records):

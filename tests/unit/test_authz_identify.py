@@ -24,6 +24,7 @@ import grpc
 import pytest
 from ghostgpu.cli.certs import Pair
 from ghostgpu.collector.authz import Identify
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.peers import UnixGate
 from ghostgpu.collector.security import SecurityOptions
@@ -229,7 +230,8 @@ def collector(tmp_path: Path, pki: Pki) -> Iterator[tuple[Collector, Path]]:
     audit = tmp_path / "audit.jsonl"
     opts = SecurityOptions(tls=pki.write("collector", pki.collector()), policy_path=None,
                            audit_log=str(audit))
-    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), security=opts).start()
+    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db"))
+    c = Collector(config, security=opts).start()
     try:
         yield c, audit
     finally:

@@ -8,12 +8,15 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from ghostgpu.cli import main as cli
 from ghostgpu.cli import up
-from ghostgpu.collector.heap import HeapPolicy
-from ghostgpu.collector.run import collector_options, run_collector
+from ghostgpu.collector.config import CollectorConfig, collector_config
+from ghostgpu.collector.run import run_collector
+
+from ghostgpu.common.system.settings import flag_values
 
 COLLECTOR_FLAGS = ["--metrics-listen", "127.0.0.1:0", "--metrics-max-process-series", "5",
                    "--alertmanager", "http://a:9093,http://b:9093", "--alertmanager", "http://c:9093",
@@ -34,39 +37,46 @@ def parse(*argv: str) -> argparse.Namespace:
     return cli._build_parser().parse_args(list(argv))
 
 
+def settings(*argv: str) -> CollectorConfig:
+    """The collector's settings from these flags (`up` has no collector config file)."""
+    return CollectorConfig(**flag_values(CollectorConfig, parse(*argv)))
+
+
+def metrics_settings(cfg: CollectorConfig) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in ("metrics_listen", "metrics_max_process_series", "alertmanager",
+                                         "alert_resend_s", "alert_labels", "web_config_file",
+                                         "http_max_connections", "http_max_connections_per_source")}
+
+
 @pytest.mark.parametrize("command", ["collector", "up"])
 def test_collector_and_up_take_the_metrics_and_alertmanager_flags(command: str) -> None:
-    opts = collector_options(parse(command, *COLLECTOR_FLAGS))
-    assert isinstance(opts.pop("heap"), HeapPolicy)
-    assert opts == {"metrics_listen": "127.0.0.1:0", "metrics_max_process_series": 5,
-                    "alertmanager": ["http://a:9093", "http://b:9093", "http://c:9093"],
-                    "alert_resend_s": 15.0, "alert_labels": {"cluster": "eu-1", "env": "a=b"},
-                    "web_config_file": "/etc/ghostgpu/web.yml", "http_max_connections": 64,
-                    "http_max_connections_per_source": 8}
+    assert metrics_settings(settings(command, *COLLECTOR_FLAGS)) == {
+        "metrics_listen": "127.0.0.1:0", "metrics_max_process_series": 5,
+        "alertmanager": ("http://a:9093", "http://b:9093", "http://c:9093"),
+        "alert_resend_s": 15.0, "alert_labels": {"cluster": "eu-1", "env": "a=b"},
+        "web_config_file": "/etc/ghostgpu/web.yml", "http_max_connections": 64,
+        "http_max_connections_per_source": 8}
 
 
 def test_defaults_serve_nothing_and_push_nothing() -> None:
-    opts = collector_options(parse("collector"))
-    assert isinstance(opts.pop("heap"), HeapPolicy)
-    assert opts == {
-        "metrics_listen": None, "metrics_max_process_series": 1000, "alertmanager": [],
+    assert metrics_settings(collector_config(parse("collector"))) == {
+        "metrics_listen": None, "metrics_max_process_series": 1000, "alertmanager": (),
         "alert_resend_s": 60.0, "alert_labels": {}, "web_config_file": None, "http_max_connections": None,
         "http_max_connections_per_source": None}
     assert parse("tracer").health_listen is None and parse("up").health_listen is None
 
 
 def test_url_and_label_lists() -> None:
-    opts = collector_options(parse("collector", "--alertmanager", " http://a:1 , ", "--alertmanager",
-                                   "http://b:2,http://a:1"))
-    assert opts["alertmanager"] == ["http://a:1", "http://b:2"]
+    cfg = settings("collector", "--alertmanager", " http://a:1 , ", "--alertmanager", "http://b:2,http://a:1")
+    assert cfg.alertmanager == ("http://a:1", "http://b:2")
     for bad, message in ((["--alert-label", "cluster"], r"^--alert-label 'cluster': use KEY=VALUE"),
                          (["--alert-label", "=x"], r"^--alert-label"),
                          ([], r"^--alertmanager 'ftp://x'")):
         with pytest.raises(ValueError, match=message):
             url = "http://a:1" if bad else "ftp://x"
-            collector_options(parse("collector", "--alertmanager", url, *bad))
+            settings("collector", "--alertmanager", url, *bad)
     with pytest.raises(ValueError, match=r"^--alert-label: labels go on alerts pushed to Alertmanager"):
-        collector_options(parse("collector", "--alert-label", "cluster=eu"))
+        settings("collector", "--alert-label", "cluster=eu")
 
 
 def test_up_passes_health_listen_to_its_tracer() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.run import run_collector
 from ghostgpu.collector.server import ListenError
@@ -147,13 +148,14 @@ def test_bad_flags_exit_2_with_one_line_naming_the_flag(tmp_path: Path, capsys: 
 
 def test_a_busy_port_is_refused_not_shared(tmp_path: Path) -> None:
     with running_collector(tmp_path) as c:
-        other = Collector([c.address], str(tmp_path / "other.db"))
+        other = Collector(CollectorConfig(listen=(c.address,), db_path=str(tmp_path / "other.db")))
         with pytest.raises(ListenError, match="cannot listen there"):
             other.start()
 
 
 def test_a_start_that_fails_closes_what_it_opened(tmp_path: Path) -> None:
-    c = Collector(["127.0.0.1:0"], "/proc/version/collector.db", cri_endpoint=f"unix://{tmp_path}/cri.sock")
+    c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path="/proc/version/collector.db",
+                                  cri_endpoint=f"unix://{tmp_path}/cri.sock"))
     with pytest.raises(StoreError, match="cannot open or write it"):
         c.start()
     with pytest.raises(ValueError, match="closed channel"):  # the CRI socket's channel is closed

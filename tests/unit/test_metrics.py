@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 from ghostgpu.collector import metrics_render
 from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriCallError, CriResolver, CriStats
 from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
 from ghostgpu.collector.metrics_render import escape
@@ -23,6 +24,7 @@ from ghostgpu.collector.store import Position
 from prometheus_client.parser import text_string_to_metric_families
 
 from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.system.settings import default_of
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import make_consumer
@@ -74,6 +76,7 @@ class World:
         self.table.update(ns, Changes(keys=[c.key]))
 
     def metrics(self, **kw: object) -> CollectorMetrics:
+        kw.setdefault("max_process_series", default_of(CollectorConfig, "metrics_max_process_series"))
         return CollectorMetrics(self.nodes, self.table, **kw)  # type: ignore[arg-type]
 
 
@@ -281,7 +284,7 @@ def test_the_cap_keeps_the_oldest_findings_and_counts_the_rest() -> None:
     assert "ghostgpu_nonvisible_consumer_info" not in none
     assert none["ghostgpu_metrics_process_series_capped"] == [({}, 4)]
     with pytest.raises(ValueError, match="--metrics-max-process-series -1: must be 0 or more"):
-        w.metrics(max_process_series=-1)
+        CollectorConfig(metrics_max_process_series=-1)
 
 
 # ---- counters ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from ghostgpu.collector.cluster import Watcher
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS
 
@@ -120,12 +121,13 @@ def test_a_planted_consumer_shows_on_a_real_scrape(collector: Collector) -> None
 
 def test_bad_or_busy_metrics_listen_is_one_line_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(HttpListenError, match=r"^--metrics-listen 'localhost': use HOST:PORT"):
-        Collector(["127.0.0.1:0"], str(tmp_path / "a.db"), metrics_listen="localhost")
+        CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "a.db"), metrics_listen="localhost")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        c = Collector(["127.0.0.1:0"], str(tmp_path / "b.db"), metrics_listen=f"127.0.0.1:{port}")
+        c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "b.db"),
+                                      metrics_listen=f"127.0.0.1:{port}"))
         with pytest.raises(HttpListenError, match=rf"^--metrics-listen 127.0.0.1:{port}: cannot bind"):
             c.start()
     assert c.metrics_address is None  # nothing left serving
@@ -166,7 +168,9 @@ def test_the_pusher_is_built_registered_started_stopped_and_counted(tmp_path: Pa
 def test_the_real_pusher_is_imported_only_with_alertmanager(tmp_path: Path) -> None:
     db = str(tmp_path / "p.db")
     code = ("import sys; from ghostgpu.collector.main import Collector; "
-            f"c = Collector(['127.0.0.1:0'], {db!r}, metrics_listen='127.0.0.1:0').start(); "
+            "from ghostgpu.collector.config import CollectorConfig; "
+            f"c = Collector(CollectorConfig(listen=('127.0.0.1:0',), db_path={db!r}, "
+            "metrics_listen='127.0.0.1:0')).start(); "
             "c.stop(grace_s=0.1); print('ghostgpu.collector.alertpush' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).parents[2])
@@ -179,8 +183,8 @@ def test_the_real_pusher_is_imported_only_with_alertmanager(tmp_path: Path) -> N
         text = scrape(c)[0]
         assert set(typed_families(text)) >= ALERTMANAGER_METRICS
     with pytest.raises(ValueError, match="--alert"):
-        Collector(["127.0.0.1:0"], str(tmp_path / "x.db"), alertmanager=["http://h:1"],
-                  alert_labels={"alertname": "x"}).start()
+        CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "x.db"), alertmanager=("http://h:1",),
+                        alert_labels={"alertname": "x"})
 
 
 def test_an_unknown_class_of_consumer_still_renders(collector: Collector) -> None:
@@ -194,7 +198,8 @@ def test_an_unknown_class_of_consumer_still_renders(collector: Collector) -> Non
 
 def test_a_scrape_before_the_loop_serves_is_503_and_logs_no_trace(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), metrics_listen="127.0.0.1:0")
+    c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db"),
+                                  metrics_listen="127.0.0.1:0"))
     c._build()  # what start() does before the loop runs: the metrics port is bound and answering
     try:
         with pytest.raises(urllib.error.HTTPError) as e:

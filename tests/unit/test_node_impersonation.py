@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 
 from ghostgpu.common.model.consumers import ConsumerClass
@@ -54,7 +55,8 @@ class Env:
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
     pki, opts, audit = secure_options(tmp_path, POLICY)
-    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), security=opts).start()
+    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db"))
+    c = Collector(config, security=opts).start()
     try:
         yield Env(c, pki, audit)
     finally:

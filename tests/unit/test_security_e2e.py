@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 from ghostgpu.cli import main as cli
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 
 from ghostgpu.common.model.consumers import ConsumerClass
@@ -69,7 +70,8 @@ def secure(tmp_path: Path) -> Iterator[Secure]:
     fake.add_container(A, "sb-ml", "main")
     fake.add_sandbox("sb-prod", "api-0", "prod", "uid-api-0")
     fake.add_container("b2" * 32, "sb-prod", "main")
-    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), trace_limits=FAST, security=opts).start()
+    c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db")), trace_timing=FAST,
+                  security=opts).start()
     try:
         yield Secure(c, pki, opts.tls, policy, audit, fake)
     finally:

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.tracer.stream import StreamSink
 from ghostgpu.tracer.stream_sender import StreamOptions
@@ -97,7 +98,8 @@ def secure(tmp_path: Path) -> Iterator[Secure]:
     fake = FakeCri().start()
     fake.add_sandbox("sb-ml", "trainer-0", "ml-train", "uid-trainer-0")
     fake.add_container(A, "sb-ml", "main")
-    c = Collector(["127.0.0.1:0"], str(tmp_path / "c.db"), trace_limits=FAST, security=opts).start()
+    c = Collector(CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db")), trace_timing=FAST,
+                  security=opts).start()
     try:
         yield Secure(c, pki, policy, audit, fake)
     finally:

@@ -11,11 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 from ghostgpu.cli import main as cli
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.run import run_collector
-from ghostgpu.collector.trace_commands import TraceLimits, trace_options
+from ghostgpu.collector.trace_commands import TraceLimits
 from ghostgpu.collector.trace_store import RESTARTED
 from ghostgpu.collector.traces import STOPPED
 
+from ghostgpu.common.system.settings import flag_values
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import trace_record
@@ -31,13 +33,15 @@ def parse(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("command", ["collector", "up"])
 def test_trace_flags_reach_the_collector(command: str) -> None:
-    opts = trace_options(parse(command, "--trace-max-duration", "20m", "--trace-default-duration", "45s",
-                               "--trace-max-records", "500", "--trace-store-max-records", "9000",
-                               "--trace-retention-h", "2"))
-    assert opts == {"trace_limits": TraceLimits(max_duration_s=1200, default_duration_s=45, max_records=500),
-                    "trace_store_max_records": 9000, "trace_retention_h": 2.0}
-    assert trace_options(parse(command)) == {"trace_limits": TraceLimits(),
-                                             "trace_store_max_records": 1_000_000, "trace_retention_h": 24.0}
+    args = parse(command, "--trace-max-duration", "20m", "--trace-default-duration", "45s",
+                 "--trace-max-records", "500", "--trace-store-max-records", "9000",
+                 "--trace-retention-h", "2")
+    cfg = CollectorConfig(**flag_values(CollectorConfig, args))
+    assert cfg.trace_limits() == TraceLimits(max_duration_s=1200, default_duration_s=45, max_records=500)
+    assert (cfg.trace_store_max_records, cfg.trace_retention_h) == (9000, 2.0)
+    cfg = CollectorConfig(**flag_values(CollectorConfig, parse(command)))
+    assert cfg.trace_limits() == TraceLimits()
+    assert (cfg.trace_store_max_records, cfg.trace_retention_h) == (1_000_000, 24.0)
 
 
 @pytest.mark.parametrize(("argv", "line"), [

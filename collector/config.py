@@ -1,0 +1,362 @@
+"""The collector's one typed configuration: defaults < config file (TOML, `--config`) < flags.
+
+Every setting is a field of CollectorConfig, and the field is the one place its default, its check
+and its unit are written. Its metadata (ghostgpu/common/system/settings.py) says what the command line
+needs (the flag, its argparse type, the help line with `{default}` filled in from the field), so
+cli/main.py declares the flags from here and a flag's help can never say another default than the one
+the collector uses. Component settings (SecurityOptions, TraceLimits, the store's and /metrics'
+limits) are slices of it.
+
+The file is read the way the tracer's is (tracer/config.py): TOML, its keys the field names, in a
+`[collector]` table or at the top level; a flag that is given wins over the file. Durations are
+seconds in the file (`trace_max_duration_s = 600`) and "10m" on the command line. A bad value is a
+ValueError with one line: a flag's names the flag, a file's names the file and the key.
+
+This module is imported when the parser is built, by every command: nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, get_args, get_origin, get_type_hints
+
+from ghostgpu.common.model.durations import format_ms, parse_duration_s
+from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.system.settings import flag_values, meta, setting
+
+
+class ConfigFileError(ValueError):
+    """A bad --config file: one line naming the file and, where there is one, the key."""
+
+
+# ---- the checks: one line naming the flag, as the collector always said it ---------------------------
+
+
+def _above_0(flag: str) -> Callable[[Any], None]:
+    def check(value: float) -> None:
+        if value <= 0:
+            raise ValueError(f"{flag} {value}: must be more than 0")
+    return check
+
+
+def _at_least_0(flag: str, what: str) -> Callable[[Any], None]:
+    def check(value: int) -> None:
+        if value < 0:
+            raise ValueError(f"{flag} {value}: must be {what}")
+    return check
+
+
+def _check_listen(addresses: Sequence[str]) -> None:
+    from ghostgpu.collector.server import check_listen  # grpc: only when a collector is configured
+
+    for addr in addresses:
+        check_listen(addr)
+
+
+def _check_metrics_listen(addr: str | None) -> None:
+    if addr is not None:
+        from ghostgpu.common.transport.addresses import parse_listen
+        from ghostgpu.common.web.httpserve import HttpListenError
+
+        parse_listen(addr, "--metrics-listen", HttpListenError)  # one line naming the flag
+
+
+def _check_trace_max_records(value: int) -> None:
+    if value < 1:
+        raise ValueError(f"--trace-max-records {value}: must be 1 or more")
+
+
+def _check_alert_labels(labels: Mapping[str, str]) -> None:
+    if labels:
+        from ghostgpu.collector.alertpush import check_extra_labels
+
+        check_extra_labels(labels)  # ValueError naming --alert-label
+
+
+# ---- what a flag's text becomes -------------------------------------------------------------------------
+
+
+def _comma_list(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def _duration(flag: str) -> Callable[[str], float]:
+    return lambda value: parse_duration_s(value, flag)
+
+
+def _alertmanager_urls(values: Sequence[str]) -> tuple[str, ...]:
+    """ValueError naming --alertmanager and a bad URL."""
+    from ghostgpu.collector.alertpush import parse_alertmanager_urls  # only with --alertmanager
+
+    return tuple(parse_alertmanager_urls(values))
+
+
+def _alert_labels(values: Sequence[str]) -> dict[str, str]:
+    from ghostgpu.collector.alertpush import parse_alert_labels  # only with --alert-label
+
+    return parse_alert_labels(values)
+
+
+def _seconds_text(seconds: float) -> str:
+    """10m, 30s: a duration default as the flags take it."""
+    return format_ms(round(seconds * 1000))
+
+
+@dataclass(frozen=True)
+class CollectorConfig:
+    """Every collector setting: its default, unit and check, and its flag in the metadata. Checked when
+    made (a bad value: ValueError, one line naming the flag); the components take their slices."""
+
+    # ---- where it serves and stores ----
+    listen: tuple[str, ...] = setting(
+        ("0.0.0.0:7450",), flag="--listen", check=_check_listen, parse=_comma_list,
+        help="gRPC address for tracers and clients: HOST:PORT or unix:///path")
+    db_path: str = setting(
+        "/var/lib/ghostgpu/collector.db", flag="--db", dest="db",
+        help="SQLite file for findings and the event log (default {default}; ':memory:' keeps nothing)")
+    retention_days: float = setting(
+        7.0, flag="--retention-days", check=_above_0("--retention-days"), type=float,
+        help="keep findings resolved within this many days (default {default})")
+    event_log_max: int = setting(
+        1_000_000, flag="--event-log-max", check=_at_least_0("--event-log-max", "0 (keep none) or more"),
+        type=int, help="events kept in the event log, newest first (default {default}; 0 keeps none)")
+    # ---- CRI: the local runtime socket for tracers without a relay, and the answers' cache ----
+    cri_endpoint: str | None = setting(
+        flag="--collector-cri-endpoint", dest="collector_cri_endpoint",
+        help="resolve containers of tracers without a CRI relay through this local socket")
+    cri_ttl_s: float = setting(
+        30.0, flag="--cri-ttl-s", check=_above_0("--cri-ttl-s"), type=float,
+        help="seconds a CRI answer is cached (default {default}; unknown containers 5)")
+    # The node the collector itself runs on (`up`): its containers are resolved through cri_endpoint.
+    node_name: str | None = setting(in_file=False)
+    # ---- /metrics and the Alertmanager push ----
+    metrics_listen: str | None = setting(
+        flag="--metrics-listen", check=_check_metrics_listen, metavar="HOST:PORT",
+        help="serve Prometheus /metrics on this address (default off; e.g. 0.0.0.0:9400)")
+    metrics_max_process_series: int = setting(
+        1000, flag="--metrics-max-process-series",
+        check=_at_least_0("--metrics-max-process-series", "0 or more"), type=int, metavar="N",
+        help="at most N non-visible consumers get per-process series, oldest findings first (default "
+        "{default}; ghostgpu_metrics_process_series_capped counts the rest)")
+    alertmanager: tuple[str, ...] = setting(
+        (), flag="--alertmanager", parse=_alertmanager_urls,
+        action="append", metavar="URL", help="push findings to this Alertmanager as they open and resolve, "
+        "e.g. http://127.0.0.1:9093 (repeatable, or comma-separated)")
+    alert_resend_s: float = setting(
+        60.0, flag="--alertmanager-resend-s", dest="alertmanager_resend_s",
+        check=_above_0("--alertmanager-resend-s"), type=float, metavar="S",
+        help="re-send open alerts every S seconds (default {default})")
+    alert_labels: dict[str, str] = field(default_factory=dict, metadata=meta(
+        flag="--alert-label", dest="alert_labels", check=_check_alert_labels, parse=_alert_labels,
+        action="append", metavar="KEY=VALUE", help="extra label on every pushed alert (repeatable), "
+        "e.g. cluster=prod"))
+    # TLS and basic auth of /metrics (ghostgpu/common/web/webconfig.py), and its port's connection caps
+    # (ghostgpu/common/web/httpserve.py; None: its defaults). The flags are shared with the tracer's.
+    web_config_file: str | None = setting(flag="--web-config-file")
+    http_max_connections: int | None = setting(flag="--http-max-connections")
+    http_max_connections_per_source: int | None = setting(flag="--http-max-connections-per-source")
+    # ---- trace sessions (docs/TRACE.md) ----
+    trace_max_duration_s: float = setting(
+        TRACE_MAX_DURATION_S, flag="--trace-max-duration", dest="trace_max_duration",
+        check=_above_0("--trace-max-duration"), parse=_duration("--trace-max-duration"), show=_seconds_text,
+        metavar="D",
+        help="longest trace session a client may start (default {default}; 30s, 10m, 1h)")
+    trace_default_duration_s: float = setting(
+        30.0, flag="--trace-default-duration", dest="trace_default_duration",
+        check=_above_0("--trace-default-duration"), parse=_duration("--trace-default-duration"),
+        show=_seconds_text, metavar="D",
+        help="length of a trace session whose client names none (default {default})")
+    trace_max_records: int = setting(
+        TRACE_MAX_RECORDS, flag="--trace-max-records", check=_check_trace_max_records, type=int, metavar="N",
+        help="records kept per trace session at most, and its default (default {default})")
+    trace_store_max_records: int = setting(
+        1_000_000, flag="--trace-store-max-records",
+        check=_at_least_0("--trace-store-max-records", "0 or more"), type=int, metavar="N",
+        help="trace records kept in all sessions together; the oldest ended sessions make room, else "
+        "records past it are counted as dropped (default {default})")
+    trace_retention_h: float = setting(
+        24.0, flag="--trace-retention-h", check=_above_0("--trace-retention-h"), type=float, metavar="H",
+        help="hours an ended trace session and its records are kept (default {default})")
+    # ---- who may connect (collector/security.py), and the record of what they did ----
+    # The TLS files: each one not given is taken from its GHOSTGPU_TLS_* variable (TlsFiles.resolve).
+    tls_cert: str | None = setting(flag="--tls-cert")
+    tls_key: str | None = setting(flag="--tls-key")
+    tls_ca: str | None = setting(flag="--tls-ca")
+    tls_trust_domain: str | None = setting(flag="--tls-trust-domain")
+    insecure: bool = setting(False, flag="--insecure")
+    policy_path: str | None = setting(flag="--policy", dest="policy")
+    audit_log: str | None = setting(flag="--audit-log")
+    # The mTLS listeners' caps (collector/tcpgate.py); None: its defaults (10000 or what the fd limit
+    # holds; 32 per source).
+    max_connections: int | None = setting(
+        flag="--max-connections", type=int, metavar="N",
+        help="connections at once on each mTLS --listen port; past it the oldest one not yet "
+        "authenticated is closed for the new one (default 10000, fewer where the fd limit "
+        "holds fewer: docs/SECURITY.md)")
+    max_connections_per_source: int | None = setting(
+        flag="--max-connections-per-source", type=int, metavar="N",
+        help="connections not yet authenticated at once from one address on each mTLS port; "
+        "past it that address's oldest is closed (default 32)")
+
+    def __post_init__(self) -> None:
+        if self.alertmanager:  # comma-separated, duplicates once: as --alertmanager takes them
+            object.__setattr__(self, "alertmanager", _alertmanager_urls(self.alertmanager))
+        for f in fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                check(getattr(self, f.name))
+        if self.trace_default_duration_s > self.trace_max_duration_s:
+            raise ValueError(f"--trace-default-duration {self.trace_default_duration_s:g}s is more than "
+                             f"--trace-max-duration {self.trace_max_duration_s:g}s")
+        if self.alert_labels and not self.alertmanager:
+            raise ValueError("--alert-label: labels go on alerts pushed to Alertmanager; add --alertmanager "
+                             "URL (alerts from Prometheus rules take labels from its external_labels)")
+
+    # ---- the slices the components take ----
+
+    def security_options(self) -> Any:
+        """collector/security.py's SecurityOptions (TLS files from the settings, else GHOSTGPU_TLS_*)."""
+        from ghostgpu.collector.security import SecurityOptions
+
+        from ghostgpu.common.transport.tls import TlsFiles
+
+        tls = TlsFiles.resolve(self.tls_cert, self.tls_key, self.tls_ca, self.tls_trust_domain)
+        per_source = ({} if self.max_connections_per_source is None
+                      else {"max_connections_per_source": self.max_connections_per_source})
+        return SecurityOptions(tls=tls, insecure=self.insecure, policy_path=self.policy_path,
+                               audit_log=self.audit_log, max_connections=self.max_connections, **per_source)
+
+    def trace_limits(self, timing: Any = None) -> Any:
+        """collector/trace_commands.py's TraceLimits: these limits, with `timing`'s waits and ticks (tests
+        shorten them) or the defaults."""
+        from ghostgpu.collector.trace_commands import TraceLimits
+
+        return replace(timing or TraceLimits(), max_duration_s=self.trace_max_duration_s,
+                                   default_duration_s=self.trace_default_duration_s,
+                                   max_records=self.trace_max_records)
+
+    def http_caps(self) -> dict[str, int]:
+        """/metrics' connection caps for HttpServer, those set (ghostgpu/common/web/httpserve.py)."""
+        caps = (("max_connections", self.http_max_connections),
+                ("max_connections_per_source", self.http_max_connections_per_source))
+        return {k: v for k, v in caps if v is not None}
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+
+
+def collector_config(args: argparse.Namespace, **given: Any) -> CollectorConfig:
+    """`ghostgpu collector`'s settings: the defaults, then --config FILE, then the flags, then `given`."""
+    path = getattr(args, "config", None)
+    from_file = read_config_file(path) if path else {}
+    return CollectorConfig(**{**from_file, **flag_values(CollectorConfig, args), **given})
+
+
+# ---- the config file -------------------------------------------------------------------------------------
+
+_AT_LINE = re.compile(r"\(at line (\d+), column \d+\)")
+_KEY = re.compile(r"\s*\[*\s*([A-Za-z0-9_.\"'-]+)")
+
+
+def _duplicate_key(text: str, message: str) -> str | None:
+    """The key tomllib's "Cannot overwrite a value" / "Cannot declare ... twice" names by its line."""
+    if not message.startswith(("Cannot overwrite", "Cannot declare")):
+        return None
+    if (m := re.search(r"\('([^']+)'", message)) is not None:
+        return m.group(1)
+    if (at := _AT_LINE.search(message)) is not None:
+        lines = text.splitlines()
+        line = int(at.group(1))
+        if 0 < line <= len(lines) and (k := _KEY.match(lines[line - 1])) is not None:
+            return k.group(1).strip("\"'")
+    return "a key"
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _typed(hint: Any, raw: Any) -> Any:
+    """The file's value as the field's type (`X | None`: X); ValueError saying what was expected."""
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    origin = get_origin(hint)
+    if origin is tuple:  # of strings: a list, or one string of comma-separated values as the flag takes
+        if isinstance(raw, str):
+            return _comma_list(raw)
+        if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+            return tuple(raw)
+        raise ValueError(f"expected a list of strings, got {_kind(raw)}")
+    if origin is dict:
+        if isinstance(raw, dict) and all(isinstance(v, str) for v in raw.values()):
+            return dict(raw)
+        raise ValueError(f"expected a table of strings (KEY = \"VALUE\"), got {_kind(raw)}")
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        raise ValueError(f"expected true or false, got {_kind(raw)}")
+    if hint is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        raise ValueError(f"expected a number, got {_kind(raw)}")
+    if hint is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise ValueError(f"expected a whole number, got {_kind(raw)}")
+    if hint is str:
+        if isinstance(raw, str):
+            return raw
+        raise ValueError(f"expected a string, got {_kind(raw)}")
+    raise ValueError(f"unsupported type {hint}")
+
+
+def parse_config_text(text: str, path: str) -> dict[str, Any]:
+    """The settings a config file's text sets, typed and each checked; ConfigFileError naming the file
+    and the key. Keys sit in a [collector] table, or at the top level when the file has none."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        key = _duplicate_key(text, str(exc))
+        if key is not None:
+            at = _AT_LINE.search(str(exc))
+            where = f" (line {at.group(1)})" if at else ""
+            raise ConfigFileError(f"--config {path}: {key}: set twice{where}") from None
+        raise ConfigFileError(f"--config {path}: not valid TOML ({exc})") from None
+    section = data.get("collector", data)
+    if not isinstance(section, dict):
+        raise ConfigFileError(f"--config {path}: collector: expected a table, got a value")
+    hints = get_type_hints(CollectorConfig)
+    settable = {f.name: f for f in fields(CollectorConfig) if f.metadata.get("in_file", True)}
+    values: dict[str, Any] = {}
+    for key, raw in section.items():
+        if key not in settable:
+            raise ConfigFileError(f"--config {path}: {key}: unknown key; known keys: "
+                                  f"{', '.join(sorted(settable))}")
+        try:
+            value = _typed(hints[key], raw)
+            check = settable[key].metadata.get("check")
+            if check is not None:
+                check(value)
+        except ValueError as exc:
+            raise ConfigFileError(f"--config {path}: {key}: {exc}") from None
+        values[key] = value
+    return values
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """parse_config_text of the file at `path`; ConfigFileError when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)  # a config file is small: a megabyte is plenty
+    except FileNotFoundError:
+        raise ConfigFileError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigFileError(f"--config {path}: cannot read it ({reason})") from None
+    return parse_config_text(text, path)
