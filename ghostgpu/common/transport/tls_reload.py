@@ -50,8 +50,10 @@ class CertReloader:
 
     def credentials(self) -> grpc.ServerCredentials:
         """Credentials for add_secure_port: client certificates required and verified by --tls-ca."""
-        return grpc.dynamic_ssl_server_credentials(_configuration(self.current), self.fetch,
-                                                   require_client_authentication=True)
+        return grpc.dynamic_ssl_server_credentials(
+            _configuration(self.current),
+            self.fetch,  # type: ignore[arg-type]  # gRPC takes None (no change); typeshed's stub does not
+            require_client_authentication=True)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's fetcher: a new configuration when the files changed into a valid set, else None
