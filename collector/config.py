@@ -23,11 +23,14 @@ import tomllib
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 
 from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
 from ghostgpu.common.system.settings import flag_values, meta, setting
+
+if TYPE_CHECKING:
+    from ghostgpu.common.web.httpserve import HttpCaps
 
 
 class ConfigFileError(ValueError):
@@ -240,11 +243,11 @@ class CollectorConfig:
                                    default_duration_s=self.trace_default_duration_s,
                                    max_records=self.trace_max_records)
 
-    def http_caps(self) -> dict[str, int]:
+    def http_caps(self) -> HttpCaps:
         """/metrics' connection caps for HttpServer, those set (ghostgpu/common/web/httpserve.py)."""
-        caps = (("max_connections", self.http_max_connections),
-                ("max_connections_per_source", self.http_max_connections_per_source))
-        return {k: v for k, v in caps if v is not None}
+        from ghostgpu.common.web.httpserve import given_caps
+
+        return given_caps(self.http_max_connections, self.http_max_connections_per_source)
 
 
 # ---- the command line -----------------------------------------------------------------------------------

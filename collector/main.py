@@ -244,11 +244,13 @@ class Collector:
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        security = self.security
+        assert security is not None  # built by start() before the loop runs
         self.ingest.serve_on(self.loop)
         self._stop_event = asyncio.Event()
         try:
             server, self.addresses = await start_server(self.ingest.connect, self.query,
-                                                        list(self.config.listen), self.security)
+                                                        list(self.config.listen), security)
         except (ListenError, OSError) as e:
             self._start_error = e if isinstance(e, ListenError) else ListenError(f"--listen: {e}")
             return
@@ -263,7 +265,7 @@ class Collector:
             except TimeoutError:
                 self.cluster.flush_changed()
                 self.cluster.release_unused()
-                self.security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
+                security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
                 if self.heap is not None:
                     self.heap.tick()
         self.cluster.flush_changed()
@@ -271,7 +273,7 @@ class Collector:
         self.ingest.shutdown()
         self.query.shutdown()
         await server.stop(self._grace_s)
-        self.security.stopping()  # the audit chain's collector.stop, while the store still takes it
+        security.stopping()  # the audit chain's collector.stop, while the store still takes it
         await asyncio.to_thread(self.store.close)  # commits what was accepted; acks no longer matter
 
     def stop(self, grace_s: float = 1.0) -> None:
