@@ -186,11 +186,29 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ghostgpu {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
+    # In the order `ghostgpu --help` lists them.
+    _add_snapshot_parser(sub)
+    _add_tracer_parser(sub)
+    _add_collector_parser(sub)
+    _add_ps_and_findings_parsers(sub)
+    _add_trace_parser(sub)
+    from ghostgpu.cli import audit as audit_cli  # flags only; it imports grpc when it runs
 
+    audit_cli.add_parser(sub)
+    from ghostgpu.cli import certs as certs_cli  # flags only; cryptography is imported when it runs
+
+    certs_cli.add_parser(sub)
+    _add_up_parser(sub)
+    return parser
+
+
+def _add_snapshot_parser(sub: Any) -> None:
     snap = sub.add_parser("snapshot", help="one-shot view of this node from /proc and NVML (no BPF)")
     snap.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
     _add_tracer_flags(snap)
 
+
+def _add_tracer_parser(sub: Any) -> None:
     tracer = sub.add_parser("tracer",
                             help="the node agent: BPF + /proc + NVML, events and findings as JSON lines")
     tracer.add_argument("--jsonl", help="where to write JSON lines ('-' = stdout, the default without "
@@ -203,12 +221,16 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_health_flag(tracer)
     add_collector_uid_flag(tracer)  # config key collector_uid, env GHOSTGPU_COLLECTOR_UID
 
+
+def _add_collector_parser(sub: Any) -> None:
     coll = sub.add_parser("collector", help="the cluster collector: ingests tracers, resolves containers "
                           "through CRI, answers queries")
     coll.add_argument("--config", metavar="FILE", help="TOML config file (keys as in collector/config.py, "
                       "in a [collector] table or at the top level); a flag given wins over it")
     _add_collector_flags(coll)
 
+
+def _add_ps_and_findings_parsers(sub: Any) -> None:
     ps = sub.add_parser("ps", help="the cluster's nvidia-smi: every GPU consumer the collector knows")
     _add_query_flags(ps)
     ps.add_argument("-w", "--watch", action="store_true", help="redraw as findings open and resolve")
@@ -218,14 +240,8 @@ def _build_parser() -> argparse.ArgumentParser:
     findings.add_argument("--since", default="1h", help="how far back: 30s, 15m, 1h, 7d (default 1h)")
     findings.add_argument("--limit", type=int, default=1000)
 
-    _add_trace_parser(sub)
-    from ghostgpu.cli import audit as audit_cli  # flags only; it imports grpc when it runs
 
-    audit_cli.add_parser(sub)
-    from ghostgpu.cli import certs as certs_cli  # flags only; cryptography is imported when it runs
-
-    certs_cli.add_parser(sub)
-
+def _add_up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="collector and tracer on this node with a live view of the GPU consumers")
     up.add_argument("--jsonl", help="also write the tracer's JSON lines to this path")
     _add_tracer_flag(up, "bpf")
@@ -240,7 +256,6 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_node_flags(up)
     _add_health_flag(up)
     _add_collector_flags(up)  # --listen: up's own default, DEFAULT_COLLECTOR (cli/up.py)
-    return parser
 
 
 def _config(args: argparse.Namespace) -> Any:
