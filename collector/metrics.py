@@ -19,7 +19,7 @@ import platform
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ALL_ROWS, ClusterTable
 from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
@@ -44,9 +44,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ghostgpu import __version__
-from ghostgpu.common.model.consumers import ClusterConsumer
+from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerKey
 from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, Request, Response
 from ghostgpu.common.wire.protocol import API_VERSION
+from ghostgpu.v1 import stream_pb2
+
+if TYPE_CHECKING:
+    from ghostgpu.collector.alertpush import AlertPushStats  # imported only with --alertmanager-url
 
 __all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "CollectorMetrics"]
 
@@ -57,28 +61,35 @@ def _run_here(fn: Callable[[], T]) -> T:
     return fn()
 
 
+class RunOnLoop(Protocol):
+    """Runs `fn` where the collector's tables live (Collector.call: on its loop) and returns its result."""
+
+    def __call__(self, fn: Callable[[], T]) -> T: ...
+
+
 @dataclass
 class _Taken:
     """What one scrape copied on the loop."""
 
-    rows: dict[str, list[tuple[Any, ClusterConsumer | None]]]  # changed rows by node (all of a new node)
+    rows: dict[str, list[tuple[ConsumerKey, ClusterConsumer | None]]]  # changed rows by node (all if new)
     fresh: set[str]  # nodes whose rows are all of them: written from scratch
     status: list[NodeStatus]  # every node, sorted by name
-    identity: dict[str, tuple[str | None, Any]]  # node -> (tracer version, NodeInfo), replaced on change
+    identity: dict[str, tuple[str | None, stream_pb2.NodeInfo | None]]  # node -> (tracer version, NodeInfo)
     tracers_connected: int
 
 
 @dataclass
 class _InfoCache:
     version: str | None
-    info: Any  # held, so its id is never reused while cached: compared with `is`
-    text: tuple[str, ...]
+    info: stream_pb2.NodeInfo | None  # held, so its id is never reused while cached: compared with `is`
+    text: tuple[bytes, ...]
 
 
 class CollectorMetrics:
     def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, *,
-                 call: Callable[[Callable[[], Any]], Any] = _run_here,
-                 cri_stats: Callable[[], CriStats] | None = None, push_stats: Callable[[], Any] | None = None,
+                 call: RunOnLoop = _run_here,
+                 cri_stats: Callable[[], CriStats] | None = None,
+                 push_stats: Callable[[], AlertPushStats] | None = None,
                  audit_head: Callable[[], tuple[int, int]] | None = None,
                  max_process_series: int) -> None:
         """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head;
@@ -107,7 +118,7 @@ class CollectorMetrics:
         cluster = self.cluster
         changed, cluster.changed_rows = cluster.changed_rows or {}, {}
         names = sorted(self.nodes.keys() | cluster.rows.keys())
-        rows: dict[str, list[tuple[Any, ClusterConsumer | None]]] = {}
+        rows: dict[str, list[tuple[ConsumerKey, ClusterConsumer | None]]] = {}
         fresh: set[str] = set()
         for n in names:
             node_rows = cluster.rows.get(n, {})
@@ -120,8 +131,8 @@ class CollectorMetrics:
         opened: dict[str, list[tuple[str, int]]] = {}
         resolved: dict[str, list[tuple[str, int]]] = {}
         for counts, into in ((cluster.findings_opened, opened), (cluster.findings_resolved, resolved)):
-            for (node, cls), n in sorted(counts.items()):
-                into.setdefault(node, []).append((cls, n))
+            for (node, cls), count in sorted(counts.items()):
+                into.setdefault(node, []).append((cls, count))
         status, identity, connected = [], {}, 0
         for name in names:
             ns = self.nodes.get(name)
@@ -230,7 +241,7 @@ class _GlobalCollector:
             yield from _alertmanager(m.push_stats())
 
 
-def _alertmanager(st: Any) -> Iterator[Metric]:
+def _alertmanager(st: AlertPushStats) -> Iterator[Metric]:
     """ghostgpu_alertmanager_* from collector.alertpush.AlertPushStats."""
     name = "ghostgpu_alertmanager_posts_total"
     posts = CounterMetricFamily(name, _help(name), labels=["result"])

@@ -14,10 +14,11 @@ the last included, ends with a line feed; each (name, label set) appears once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 from ghostgpu.common.model.classes import FINDING_CLASSES
-from ghostgpu.common.model.consumers import ClusterConsumer
+from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerKey
+from ghostgpu.v1 import stream_pb2
 
 # name -> (type, help), every ghostgpu_* family the collector serves (docs/METRICS.md documents them).
 COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
@@ -115,7 +116,8 @@ def node_label(node: str) -> str:
 # (since_unix_ns, node, pid, gpu, info line, memory line or "" where NVML does not say). A plain tuple
 # sorts by itself and costs a third of a dataclass to build, 20,000 times in a cold scrape.
 ProcessSeries = tuple[int, str, int, str, str, str]
-INFO_LINE, MEMORY_LINE = 4, 5
+INFO_LINE: Final = 4  # the items of a ProcessSeries that are its lines
+MEMORY_LINE: Final = 5
 # (the row, its labels, its process, its ghostgpu_consumers line and ghostgpu_nonvisible_memory_bytes line
 # as the only member of its label set)
 LabelEntry = tuple[ClusterConsumer, str, "ProcessSeries | None", str, str]
@@ -149,11 +151,11 @@ class NodeConsumers:
 
     def __init__(self, node: str) -> None:
         self.node, self.nl = node, node_label(node)
-        self.entries: dict[Any, LabelEntry] = {}  # by ClusterTable's ConsumerKey
+        self.entries: dict[ConsumerKey, LabelEntry] = {}
         self.text: tuple[bytes, bytes, bytes, bytes] = (b"", b"", b"", b"")  # CONSUMER_FAMILIES order
         self.processes: list[ProcessSeries] = []  # oldest first
 
-    def apply(self, changed: Iterable[tuple[Any, ClusterConsumer | None]]) -> NodeConsumers:
+    def apply(self, changed: Iterable[tuple[ConsumerKey, ClusterConsumer | None]]) -> NodeConsumers:
         """Take the rows of these keys as they are now (None: gone), then write the node's text."""
         entries, node, nl = self.entries, self.node, self.nl
         for key, cc in changed:
@@ -166,15 +168,15 @@ class NodeConsumers:
         values = list(entries.values())
         procs = [e[2] for e in values if e[2] is not None]
         procs.sort()
-        self.processes = procs  # type: ignore[assignment]  # None was filtered out
+        self.processes = procs
         labels = [e[1] for e in values]
         if len(set(labels)) == len(labels):  # one consumer per label set: the lines are ready
             consumers = "".join([e[3] for e in values])
             aggregate = "".join([e[4] for e in values])
         else:
             consumers, aggregate = _grouped(values)
-        self.text = (_b(consumers), _b("".join([p[INFO_LINE] for p in procs])),  # type: ignore[index]
-                     _b("".join([p[MEMORY_LINE] for p in procs])), _b(aggregate))  # type: ignore[index]
+        self.text = (_b(consumers), _b("".join([p[INFO_LINE] for p in procs])),
+                     _b("".join([p[MEMORY_LINE] for p in procs])), _b(aggregate))
         return self
 
 
@@ -191,12 +193,12 @@ def _grouped(values: list[LabelEntry]) -> tuple[str, str]:
             "".join([f"ghostgpu_nonvisible_memory_bytes{{{labels}}} {n}\n" for labels, n in memory.items()]))
 
 
-def render_consumers(node: str, rows: Iterable[tuple[Any, ClusterConsumer]]) -> NodeConsumers:
+def render_consumers(node: str, rows: Iterable[tuple[ConsumerKey, ClusterConsumer | None]]) -> NodeConsumers:
     """A node's consumer families from scratch, from its (key, row) pairs."""
     return NodeConsumers(node).apply(rows)
 
 
-def render_info(node: str, version: str | None, info: Any) -> tuple[bytes, ...]:
+def render_info(node: str, version: str | None, info: stream_pb2.NodeInfo | None) -> tuple[bytes, ...]:
     """INFO_FAMILIES of a node from its Hello's tracer version and its NodeInfo (either may be None)."""
     nl = node_label(node)
     gpus = memory = bpf = nvml = ""
@@ -261,7 +263,8 @@ def assemble(chunks: Sequence[tuple[NodeConsumers, tuple[bytes, ...], tuple[str,
     for f, name in enumerate(CONSUMER_FAMILIES):
         out.append(_HEADERS[name])
         if capped and f in (INFO, MEMORY):
-            out.append(_b("".join([p[INFO_LINE if f == INFO else MEMORY_LINE] for p in kept])))
+            line: Literal[4, 5] = INFO_LINE if f == INFO else MEMORY_LINE
+            out.append(_b("".join([p[line] for p in kept])))
         else:
             out.extend([c[0].text[f] for c in chunks])
     for f, name in enumerate(INFO_FAMILIES):
