@@ -50,7 +50,7 @@ from ghostgpu.common.wire.protocol import API_VERSION
 from ghostgpu.v1 import stream_pb2
 
 if TYPE_CHECKING:
-    from ghostgpu.collector.alertpush import AlertPushStats  # imported only with --alertmanager-url
+    from ghostgpu.collector.alertpush import AlertPushStats  # imported only with --alertmanager
 
 __all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "CollectorMetrics"]
 
