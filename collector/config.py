@@ -25,11 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 
+from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE
+
 from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
 from ghostgpu.common.system.settings import flag_values, meta, setting
 
 if TYPE_CHECKING:
+    from ghostgpu.collector.security import SecurityOptions
+
     from ghostgpu.common.web.httpserve import HttpCaps
 
 
@@ -194,17 +198,17 @@ class CollectorConfig:
     insecure: bool = setting(False, flag="--insecure")
     policy_path: str | None = setting(flag="--policy", dest="policy")
     audit_log: str | None = setting(flag="--audit-log")
-    # The mTLS listeners' caps (collector/tcpgate.py); None: its defaults (10000 or what the fd limit
-    # holds; 32 per source).
+    # The mTLS listeners' caps (collector/tcpgate.py); max_connections None: 10000, or what the fd
+    # limit holds.
     max_connections: int | None = setting(
         flag="--max-connections", type=int, metavar="N",
         help="connections at once on each mTLS --listen port; past it the oldest one not yet "
         "authenticated is closed for the new one (default 10000, fewer where the fd limit "
         "holds fewer: docs/SECURITY.md)")
-    max_connections_per_source: int | None = setting(
-        flag="--max-connections-per-source", type=int, metavar="N",
+    max_connections_per_source: int = setting(
+        DEFAULT_MAX_CONNECTIONS_PER_SOURCE, flag="--max-connections-per-source", type=int, metavar="N",
         help="connections not yet authenticated at once from one address on each mTLS port; "
-        "past it that address's oldest is closed (default 32)")
+        "past it that address's oldest is closed (default {default})")
 
     def __post_init__(self) -> None:
         if self.alertmanager:  # comma-separated, duplicates once: as --alertmanager takes them
@@ -222,17 +226,16 @@ class CollectorConfig:
 
     # ---- the slices the components take ----
 
-    def security_options(self) -> Any:
+    def security_options(self) -> SecurityOptions:
         """collector/security.py's SecurityOptions (TLS files from the settings, else GHOSTGPU_TLS_*)."""
-        from ghostgpu.collector.security import SecurityOptions
+        from ghostgpu.collector.security import SecurityOptions  # grpc: only when a collector starts
 
         from ghostgpu.common.transport.tls import TlsFiles
 
         tls = TlsFiles.resolve(self.tls_cert, self.tls_key, self.tls_ca, self.tls_trust_domain)
-        per_source = ({} if self.max_connections_per_source is None
-                      else {"max_connections_per_source": self.max_connections_per_source})
         return SecurityOptions(tls=tls, insecure=self.insecure, policy_path=self.policy_path,
-                               audit_log=self.audit_log, max_connections=self.max_connections, **per_source)
+                               audit_log=self.audit_log, max_connections=self.max_connections,
+                               max_connections_per_source=self.max_connections_per_source)
 
     def trace_limits(self, timing: Any = None) -> Any:
         """collector/trace_commands.py's TraceLimits: these limits, with `timing`'s waits and ticks (tests

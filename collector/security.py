@@ -15,8 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 from ghostgpu.collector.audit import AuditLog
@@ -25,7 +24,6 @@ from ghostgpu.collector.peers import UnixGate
 from ghostgpu.collector.policy import PolicyWatcher
 from ghostgpu.collector.store import Store
 from ghostgpu.collector.tcpgate import (
-    DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
     TcpGate,
     connection_quota,
     default_max_connections,
@@ -48,26 +46,16 @@ class SecurityError(ValueError):
 
 @dataclass(frozen=True)
 class SecurityOptions:
-    tls: TlsFiles = field(default_factory=lambda: TlsFiles(None, None, None))
-    insecure: bool = False  # --insecure: plaintext TCP on a non-loopback address
-    policy_path: str | None = None  # --policy FILE; None: Policy.default (local root is admin)
-    audit_log: str | None = None  # --audit-log FILE; None: beside the database
+    """The security slice of CollectorConfig (collector/config.py, where each default lives)."""
+
+    tls: TlsFiles
+    insecure: bool  # --insecure: plaintext TCP on a non-loopback address
+    policy_path: str | None  # --policy FILE; None: Policy.default (local root is admin)
+    audit_log: str | None  # --audit-log FILE; None: beside the database
     # The mTLS TCP listeners' caps (collector/tcpgate.py): --max-connections (None: what the fd limit
     # holds, at most 10000) and --max-connections-per-source (unauthenticated ones per address).
-    max_connections: int | None = None
-    max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE
-
-    @classmethod
-    def from_args(cls, args: Any) -> SecurityOptions:
-        """From `collector`/`up` flags (and GHOSTGPU_TLS_* where a flag is not given)."""
-        tls = TlsFiles.resolve(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                               getattr(args, "tls_ca", None), getattr(args, "tls_trust_domain", None))
-        per_source = getattr(args, "max_connections_per_source", None)
-        return cls(tls=tls, insecure=bool(getattr(args, "insecure", False)),
-                   policy_path=getattr(args, "policy", None), audit_log=getattr(args, "audit_log", None),
-                   max_connections=getattr(args, "max_connections", None),
-                   max_connections_per_source=DEFAULT_MAX_CONNECTIONS_PER_SOURCE if per_source is None
-                   else per_source)
+    max_connections: int | None
+    max_connections_per_source: int
 
 
 def default_audit_path(db_path: str) -> str | None:

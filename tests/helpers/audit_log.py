@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.security import SecurityOptions
 
 from tests.helpers.certs import Pki
@@ -25,6 +26,7 @@ def secure_options(tmp_path: Path, policy: str) -> tuple[Pki, SecurityOptions, P
     policy_path = tmp_path / "policy.yaml"
     policy_path.write_text(policy)
     audit = tmp_path / "audit.jsonl"
-    opts = SecurityOptions(tls=pki.write("collector", pki.collector()), policy_path=str(policy_path),
-                           audit_log=str(audit))
+    tls = pki.write("collector", pki.collector())
+    opts = CollectorConfig(tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca, policy_path=str(policy_path),
+                           audit_log=str(audit)).security_options()
     return pki, opts, audit

@@ -27,7 +27,6 @@ from ghostgpu.collector.authz import Identify
 from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.peers import UnixGate
-from ghostgpu.collector.security import SecurityOptions
 
 from ghostgpu.common.transport.principal import Principal
 from ghostgpu.v1 import query_pb2
@@ -228,10 +227,10 @@ def test_a_plaintext_peer_elsewhere_is_anonymous(peer: str) -> None:
 def collector(tmp_path: Path, pki: Pki) -> Iterator[tuple[Collector, Path]]:
     """A collector serving mTLS on loopback with the built-in policy (uid 0 and its own uid are admin)."""
     audit = tmp_path / "audit.jsonl"
-    opts = SecurityOptions(tls=pki.write("collector", pki.collector()), policy_path=None,
-                           audit_log=str(audit))
-    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db"))
-    c = Collector(config, security=opts).start()
+    tls = pki.write("collector", pki.collector())
+    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / "c.db"), tls_cert=tls.cert,
+                             tls_key=tls.key, tls_ca=tls.ca, audit_log=str(audit))
+    c = Collector(config).start()
     try:
         yield c, audit
     finally:
