@@ -120,7 +120,7 @@ def finding_labels(f: query_pb2.Finding, extra: dict[str, str]) -> dict[str, str
     return {k: v for k, v in labels.items() if v}
 
 
-def annotations(labels: dict[str, str]) -> dict[str, str]:
+def alert_annotations(labels: dict[str, str]) -> dict[str, str]:
     values = {k: labels.get(k, "") for k in PLACEHOLDERS}
     return {name: text.format_map(values) for name, text in ALERT_ANNOTATIONS[labels["alertname"]].items()}
 
@@ -244,7 +244,7 @@ class AlertBook:
 
     def _put(self, key: Key, labels: dict[str, str], st: _Finding, ends_unix_s: float | None) -> None:
         self._version += 1
-        body: dict[str, object] = {"labels": labels, "annotations": annotations(labels),
+        body: dict[str, object] = {"labels": labels, "annotations": alert_annotations(labels),
                                    "startsAt": rfc3339(st.starts_unix_s)}
         if ends_unix_s is not None:
             body["endsAt"] = rfc3339(max(ends_unix_s, st.starts_unix_s))

@@ -117,9 +117,9 @@ async def watch_messages(rows: list[RecordRow], watcher: TraceWatcher | None,
             watcher.wake.clear()
             await watcher.wake.wait()
             continue
-        records, current = watcher.items.popleft()
-        watcher.queued -= len(records)
-        fresh = [r for r in records if r.seq > last_seq.get(r.node, 0)]
+        live, current = watcher.items.popleft()
+        watcher.queued -= len(live)
+        fresh = [r for r in live if r.seq > last_seq.get(r.node, 0)]
         for r in fresh:
             last_seq[r.node] = r.seq
         ended = current.status != trace_pb2.TRACE_STATUS_RUNNING

@@ -18,6 +18,7 @@ start, stop, expire, node-lost, refused, error). Everything here runs on the col
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import secrets
@@ -168,7 +169,7 @@ class TraceBook:
                 live.watchers.discard(watcher)
 
     def audit(self, session: str = "", since_unix_ns: int = 0,
-              limit: int = 1000) -> Future[list[trace_pb2.TraceAuditEntry]]:
+              limit: int = 1000) -> Future[builtins.list[trace_pb2.TraceAuditEntry]]:
         """The audit rows, oldest first (thread-safe: a Store read), for `ghostgpu trace audit` to come."""
         return self.store.audit_rows(session, since_unix_ns, limit)
 
@@ -380,7 +381,7 @@ class TraceBook:
         for part in live.parts.values():  # an ended session holds no stream (and its queue) alive
             part.stream = None
 
-    def _forget(self, ids: list[str], why: str) -> None:
+    def _forget(self, ids: builtins.list[str], why: str) -> None:
         for sid in ids:
             self.sessions.pop(sid, None)
             self._live.pop(sid, None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ghostgpu.cli import view
-from ghostgpu.collector.alertbook import annotations, finding_labels
+from ghostgpu.collector.alertbook import alert_annotations, finding_labels
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import Changes, NodeView
 from ghostgpu.collector.store import Position
@@ -50,7 +50,8 @@ def test_the_alert_has_no_gpu_labels_and_says_what_an_empty_gpu_means() -> None:
     assert "gpu" not in labels and "gpu_uuid" not in labels
     assert (labels["alertname"], labels["pid"], labels["pod"]) == (
         "GhostGPUHiddenConsumer", "4242", "leftover-0")
-    assert "An empty GPU means it holds only node-wide NVIDIA devices" in annotations(labels)["description"]
+    description = alert_annotations(labels)["description"]
+    assert "An empty GPU means it holds only node-wide NVIDIA devices" in description
 
 
 def test_ps_and_findings_show_a_dash_for_the_gpu() -> None:
