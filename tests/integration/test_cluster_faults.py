@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from ghostgpu.common.wire.convert import event_to_record
 from tests.helpers.collector_env import QueryClient
 from tests.helpers.collector_proc import CollectorProcess, cluster_rows, ghostgpu_cli, ps_json, wait_rows
 from tests.helpers.container import FakeContainer
@@ -25,6 +24,7 @@ from tests.helpers.containerd import Containerd
 from tests.helpers.fakenvml import FakeNvml
 from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import Record, TracerProcess
+from tests.helpers.wire_decode import event_to_record
 from tests.helpers.workload import gpuwork_image, job_command
 from tests.integration.conftest import GPU0_UUID
 

@@ -29,9 +29,10 @@ from ghostgpu.cli.main import _build_parser, main
 from ghostgpu.cli.trace import confirm_stop, parse_duration
 
 from ghostgpu.common.model.trace import TraceRecord, TraceStatus
-from ghostgpu.common.wire.convert_trace import record_to_proto, session_to_proto
+from ghostgpu.common.wire.convert_trace import session_to_proto
 from ghostgpu.v1 import query_pb2_grpc, trace_pb2
 from tests.helpers.polling import wait_until
+from tests.helpers.wire_decode import record_to_proto
 from tests.unit.test_chrome_trace import SESSION, T0, sample_records
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,9 @@ from ghostgpu.tracer.events import UNRECORDED_KINDS, EventKind, NvmlGpu, NvmlVie
 
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef
 from ghostgpu.common.model.records import HOLDER_KINDS, STREAMED_KINDS, HolderRecord, Record, record_from_json
-from ghostgpu.common.wire.convert import event_to_record, record_to_event
+from ghostgpu.common.wire.convert import record_to_event
 from ghostgpu.v1 import stream_pb2
+from tests.helpers.wire_decode import event_to_record
 
 NODE = "gpu-node-7"
 NV0 = DeviceRef("/dev/nvidia0", DeviceKind.GPU, 0, 195, 0)
@@ -139,7 +140,7 @@ def test_a_process_proc_never_showed_reads_back_as_not_alive() -> None:
 
 
 def test_ready_is_not_streamed() -> None:
-    ready = record_from_json({"event": "ready", "ts": 1.0, "node": NODE, "bpf": True})
+    ready = records.ready_record(NODE, True, False, 1.0, 0)
     assert record_to_event(ready, 1) is None
     assert "ready" not in STREAMED_KINDS
 

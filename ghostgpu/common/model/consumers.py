@@ -8,9 +8,11 @@ types, mapped to the generated API by ghostgpu.common.wire.convert.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from ghostgpu.common.model.jsonform import JsonForm, json_meta
 
 
 class ConsumerClass(StrEnum):
@@ -71,7 +73,7 @@ def consumer_key(pid: int, gpu_minor: int | None, gpu: int | None, gpu_uuid: str
 
 
 @dataclass
-class Consumer:
+class Consumer(JsonForm):
     """One process x one GPU, classified. The JSON keys are a contract: extend, never rename.
 
     A process that holds only node-wide devices (nvidiactl, nvidia-uvm, nvidia-modeset, nvidia-caps/*)
@@ -88,7 +90,7 @@ class Consumer:
     container_id: str
     pod_uid: str
     runtime: str
-    cls: ConsumerClass
+    cls: ConsumerClass = field(metadata=json_meta(key="class", last=True))  # JSON: `class`, the last key
     reason: str
     gpu_memory_bytes: int | None  # what NVML says this PID uses on this GPU; None when NVML does not say
     exe: str = ""
@@ -112,43 +114,11 @@ class Consumer:
     def key(self) -> ConsumerKey:
         return consumer_key(self.pid, self.gpu_minor, self.gpu, self.gpu_uuid)
 
-    def to_json(self) -> dict[str, Any]:
-        """The consumer's JSON object: the fields in order, `cls` written last as `class` (the order
-        asdict() gave, which `-o json` and the JSON lines keep). Lists are copies, as asdict() made."""
-        return {
-            "node": self.node, "pid": self.pid, "ns_pid": self.ns_pid, "comm": self.comm, "gpu": self.gpu,
-            "gpu_uuid": self.gpu_uuid, "gpu_minor": self.gpu_minor, "devices": list(self.devices),
-            "container_id": self.container_id, "pod_uid": self.pod_uid, "runtime": self.runtime,
-            "reason": self.reason, "gpu_memory_bytes": self.gpu_memory_bytes, "exe": self.exe,
-            "cmdline": self.cmdline, "uid": self.uid, "ppid": self.ppid, "state": self.state,
-            "start_time_ns": self.start_time_ns, "first_seen_ns": self.first_seen_ns, "mapped": self.mapped,
-            "fds": list(self.fds), "cgroup_path": self.cgroup_path, "alive": self.alive,
-            "allowlisted": self.allowlisted, "system_places": list(self.system_places),
-            "class": str(self.cls),
-        }
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Consumer:
-        """The inverse of to_json(). Extra keys (a record's `event`, `ts`) are ignored, so a finding
-        record reads back as its consumer; a missing required key raises ValueError naming it."""
-        values: dict[str, Any] = {}
-        for f in _CONSUMER_FIELDS:
-            key = "class" if f.name == "cls" else f.name
-            if key in d:
-                values[f.name] = d[key]
-            elif f.default is MISSING and f.default_factory is MISSING:
-                raise ValueError(f"consumer record has no {key!r} key")
-        try:
-            values["cls"] = ConsumerClass(values["cls"])
-        except ValueError:
-            raise ValueError(f"consumer record: unknown class {values['cls']!r}") from None
-        for name in ("devices", "fds", "system_places"):
-            if name in values:
-                values[name] = list(values[name])
-        return cls(**values)
-
-
-_CONSUMER_FIELDS = fields(Consumer)
+def consumer_order(c: Consumer) -> tuple[str, int, int, str]:
+    """The one order consumers are listed and reported in: by node, then GPU (node-wide holders, with
+    no GPU, first), then PID, then the GPU's UUID."""
+    return (c.node, c.gpu if c.gpu is not None else -1, c.pid, c.gpu_uuid)
 
 
 # --- the cluster's view of a consumer: the node's Consumer plus what CRI and PodResources said ---

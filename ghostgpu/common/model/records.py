@@ -1,11 +1,13 @@
 """The tracer's records as types: one frozen dataclass per kind the tracer emits.
 
 A record is built once, from the tracer's own state (tracer/records.py), and travels as itself: the
-stream encodes it straight to its NodeEvent body and the collector decodes that body straight back
-(ghostgpu.common.wire.convert). JSON is made only at the edges, by `to_json()`: the JSON-lines sink
-(`ghostgpu tracer --jsonl`), the live view's callback, `-o json`. Each `to_json()` writes the keys
-(their order too) and values `ghostgpu tracer` has always written: they are a contract, extended,
-never renamed. `record_from_json()` is its inverse, for a source that still hands the sinks JSON.
+stream encodes it straight to its NodeEvent body (ghostgpu.common.wire.convert), and the collector
+reads the consumers and allocations out of that body. JSON is made only at the edges, by
+`to_json()`: the JSON-lines sink (`ghostgpu tracer --jsonl`), the live view's callback, `-o json`.
+The JSON keys (their order too) and values are what `ghostgpu tracer` has always written: a
+contract, extended, never renamed. They are derived from the fields (ghostgpu.common.model.jsonform):
+each field's metadata says where the contract departs from the plain rule. `record_from_json()` is
+the inverse.
 
 Every holder record carries the snapshot keys (node, pid, ns_pid, comm, gpu, devices, container_id,
 pod_uid, runtime, class, reason, gpu_memory_bytes), so one reader handles events and findings alike.
@@ -13,11 +15,12 @@ pod_uid, runtime, class, reason, gpu_memory_bytes), so one reader handles events
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ghostgpu.common.model.consumers import Consumer
+from ghostgpu.common.model.jsonform import HEX, JsonForm, json_meta
 
 HOLDER_KINDS = ("open", "close", "mmap", "unmap", "fork", "exec", "exit")
 # Record kinds that travel on the stream; `ready` is a local start-up marker and does not.
@@ -27,7 +30,7 @@ JsonRecord = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
-class ProcessIdentity:
+class ProcessIdentity(JsonForm):
     """Who a holder is, as /proc said when its event was handled (the tracer's ProcessInfo, less what
     only the tracer needs)."""
 
@@ -44,42 +47,23 @@ class ProcessIdentity:
     cgroup_path: str = ""
     alive: bool = True
 
-    def to_json(self) -> JsonRecord:
-        return {"ns_pid": self.ns_pid, "comm": self.comm, "exe": self.exe, "cmdline": self.cmdline,
-                "uid": self.uid, "ppid": self.ppid, "state": self.state, "container_id": self.container_id,
-                "pod_uid": self.pod_uid, "runtime": self.runtime, "cgroup_path": self.cgroup_path,
-                "alive": self.alive}
-
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> ProcessIdentity:
-        return cls(ns_pid=d.get("ns_pid"), comm=d.get("comm") or "", exe=d.get("exe") or "",
-                   cmdline=d.get("cmdline") or "", uid=d.get("uid"), ppid=d.get("ppid"),
-                   state=d.get("state") or "", container_id=d.get("container_id") or "",
-                   pod_uid=d.get("pod_uid") or "", runtime=d.get("runtime") or "",
-                   cgroup_path=d.get("cgroup_path") or "", alive=bool(d.get("alive", False)))
-
 
 # A process /proc could not be read for gets these five keys only: its JSON has always said so.
 _NO_IDENTITY_JSON: JsonRecord = {"ns_pid": None, "comm": "", "container_id": "", "pod_uid": "", "runtime": ""}
+# A holder event has no class, reason or memory of its own; the keys are there for one reader of all.
+_SNAPSHOT_KEYS_UNSET: JsonRecord = {"class": None, "reason": "", "gpu_memory_bytes": None}
 
 
 @dataclass(frozen=True, slots=True)
-class IoctlCount:
+class IoctlCount(JsonForm):
     device: str
-    cmd: int  # the request word; JSON writes it in hex ("0xc020462a")
+    cmd: int = field(metadata=json_meta(codec=HEX))  # the request word; JSON writes it in hex ("0xc020462a")
     name: str
     count: int
 
-    def to_json(self) -> JsonRecord:
-        return {"device": self.device, "cmd": f"{self.cmd:#x}", "name": self.name, "count": self.count}
-
-
-def _cmd(cmd: str | int) -> int:
-    return int(cmd, 16) if isinstance(cmd, str) else cmd
-
 
 @dataclass(frozen=True, slots=True)
-class HolderRecord:
+class HolderRecord(JsonForm):
     """open, close, mmap, unmap, fork, exec or exit: a state change of one process's hold on a device."""
 
     event: str  # one of HOLDER_KINDS ("unknown" for a kind from a newer peer)
@@ -94,75 +78,35 @@ class HolderRecord:
     device: str | None = None
     device_kind: str | None = None
     fd: int | None = None
-    devices: tuple[str, ...] = ()  # every device the process holds after the event
+    # every device the process holds after the event
+    devices: tuple[str, ...] = field(default=(), metadata=json_meta(then=_SNAPSHOT_KEYS_UNSET))
     cgroup_id: int | None = None
-    child_pid: int = 0  # FORK only; written only when set
-    mapped: bool = False  # CLOSE: a mapping still holds the device; written only when true
-    process: ProcessIdentity | None = None  # None: gone before /proc could be read
-    ioctls: tuple[IoctlCount, ...] | None = None  # None: the kernel's counters were not read
-    held_s: float | None = None  # EXIT: how long it held its first device
-
-    def to_json(self) -> JsonRecord:
-        d: JsonRecord = {
-            "event": self.event, "ts": self.ts, "ts_ns": self.ts_ns, "source": self.source,
-            "node": self.node, "pid": self.pid, "tid": self.tid, "gpu": self.gpu, "gpu_uuid": self.gpu_uuid,
-            "device": self.device, "device_kind": self.device_kind, "fd": self.fd,
-            "devices": list(self.devices), "class": None, "reason": "", "gpu_memory_bytes": None,
-            "cgroup_id": self.cgroup_id,
-        }
-        if self.child_pid:
-            d["child_pid"] = self.child_pid
-        if self.mapped:
-            d["mapped"] = True
-        d.update(_NO_IDENTITY_JSON if self.process is None else self.process.to_json())
-        if self.ioctls is not None:
-            d["ioctls"] = [i.to_json() for i in self.ioctls]
-        if self.held_s is not None:
-            d["held_s"] = self.held_s
-        return d
-
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> HolderRecord:
-        ioctls = None
-        if "ioctls" in d:
-            ioctls = tuple(IoctlCount(i["device"], _cmd(i["cmd"]), i.get("name") or "", i["count"])
-                           for i in d["ioctls"])
-        return cls(
-            event=d["event"], ts=d.get("ts") or 0.0, ts_ns=d.get("ts_ns") or 0, source=d.get("source") or "",
-            node=d.get("node") or "", pid=d["pid"], tid=d.get("tid") or 0, gpu=d.get("gpu"),
-            gpu_uuid=d.get("gpu_uuid") or "", device=d.get("device"), device_kind=d.get("device_kind"),
-            fd=d.get("fd"), devices=tuple(d.get("devices") or ()), cgroup_id=d.get("cgroup_id"),
-            child_pid=d.get("child_pid") or 0, mapped=bool(d.get("mapped")),
-            # identity_fields(None) never wrote `alive`: its presence says /proc was read.
-            process=ProcessIdentity.from_json(d) if "alive" in d else None, ioctls=ioctls,
-            held_s=d.get("held_s"),
-        )
+    child_pid: int = field(default=0, metadata=json_meta(omit_default=True))  # FORK only
+    # CLOSE: a mapping still holds the device
+    mapped: bool = field(default=False, metadata=json_meta(omit_default=True))
+    # None: gone before /proc could be read. Its keys sit among the record's own.
+    process: ProcessIdentity | None = field(default=None,
+                                            metadata=json_meta(flatten=True, absent=_NO_IDENTITY_JSON))
+    # None: the kernel's counters were not read
+    ioctls: tuple[IoctlCount, ...] | None = field(default=None, metadata=json_meta(omit_default=True))
+    # EXIT: how long it held its first device
+    held_s: float | None = field(default=None, metadata=json_meta(omit_default=True))
 
 
 @dataclass(frozen=True, slots=True)
-class ConsumerRecord:
+class ConsumerRecord(JsonForm):
     """`finding` (a consumer appeared or changed) or `resolved` (it went; its last state).
 
     The Consumer is held, not copied: the tracer classifies into new Consumers every time and never
-    changes one it has emitted."""
+    changes one it has emitted. Its JSON is the consumer's keys, then `event` and `ts`."""
 
-    event: str  # "finding" | "resolved"
-    ts: float
-    consumer: Consumer
-
-    def to_json(self) -> JsonRecord:
-        d = self.consumer.to_json()
-        d["event"] = self.event
-        d["ts"] = self.ts
-        return d
-
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> ConsumerRecord:
-        return cls(d["event"], d.get("ts") or 0.0, Consumer.from_json(d))
+    event: str = field(metadata=json_meta(last=True))  # "finding" | "resolved"
+    ts: float = field(metadata=json_meta(last=True))
+    consumer: Consumer = field(metadata=json_meta(flatten=True))
 
 
 @dataclass(frozen=True, slots=True)
-class NoticeRecord:
+class NoticeRecord(JsonForm):
     """A source is missing or lost data (NVML, BPF, the spool): `what` names it, `message` says it."""
 
     event: ClassVar[str] = "notice"
@@ -171,30 +115,18 @@ class NoticeRecord:
     what: str
     message: str
 
-    def to_json(self) -> JsonRecord:
-        return {"event": "notice", "ts": self.ts, "node": self.node, "what": self.what,
-                "message": self.message}
-
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> NoticeRecord:
-        return cls(d.get("ts") or 0.0, d.get("node") or "", d.get("what") or "", d.get("message") or "")
-
 
 @dataclass(frozen=True, slots=True)
-class GpuInfo:
+class GpuInfo(JsonForm):
     index: int
     uuid: str
     name: str
     minor: int | None
     memory_total_bytes: int | None
 
-    def to_json(self) -> JsonRecord:
-        return {"index": self.index, "uuid": self.uuid, "name": self.name, "minor": self.minor,
-                "memory_total_bytes": self.memory_total_bytes}
-
 
 @dataclass(frozen=True, slots=True)
-class InfoRecord:
+class InfoRecord(JsonForm):
     """What the node looks like: kernel tracing on or off, the GPUs NVML sees (or why it sees none)."""
 
     event: ClassVar[str] = "info"
@@ -206,34 +138,28 @@ class InfoRecord:
     driver_version: str = ""
     gpus: tuple[GpuInfo, ...] = ()
 
-    def to_json(self) -> JsonRecord:
-        return {"event": "info", "ts": self.ts, "node": self.node, "bpf": self.bpf, "nvml": self.nvml,
-                "nvml_error": self.nvml_error, "driver_version": self.driver_version,
-                "gpus": [g.to_json() for g in self.gpus]}
 
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> InfoRecord:
-        gpus = tuple(GpuInfo(g["index"], g.get("uuid") or "", g.get("name") or "", g.get("minor"),
-                             g.get("memory_total_bytes")) for g in d.get("gpus") or ())
-        return cls(d.get("ts") or 0.0, d.get("node") or "", bool(d.get("bpf")), bool(d.get("nvml")),
-                   d.get("nvml_error") or "", d.get("driver_version") or "", gpus)
+# The NVIDIA device plugin's time-slicing and MPS sharing advertise replica N of a device as `<ID>::N`.
+_REPLICA_SUFFIX = re.compile(r"::\d+$")
+
+
+def physical_device_id(device_id: str) -> str:
+    """`GPU-...::3` -> `GPU-...`: a shared GPU's replica names the GPU itself. Only a numeric replica
+    suffix goes; any other ID (a CDI name, an ID with `::` of another meaning) stays as it is."""
+    return _REPLICA_SUFFIX.sub("", device_id)
 
 
 @dataclass(frozen=True, slots=True)
-class ContainerAllocation:
+class ContainerAllocation(JsonForm):
     namespace: str
     pod: str
     container: str
     resource_names: tuple[str, ...] = ()  # e.g. nvidia.com/gpu
-    device_ids: tuple[str, ...] = ()  # physical IDs: GPU/MIG UUIDs, "::replica" suffixes removed
-
-    def to_json(self) -> JsonRecord:
-        return {"namespace": self.namespace, "pod": self.pod, "container": self.container,
-                "resource_names": list(self.resource_names), "device_ids": list(self.device_ids)}
+    device_ids: tuple[str, ...] = ()  # physical IDs (physical_device_id): GPU/MIG UUIDs, CDI names
 
 
 @dataclass(frozen=True, slots=True)
-class AllocationsRecord:
+class AllocationsRecord(JsonForm):
     """What the kubelet's PodResources API allocated (tracer/podresources.py); `ts` is when it was read."""
 
     event: ClassVar[str] = "allocations"
@@ -243,22 +169,9 @@ class AllocationsRecord:
     error: str = ""
     containers: tuple[ContainerAllocation, ...] = ()
 
-    def to_json(self) -> JsonRecord:
-        return {"event": "allocations", "ts": self.ts, "node": self.node, "available": self.available,
-                "error": self.error, "containers": [c.to_json() for c in self.containers]}
-
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> AllocationsRecord:
-        containers = tuple(ContainerAllocation(c["namespace"], c["pod"], c["container"],
-                                               tuple(c.get("resource_names") or ()),
-                                               tuple(c.get("device_ids") or ()))
-                           for c in d.get("containers") or ())
-        return cls(d.get("ts") or 0.0, d.get("node") or "", bool(d.get("available")), d.get("error") or "",
-                   containers)
-
 
 @dataclass(frozen=True, slots=True)
-class ReadyRecord:
+class ReadyRecord(JsonForm):
     """The tracer has attached, scanned and classified once: local only, never streamed."""
 
     event: ClassVar[str] = "ready"
@@ -269,37 +182,26 @@ class ReadyRecord:
     startup_s: float
     holders: int
 
-    def to_json(self) -> JsonRecord:
-        return {"event": "ready", "ts": self.ts, "node": self.node, "bpf": self.bpf, "nvml": self.nvml,
-                "startup_s": self.startup_s, "holders": self.holders}
-
-    @classmethod
-    def from_json(cls, d: JsonRecord) -> ReadyRecord:
-        return cls(d.get("ts") or 0.0, d.get("node") or "", bool(d.get("bpf")), bool(d.get("nvml")),
-                   d.get("startup_s") or 0.0, d.get("holders") or 0)
-
 
 Record = HolderRecord | ConsumerRecord | NoticeRecord | InfoRecord | AllocationsRecord | ReadyRecord
 # What a sink accepts: a typed record, or a JSON one from a source that still writes JSON (the
 # PodResources poller's `allocations`), read once where it enters.
 AnyRecord = Record | JsonRecord
 
-_FROM_JSON: dict[str, Callable[[JsonRecord], Record]] = {
-    **dict.fromkeys(HOLDER_KINDS, HolderRecord.from_json),
-    "finding": ConsumerRecord.from_json, "resolved": ConsumerRecord.from_json,
-    "notice": NoticeRecord.from_json, "info": InfoRecord.from_json,
-    "allocations": AllocationsRecord.from_json, "ready": ReadyRecord.from_json,
+_RECORD_TYPES: dict[str, type[Record]] = {
+    **dict.fromkeys(HOLDER_KINDS, HolderRecord), "finding": ConsumerRecord, "resolved": ConsumerRecord,
+    "notice": NoticeRecord, "info": InfoRecord, "allocations": AllocationsRecord, "ready": ReadyRecord,
 }
 
 
 def record_from_json(d: JsonRecord) -> Record:
-    """The typed record for a JSON one (the inverse of to_json()). Raises KeyError, TypeError or
-    ValueError naming what is missing or wrong."""
+    """The typed record for a JSON one (the inverse of to_json()). Raises ValueError naming what is
+    missing or wrong."""
     kind = d.get("event")
-    read = _FROM_JSON.get(kind) if kind is not None else None
-    if read is None:
+    record_type = _RECORD_TYPES.get(kind) if isinstance(kind, str) else None
+    if record_type is None:
         raise ValueError(f"unknown record kind {kind!r}")
-    return read(d)
+    return record_type.from_json(d)
 
 
 def as_json(record: AnyRecord) -> JsonRecord:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any
+from operator import attrgetter
+
+from ghostgpu.common.model.jsonform import JsonForm, json_meta
 
 TRACE_KINDS = ("ioctl", "open", "close", "mmap", "munmap", "fork", "exec", "exit")
 INSTANT_KINDS = frozenset(TRACE_KINDS) - {"ioctl"}  # shown as instants, not slices
@@ -44,7 +46,7 @@ class TraceStatus(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class TraceScope:
+class TraceScope(JsonForm):
     namespace: str = ""
     pod: str = ""
     container: str = ""  # a container name in the pod, or a container id (prefix)
@@ -65,21 +67,18 @@ class TraceScope:
             parts.append(f"gpu {self.gpu}")
         return " ".join(parts) or "(everything)"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "pod": self.pod, "container": self.container, "node": self.node,
-                "pid": self.pid, "gpu": self.gpu}
 
 
 @dataclass(frozen=True)
-class TraceSession:
+class TraceSession(JsonForm):
     id: str
     scope: TraceScope
     requested_by: str
     started_unix_ns: int
     deadline_unix_ns: int
+    ended_unix_ns: int = field(default=0, metadata=json_meta(null=0))  # 0: still running (JSON null)
     status: TraceStatus = TraceStatus.RUNNING
     status_detail: str = ""
-    ended_unix_ns: int = 0
     nodes: tuple[str, ...] = ()
     container_ids: tuple[str, ...] = ()
     records_total: int = 0
@@ -92,29 +91,17 @@ class TraceSession:
     def ended(self, status: TraceStatus, detail: str, at_unix_ns: int) -> TraceSession:
         return replace(self, status=status, status_detail=detail, ended_unix_ns=at_unix_ns)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "scope": self.scope.to_json(), "requested_by": self.requested_by,
-            "started_unix_ns": self.started_unix_ns, "deadline_unix_ns": self.deadline_unix_ns,
-            "ended_unix_ns": self.ended_unix_ns or None, "status": str(self.status),
-            "status_detail": self.status_detail, "nodes": list(self.nodes),
-            "container_ids": list(self.container_ids), "records_total": self.records_total,
-            "dropped_limit_total": self.dropped_limit_total,
-            "dropped_ringbuf_total": self.dropped_ringbuf_total,
-            "dropped_store_total": self.dropped_store_total, "max_records": self.max_records,
-            "dropped_transport_total": self.dropped_transport_total,
-        }
 
+@dataclass(frozen=True, kw_only=True)
+class TraceRecord(JsonForm):
+    """One traced call (kind "ioctl": a slice with a duration) or process event (an instant).
 
-@dataclass(frozen=True)
-class TraceRecord:
-    """One traced call (kind "ioctl": a slice with a duration) or process event (an instant)."""
+    The fields are in the order `ghostgpu trace -o jsonl` writes them: the contract's keys (never
+    renamed) up to duration_ns, then the extras."""
 
     session: str
     node: str
-    seq: int
     ts_ns: int  # unix ns at syscall entry
-    kind: str
     pid: int
     tid: int
     ns_pid: int | None = None
@@ -122,10 +109,8 @@ class TraceRecord:
     namespace: str = ""
     pod: str = ""
     container: str = ""
-    comm: str = ""
     gpu: str = ""
     device: str = ""
-    fd: int | None = None
     call: str = ""
     request: int | None = None
     escape: str = ""
@@ -137,6 +122,11 @@ class TraceRecord:
     nv_status_name: str = ""
     ret: int = 0
     duration_ns: int = 0
+    # extras
+    seq: int
+    kind: str
+    comm: str = ""
+    fd: int | None = field(default=None, metadata=json_meta(then={"errno": attrgetter("errno")}))
     child_pid: int | None = None
     args: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
@@ -159,18 +149,3 @@ class TraceRecord:
         if self.h_class is not None:
             return f"{self.call} {self.class_name or hex(self.h_class)}"
         return self.call or self.kind
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON-lines keys of `ghostgpu trace -o jsonl`: the contract's (never renamed), then extras."""
-        return {
-            "session": self.session, "node": self.node, "ts_ns": self.ts_ns, "pid": self.pid, "tid": self.tid,
-            "ns_pid": self.ns_pid, "container_id": self.container_id, "namespace": self.namespace,
-            "pod": self.pod, "container": self.container, "gpu": self.gpu, "device": self.device,
-            "call": self.call, "request": self.request, "escape": self.escape, "cmd": self.cmd,
-            "cmd_name": self.cmd_name, "h_class": self.h_class, "class_name": self.class_name,
-            "nv_status": self.nv_status, "nv_status_name": self.nv_status_name, "ret": self.ret,
-            "duration_ns": self.duration_ns,
-            # extras
-            "seq": self.seq, "kind": self.kind, "comm": self.comm, "fd": self.fd, "errno": self.errno,
-            "child_pid": self.child_pid, "args": dict(self.args), "notes": list(self.notes),
-        }

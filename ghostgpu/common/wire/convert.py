@@ -1,9 +1,10 @@
-"""The one mapping between the common model and the API (ghostgpu.v1): consumers, and the tracer's
-typed records (ghostgpu.common.model.records) <-> NodeEvent bodies and Snapshots, both ways, directly.
+"""The one mapping between the common model and the API (ghostgpu.v1): consumers both ways, the
+tracer's typed records (ghostgpu.common.model.records) -> NodeEvent bodies and Snapshots directly,
+and the query API's ClusterConsumer both ways.
 
-A record that makes the trip comes back equal to the one that left (its to_json() too), with one
-exception: `node` is not on a NodeEvent (the stream's Hello names the node once), so the decoding
-side passes it in.
+The collector reads what it needs straight out of a NodeEvent (consumers, allocations); it never
+rebuilds the tracer's record, so that direction (event -> record, which the round-trip tests use to
+show that a record survives the wire) lives with the tests, in tests/helpers/wire_decode.py.
 
 Proto3 scalars have no "unset": -1 stands for an unknown GPU index, minor, fd or uid, 0 for an
 unknown namespace PID, parent, start time, cgroup id or total memory, and `gpu_memory_bytes` and
@@ -29,11 +30,8 @@ from ghostgpu.common.model.records import (
     HOLDER_KINDS,
     AllocationsRecord,
     ConsumerRecord,
-    ContainerAllocation,
-    GpuInfo,
     HolderRecord,
     InfoRecord,
-    IoctlCount,
     NoticeRecord,
     ProcessIdentity,
     Record,
@@ -63,11 +61,6 @@ def opt_from_pb(value: int, unset: int) -> int | None:
 def ts_to_ns(ts: float | None) -> int:
     """A record's `ts` (unix seconds, rounded to µs) as unix nanoseconds."""
     return round(ts * 1e9) if ts else 0
-
-
-def ns_to_ts(ns: int) -> float:
-    # Rounding to µs gives back exactly the float the tracer wrote (tracer/records.wall_ts rounds the same).
-    return round(ns / 1e9, 6)
 
 
 def class_to_proto(cls: ConsumerClass) -> node_pb2.ConsumerClass:
@@ -160,31 +153,6 @@ def holder_into(msg: node_pb2.HolderEvent, rec: HolderRecord) -> None:
         msg.held_ns = round(rec.held_s * 1e9)
 
 
-def holder_to_proto(rec: HolderRecord) -> node_pb2.HolderEvent:
-    msg = node_pb2.HolderEvent()
-    holder_into(msg, rec)
-    return msg
-
-
-def holder_from_proto(msg: node_pb2.HolderEvent, ts: float, node: str) -> HolderRecord:
-    p = msg.process
-    who = ProcessIdentity(
-        ns_pid=opt_from_pb(p.ns_pid, 0), comm=p.comm, exe=p.exe, cmdline=p.cmdline,
-        uid=opt_from_pb(p.uid, -1), ppid=opt_from_pb(p.ppid, 0), state=p.state,
-        container_id=p.container_id, pod_uid=p.pod_uid, runtime=p.runtime, cgroup_path=p.cgroup_path,
-        alive=p.alive,
-    )
-    return HolderRecord(
-        event=holder_kind(msg.kind), ts=ts, ts_ns=msg.ts_ns, source=msg.source, node=node, pid=p.pid,
-        tid=msg.tid, gpu=opt_from_pb(msg.gpu, -1), gpu_uuid=msg.gpu_uuid, device=msg.device or None,
-        device_kind=msg.device_kind or None, fd=opt_from_pb(msg.fd, -1), devices=tuple(msg.devices),
-        cgroup_id=msg.cgroup_id or None, child_pid=msg.child_pid, mapped=msg.mapped, process=who,
-        ioctls=tuple(IoctlCount(i.device, i.cmd, i.name, i.count) for i in msg.ioctls)
-        if msg.ioctls_counted else None,
-        held_s=round(msg.held_ns / 1e9, 6) if msg.HasField("held_ns") else None,
-    )
-
-
 # --- node info and allocations ------------------------------------------------------------------
 
 def info_to_proto(rec: InfoRecord) -> stream_pb2.NodeInfo:
@@ -192,12 +160,6 @@ def info_to_proto(rec: InfoRecord) -> stream_pb2.NodeInfo:
         bpf=rec.bpf, nvml=rec.nvml, nvml_error=rec.nvml_error, driver_version=rec.driver_version,
         gpus=[stream_pb2.Gpu(index=g.index, uuid=g.uuid, name=g.name, minor=opt_to_pb(g.minor, -1),
                              memory_total_bytes=g.memory_total_bytes or 0) for g in rec.gpus])
-
-
-def info_from_proto(msg: stream_pb2.NodeInfo, ts: float, node: str) -> InfoRecord:
-    gpus = tuple(GpuInfo(g.index, g.uuid, g.name, opt_from_pb(g.minor, -1), g.memory_total_bytes or None)
-                 for g in msg.gpus)
-    return InfoRecord(ts, node, msg.bpf, msg.nvml, msg.nvml_error, msg.driver_version, gpus)
 
 
 def allocations_to_proto(rec: AllocationsRecord) -> stream_pb2.Allocations:
@@ -209,13 +171,7 @@ def allocations_to_proto(rec: AllocationsRecord) -> stream_pb2.Allocations:
                     for c in rec.containers])
 
 
-def allocations_from_proto(msg: stream_pb2.Allocations, ts: float, node: str) -> AllocationsRecord:
-    return AllocationsRecord(ts, node, msg.available, msg.error, tuple(
-        ContainerAllocation(c.namespace, c.pod, c.container, tuple(c.resource_names), tuple(c.device_ids))
-        for c in msg.containers))
-
-
-# --- records <-> NodeEvent ----------------------------------------------------------------------
+# --- records -> NodeEvent -----------------------------------------------------------------------
 
 def _holder_body(ev: stream_pb2.NodeEvent, rec: HolderRecord) -> None:
     holder_into(ev.holder, rec)
@@ -255,23 +211,6 @@ def record_to_event(rec: Record, seq: int) -> stream_pb2.NodeEvent | None:
     ev = stream_pb2.NodeEvent(seq=seq, ts_unix_ns=ts_to_ns(rec.ts))
     body(ev, rec)
     return ev
-
-
-def event_to_record(ev: stream_pb2.NodeEvent, node: str = "") -> Record:
-    """The tracer's record for a NodeEvent (its to_json(): the keys `ghostgpu tracer --jsonl` writes)."""
-    body = ev.WhichOneof("body")
-    if body is None:
-        raise ValueError(f"event seq {ev.seq} has no body")
-    ts = ns_to_ts(ev.ts_unix_ns)
-    if body in ("finding", "resolved"):
-        return ConsumerRecord(body, ts, consumer_from_proto(getattr(ev, body)))
-    if body == "holder":
-        return holder_from_proto(ev.holder, ts, node)
-    if body == "notice":
-        return NoticeRecord(ts, node, ev.notice.what, ev.notice.message)
-    if body == "info":
-        return info_from_proto(ev.info, ts, node)
-    return allocations_from_proto(ev.allocations, ts, node)
 
 
 def snapshot_to_proto(seq: int, consumers: Iterable[Consumer], info: InfoRecord | None,

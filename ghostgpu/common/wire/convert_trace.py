@@ -79,12 +79,6 @@ def record_into(m: trace_pb2.TraceRecord, r: TraceRecord) -> None:
     m.notes.extend(r.notes)
 
 
-def record_to_proto(r: TraceRecord) -> trace_pb2.TraceRecord:
-    m = trace_pb2.TraceRecord()
-    record_into(m, r)
-    return m
-
-
 def record_from_proto(m: trace_pb2.TraceRecord, session: str) -> TraceRecord:
     return TraceRecord(
         session=session, node=m.node, seq=m.seq, ts_ns=m.ts_unix_ns, kind=m.kind, pid=m.pid, tid=m.tid,
