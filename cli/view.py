@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ghostgpu.common.model.consumers import ClusterConsumer, Consumer
+from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, consumer_order
 from ghostgpu.common.model.display import LISTING_ID_LEN, mib, short_id
 from ghostgpu.common.wire.convert import class_from_proto, cluster_consumer_from_proto, holder_kind
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
@@ -86,14 +86,10 @@ def table(columns: Sequence[Column[Row]], items: Iterable[Row], empty: str) -> s
     return text + "\n" + empty if not rows else text
 
 
-def sort_key(c: ClusterConsumer) -> tuple[str, int, int]:
-    return (c.consumer.node, -1 if c.consumer.gpu is None else c.consumer.gpu, c.consumer.pid)
-
-
 def consumer_table(consumers: Sequence[ClusterConsumer], wide: bool = False, now_s: float | None = None,
                    empty: str = "(no GPU consumers)") -> str:
     now = time.time() if now_s is None else now_s
-    return table(_columns(now, wide), sorted(consumers, key=sort_key), empty)
+    return table(_columns(now, wide), sorted(consumers, key=lambda c: consumer_order(c.consumer)), empty)
 
 
 # `ghostgpu snapshot`: one node's consumers as classify() gave them (already sorted), no collector,
@@ -118,7 +114,7 @@ def snapshot_table(consumers: Sequence[Consumer], wide: bool = True) -> str:
 
 
 def consumers_json(consumers: Sequence[ClusterConsumer]) -> list[dict[str, Any]]:
-    return [c.to_json() for c in sorted(consumers, key=sort_key)]
+    return [c.to_json() for c in sorted(consumers, key=lambda c: consumer_order(c.consumer))]
 
 
 def nvml_text(info: stream_pb2.NodeInfo, demo_gpu: bool = False) -> str:

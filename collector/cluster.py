@@ -32,7 +32,7 @@ from ghostgpu.collector.nodes import Changes, ConsumerKey, NodeView
 from ghostgpu.collector.store import FindingRow, Store
 
 from ghostgpu.common.model.classes import FINDING_CLASSES
-from ghostgpu.common.model.consumers import ClusterConsumer, K8sInfo
+from ghostgpu.common.model.consumers import ClusterConsumer, K8sInfo, consumer_order
 from ghostgpu.common.wire.convert import cluster_consumer_from_proto, cluster_consumer_to_proto
 from ghostgpu.v1 import query_pb2
 
@@ -317,8 +317,7 @@ class ClusterTable:
                 if wanted and str(cc.consumer.cls) not in wanted:
                     continue
                 out.append(cc)
-        out.sort(key=lambda cc: (cc.consumer.node, -1 if cc.consumer.gpu is None else cc.consumer.gpu,
-                                 cc.consumer.pid))
+        out.sort(key=lambda cc: consumer_order(cc.consumer))
         return out
 
     def open_findings(self) -> list[FindingRec]:

@@ -23,12 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ghostgpu.tracer.config import TracerConfig
-from ghostgpu.tracer.consumer_diff import by_gpu_then_pid
 from ghostgpu.tracer.consumer_diff import diff_consumers as diff_consumers  # where the agent imports it
 from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
 
 from ghostgpu.common.model import classes
-from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, consumer_order
 from ghostgpu.common.model.display import mib_phrase, short_id
 
 COMM_LEN = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to 15 bytes
@@ -399,5 +398,5 @@ def classify(holders: Sequence[Holder], nvml: NvmlView, now_ns: int, cfg: Classi
     for holder, control in node_wide:
         if holder.pid not in reported:
             out.append(_holder_consumer(holder, control, [], _scope(None, nvml), ctx))
-    out.sort(key=by_gpu_then_pid)
+    out.sort(key=consumer_order)
     return out

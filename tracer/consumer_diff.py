@@ -10,14 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ghostgpu.common.model.consumers import Consumer, ConsumerKey
+from ghostgpu.common.model.consumers import Consumer, ConsumerKey, consumer_order
 
 _NUMBERS = re.compile(r"\d+(?:[.,]\d+)*")  # "12.3", "5,6,7" (an fd list) each mask to one "#"
-
-
-def by_gpu_then_pid(c: Consumer) -> tuple[int, int, str]:
-    """The order consumers are reported in: by GPU (node-wide holders, with no GPU, first), then PID."""
-    return (c.gpu if c.gpu is not None else -1, c.pid, c.gpu_uuid)
 
 
 def _signature(c: Consumer) -> tuple[object, ...]:
@@ -36,5 +31,5 @@ def diff_consumers(old: Mapping[ConsumerKey, Consumer], new: list[Consumer],
     new_keys = {c.key for c in new}
     changed = [c for c in new if c.key not in old or _signature(old[c.key]) != _signature(c)]
     resolved = [c for key, c in old.items() if key not in new_keys]
-    resolved.sort(key=by_gpu_then_pid)
+    resolved.sort(key=consumer_order)
     return changed, resolved
