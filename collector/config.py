@@ -22,7 +22,7 @@ import re
 import tomllib
 import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 
 from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE
@@ -33,6 +33,7 @@ from ghostgpu.common.system.settings import flag_values, meta, setting
 
 if TYPE_CHECKING:
     from ghostgpu.collector.security import SecurityOptions
+    from ghostgpu.collector.trace_commands import TraceLimits, TraceTiming
 
     from ghostgpu.common.web.httpserve import HttpCaps
 
@@ -237,14 +238,13 @@ class CollectorConfig:
                                audit_log=self.audit_log, max_connections=self.max_connections,
                                max_connections_per_source=self.max_connections_per_source)
 
-    def trace_limits(self, timing: Any = None) -> Any:
+    def trace_limits(self, timing: TraceTiming | None = None) -> TraceLimits:
         """collector/trace_commands.py's TraceLimits: these limits, with `timing`'s waits and ticks (tests
         shorten them) or the defaults."""
-        from ghostgpu.collector.trace_commands import TraceLimits
+        from ghostgpu.collector.trace_commands import TraceLimits, TraceTiming  # grpc: not for --help
 
-        return replace(timing or TraceLimits(), max_duration_s=self.trace_max_duration_s,
-                                   default_duration_s=self.trace_default_duration_s,
-                                   max_records=self.trace_max_records)
+        return TraceLimits(self.trace_max_duration_s, self.trace_default_duration_s, self.trace_max_records,
+                           timing or TraceTiming())
 
     def http_caps(self) -> HttpCaps:
         """/metrics' connection caps for HttpServer, those set (ghostgpu/common/web/httpserve.py)."""

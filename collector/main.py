@@ -37,7 +37,7 @@ from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, start_server
 from ghostgpu.collector.store import Store
-from ghostgpu.collector.trace_commands import TraceLimits
+from ghostgpu.collector.trace_commands import TraceTiming
 from ghostgpu.collector.trace_store import TraceStore
 from ghostgpu.collector.traces import TraceBook
 
@@ -68,7 +68,7 @@ class Collector:
 
     def __init__(self, config: CollectorConfig, *, resolver_factory: ResolverFactory | None = None,
                  pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None,
-                 trace_timing: TraceLimits | None = None, security: SecurityOptions | None = None) -> None:
+                 trace_timing: TraceTiming | None = None, security: SecurityOptions | None = None) -> None:
         """resolver_factory, pusher_factory: stand-ins for the CRI resolver and the Alertmanager pusher;
         heap: the commands' gc policy (collector/heap.py), ticked by the loop; trace_timing: the trace
         sessions' waits and ticks (tests shorten them); security: SecurityOptions already built (tests

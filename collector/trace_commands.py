@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from ghostgpu.collector.trace_scope import TraceError
 
 from ghostgpu.common.model.durations import format_ms
-from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS, TraceScope
+from ghostgpu.common.model.trace import TraceScope
 from ghostgpu.v1 import stream_pb2
 
 _CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,
@@ -37,21 +37,24 @@ COMMAND_ID_BASE = 1 << 62
 
 
 @dataclass(frozen=True)
-class TraceLimits:
-    max_duration_s: float = TRACE_MAX_DURATION_S  # --trace-max-duration
-    default_duration_s: float = 30.0  # --trace-default-duration
-    max_records: int = TRACE_MAX_RECORDS  # --trace-max-records: per session, default and maximum
+class TraceTiming:
+    """The trace book's waits and ticks: not settings (tests shorten them)."""
+
     end_grace_s: float = 5.0  # past the deadline (or a stop) the collector ends what tracers did not
     command_timeout_s: float = 5.0  # for each trace_start/update/stop answer
     reresolve_s: float = 1.0  # a namespace scope takes in containers started since
     tick_s: float = 0.25
 
-    def __post_init__(self) -> None:
-        if self.default_duration_s > self.max_duration_s:
-            raise ValueError(f"--trace-default-duration {self.default_duration_s:g}s is more than "
-                             f"--trace-max-duration {self.max_duration_s:g}s")
-        if self.max_records < 1:
-            raise ValueError(f"--trace-max-records {self.max_records}: must be 1 or more")
+
+@dataclass(frozen=True)
+class TraceLimits:
+    """The trace slice of CollectorConfig (collector/config.py: the defaults and their checks), with
+    the book's timing."""
+
+    max_duration_s: float  # --trace-max-duration
+    default_duration_s: float  # --trace-default-duration
+    max_records: int  # --trace-max-records: per session, default and maximum
+    timing: TraceTiming = field(default_factory=TraceTiming)
 
     def duration_ms(self, requested_ms: int) -> int:
         """A session's length: what the client asked for, else --trace-default-duration."""

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.trace_access import InNamespace, confine
 from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, node_error, validate
 from ghostgpu.collector.trace_scope import (
@@ -61,12 +62,12 @@ class TraceBook:
                  resolve_names: Callable[[str, str], Any] | None = None) -> None:
         self.streams = streams  # node -> its current stream (Ingest.sessions)
         self.store = store
-        self.limits = limits or TraceLimits()
+        self.limits = limits or CollectorConfig().trace_limits()
         self.transport_for = transport_for or (lambda node: None)
         self.nodes = nodes if nodes is not None else {}  # NodeViews of every node ever connected
         self.cluster_rows = cluster_rows if cluster_rows is not None else {}
         self.resolve_names = resolve_names  # the CRI resolver's cache (never blocks), for a pid scope
-        self.commands = TraceCommands(self.limits.command_timeout_s)
+        self.commands = TraceCommands(self.limits.timing.command_timeout_s)
         self.answer = self.commands.answer  # a CommandResult from a stream: True when it was ours
         self.sessions: dict[str, TraceSession] = {s.id: s for s in store.load()}
         self._live: dict[str, LiveSession] = {}
@@ -99,7 +100,7 @@ class TraceBook:
                          deadline_unix_ns=now + duration_ms * 1_000_000, max_records=max_records,
                          nodes=tuple(sorted(where)), container_ids=ids)
         live = self._live[s.id] = self._running[s.id] = LiveSession(s, names)
-        live.next_resolve = time.monotonic() + self.limits.reresolve_s
+        live.next_resolve = time.monotonic() + self.limits.timing.reresolve_s
         self.sessions[s.id] = s
         self.store.save(s)  # running from here: batches sent before the answers are kept
         # A client that goes away while the tracers answer changes nothing: the start runs on.
@@ -138,7 +139,7 @@ class TraceBook:
             self._finish_if_done(live)
         else:
             with contextlib.suppress(TimeoutError):  # their final batches
-                await asyncio.wait_for(live.done.wait(), self.limits.end_grace_s)
+                await asyncio.wait_for(live.done.wait(), self.limits.timing.end_grace_s)
         self._end(live, TraceStatus.STOPPED, f"stopped by {who}")
         return live.session
 
@@ -248,7 +249,7 @@ class TraceBook:
 
     async def _tick_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.limits.tick_s)
+            await asyncio.sleep(self.limits.timing.tick_s)
             try:
                 self.tick()
             except Exception:  # a bug here must not stop every later deadline
@@ -259,7 +260,7 @@ class TraceBook:
         now, mono = time.time_ns(), time.monotonic()
         for live in list(self._running.values()):
             s = live.session
-            if now >= s.deadline_unix_ns + int(self.limits.end_grace_s * 1e9):
+            if now >= s.deadline_unix_ns + int(self.limits.timing.end_grace_s * 1e9):
                 silent = sorted(n for n, p in live.parts.items() if not p.ended)
                 detail = "deadline" + (f"; no final batch from node {', '.join(silent)}" if silent else "")
                 self._end(live, TraceStatus.COMPLETED, detail, "expire", "collector")
@@ -338,7 +339,7 @@ class TraceBook:
             self._update(live)
         finally:
             live.resolving = False
-            live.next_resolve = time.monotonic() + self.limits.reresolve_s
+            live.next_resolve = time.monotonic() + self.limits.timing.reresolve_s
 
     def _update(self, live: LiveSession) -> None:
         """Nodes, container ids (every one ever in scope) and why nodes were left out, into the session."""

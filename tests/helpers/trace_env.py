@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from ghostgpu.collector.cri_fetch import CriCallError, direct_transport
 from ghostgpu.collector.main import Collector
-from ghostgpu.collector.trace_commands import TraceLimits
+from ghostgpu.collector.trace_commands import TraceTiming
 
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.collector_env import QueryClient, running_collector
@@ -21,7 +21,7 @@ from tests.helpers.cri_fake import FakeCri
 from tests.helpers.sim_tracer import CriAnswer, SimTracer
 
 # Deadlines, re-resolution and waits short enough for tests; the defaults are seconds.
-FAST = TraceLimits(tick_s=0.02, end_grace_s=0.5, reresolve_s=0.05, command_timeout_s=1.0)
+FAST = TraceTiming(tick_s=0.02, end_grace_s=0.5, reresolve_s=0.05, command_timeout_s=1.0)
 TRACE_CAPS = ("cri-relay", "trace")
 
 
@@ -106,7 +106,7 @@ class TraceCluster:
 
 
 @contextlib.contextmanager
-def trace_cluster(tmp_path: Path, limits: TraceLimits = FAST, **collector_kw: Any) -> Iterator[TraceCluster]:
+def trace_cluster(tmp_path: Path, limits: TraceTiming = FAST, **collector_kw: Any) -> Iterator[TraceCluster]:
     with running_collector(tmp_path, trace_timing=limits, **collector_kw) as c, TraceClient(c.address) as q:
         cluster = TraceCluster(c, q)
         try:

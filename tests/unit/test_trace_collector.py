@@ -40,7 +40,7 @@ def test_trace_flags_reach_the_collector(command: str) -> None:
     assert cfg.trace_limits() == TraceLimits(max_duration_s=1200, default_duration_s=45, max_records=500)
     assert (cfg.trace_store_max_records, cfg.trace_retention_h) == (9000, 2.0)
     cfg = CollectorConfig(**flag_values(CollectorConfig, parse(command)))
-    assert cfg.trace_limits() == TraceLimits()
+    assert cfg.trace_limits() == TraceLimits(max_duration_s=600, default_duration_s=30, max_records=100_000)
     assert (cfg.trace_store_max_records, cfg.trace_retention_h) == (1_000_000, 24.0)
 
 
