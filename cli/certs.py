@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, Unpack
 
 from ghostgpu.common.transport.tls import (
     DEFAULT_TRUST_DOMAIN,
@@ -35,6 +35,9 @@ from ghostgpu.common.transport.tls import (
     spiffe_id,
     trust_domain_of_ca,
 )
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
@@ -49,6 +52,14 @@ class Pair(NamedTuple):
 
     cert_pem: bytes
     key_pem: bytes
+
+
+class Validity(TypedDict, total=False):
+    """make_leaf's validity arguments, as node_cert, user_cert and collector_cert pass them on."""
+
+    days: float
+    not_before: dt.datetime | None
+    not_after: dt.datetime | None
 
 
 def _validity(days: float, not_before: dt.datetime | None,
@@ -67,14 +78,14 @@ def _naive_utc(when: dt.datetime) -> dt.datetime:
     return when.astimezone(dt.UTC).replace(tzinfo=None) if when.tzinfo else when
 
 
-def _key_pem(key: Any) -> bytes:
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
-def _new_key() -> Any:
+def _new_key() -> ec.EllipticCurvePrivateKey:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     return ec.generate_private_key(ec.SECP256R1())
@@ -116,10 +127,17 @@ def make_leaf(ca: Pair, *, common_name: str, uris: Sequence[str] = (), dns_names
     """A certificate signed by `ca`: client auth always, server auth too when `server`."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa, x448, x25519
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
+    ca_public = ca_cert.public_key()
+    signing = (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey, dsa.DSAPrivateKey, ed25519.Ed25519PrivateKey,
+               ed448.Ed448PrivateKey)
+    if not isinstance(ca_key, signing) or isinstance(ca_public, x25519.X25519PublicKey | x448.X448PublicKey):
+        # what CertificateBuilder.sign says of a key-agreement key
+        raise TypeError("Key must be an rsa, dsa, ec, ed25519, or ed448 private key.")
     start, end = _validity(days, not_before, not_after)
     key = _new_key()
     subject = x509.Name([*(x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs),
@@ -138,7 +156,7 @@ def make_leaf(ca: Pair, *, common_name: str, uris: Sequence[str] = (), dns_names
                                             encipher_only=False, decipher_only=False), critical=True)
                .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_public),
                               critical=False))
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
@@ -146,14 +164,15 @@ def make_leaf(ca: Pair, *, common_name: str, uris: Sequence[str] = (), dns_names
     return Pair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
-def node_cert(ca: Pair, name: str, trust_domain: str = DEFAULT_TRUST_DOMAIN, **validity: Any) -> Pair:
+def node_cert(ca: Pair, name: str, trust_domain: str = DEFAULT_TRUST_DOMAIN,
+              **validity: Unpack[Validity]) -> Pair:
     """A tracer's certificate: URI SAN spiffe://TD/node/NAME, CN=NAME."""
     check_name("node", name, "--node")
     return make_leaf(ca, common_name=name, uris=[spiffe_id(trust_domain, "node", name)], **validity)
 
 
 def user_cert(ca: Pair, name: str, groups: Sequence[str] = (), trust_domain: str = DEFAULT_TRUST_DOMAIN,
-              **validity: Any) -> Pair:
+              **validity: Unpack[Validity]) -> Pair:
     """A user's certificate: URI SAN spiffe://TD/user/NAME, CN=NAME, one O per group."""
     check_name("user", name, "--user")
     for group in groups:
@@ -163,7 +182,7 @@ def user_cert(ca: Pair, name: str, groups: Sequence[str] = (), trust_domain: str
 
 
 def collector_cert(ca: Pair, hosts: Sequence[str], trust_domain: str = DEFAULT_TRUST_DOMAIN,
-                   **validity: Any) -> Pair:
+                   **validity: Unpack[Validity]) -> Pair:
     """The collector's certificate: a DNS or IP SAN per host, CN=the first, URI SAN spiffe://TD/collector."""
     if not hosts:
         raise ValueError("--collector: give at least one host name or IP address clients dial")

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, TypeVar, Unpack
 
 import grpc
 from ghostgpu.cli import view
@@ -40,6 +40,26 @@ WATCH_REDRAW_S = 2.0  # ages in the SINCE column move even when no finding does
 RECONNECT_MAX_S = 2.0
 
 
+T = TypeVar("T")
+
+
+class Filters(TypedDict):
+    """ps and findings' --node, --namespace and --class, as Query's methods take them."""
+
+    node: str
+    namespace: str
+    classes: list[ConsumerClass]
+
+
+class WatchFilters(TypedDict, total=False):
+    """What Query.watch takes: the filters, and whether the findings open now come first."""
+
+    node: str
+    namespace: str
+    classes: list[ConsumerClass]
+    include_open: bool
+
+
 class ClientError(Exception):
     """A collector failure already phrased as the one line to print."""
 
@@ -53,8 +73,9 @@ TRACE_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_A
 
 
 def trace_error(exc: grpc.RpcError, address: str, tls: TlsFiles | None = None) -> ClientError:
-    if exc.code() in TRACE_REFUSALS and exc.details():
-        return TraceRefused(exc.details().splitlines()[0])
+    details = exc.details()
+    if exc.code() in TRACE_REFUSALS and details:
+        return TraceRefused(details.splitlines()[0])
     return ClientError(describe_rpc_error(exc, address, tls))
 
 
@@ -116,7 +137,7 @@ class Query:
         return cls(collector_address(value), tls=tls, collector_uid=collector_uid)
 
     @classmethod
-    def from_args(cls, args: Any) -> Query:
+    def from_args(cls, args: argparse.Namespace) -> Query:
         """--collector, the TLS flags and --collector-uid (GHOSTGPU_COLLECTOR, GHOSTGPU_TLS_*,
         GHOSTGPU_COLLECTOR_UID where not given). ClientError when the plaintext collector there is
         served by a uid this client does not trust."""
@@ -126,7 +147,7 @@ class Query:
     def close(self) -> None:
         self.channel.close()
 
-    def _call(self, fn: Callable[..., Any], request: Any) -> Any:
+    def _call(self, fn: Callable[..., T], request: object) -> T:
         try:
             return fn(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.RpcError as exc:
@@ -149,7 +170,8 @@ class Query:
                                             classes=[class_to_proto(c) for c in classes or []])
         return list(self._call(self.stub.ListFindings, req).findings)
 
-    def events(self, node: str, instance_id: str, after_seq: int, limit: int = 0) -> list[Any]:
+    def events(self, node: str, instance_id: str, after_seq: int,
+               limit: int = 0) -> list[query_pb2.StoredEvent]:
         req = query_pb2.ListEventsRequest(node=node, instance_id=instance_id, after_seq=after_seq,
                                           limit=limit)
         return list(self._call(self.stub.ListEvents, req).events)
@@ -170,7 +192,7 @@ class Query:
             stream.cancel()
 
     # Trace sessions (docs/TRACE.md). Errors: TraceRefused for a refusal, ClientError otherwise.
-    def _trace_call(self, fn: Callable[..., Any], request: Any) -> Any:
+    def _trace_call(self, fn: Callable[..., T], request: object) -> T:
         try:
             return fn(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.RpcError as exc:
@@ -215,7 +237,7 @@ class FindingWaker:
     when the collector goes away (a restarted collector is picked up without the user noticing)."""
 
     def __init__(self, query: Query, on_event: Callable[[query_pb2.FindingEvent], None] | None = None,
-                 **filters: Any) -> None:
+                 **filters: Unpack[WatchFilters]) -> None:
         self.query, self.filters, self.on_event = query, filters, on_event
         self.changed = threading.Event()
         self.error = ""  # the last stream failure, "" while connected
@@ -247,12 +269,12 @@ class FindingWaker:
         self._stop.set()
 
 
-def _filters(args: argparse.Namespace) -> dict[str, Any]:
+def _filters(args: argparse.Namespace) -> Filters:
     return {"node": args.node or "", "namespace": args.namespace or "",
             "classes": parse_classes(args.classes)}
 
 
-def render_ps(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> str:
+def render_ps(query: Query, args: argparse.Namespace, filters: Filters) -> str:
     consumers = query.consumers(**filters)
     if args.output == "json":
         return json.dumps(view.consumers_json(consumers), indent=2, default=str)
@@ -283,7 +305,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
         query.close()
 
 
-def _watch(query: Query, args: argparse.Namespace, filters: dict[str, Any]) -> int:
+def _watch(query: Query, args: argparse.Namespace, filters: Filters) -> int:
     """Redraw on every finding event and at least every WATCH_REDRAW_S; survive collector restarts.
 
     The first answer must come (a wrong address is one line, not an endless wait); after that a

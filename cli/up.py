@@ -370,7 +370,7 @@ class LiveView:
         consumers = self.query.consumers(node=self.node)
         self._tracer_lines()
         ready = status is not None and status.connected and status.HasField("info")
-        if not ready:
+        if status is None or not ready:
             self.tracer_up_s = None
         elif self.tracer_up_s is None or status.instance_id != self._up_instance:  # up, or up again
             self.tracer_up_s, self._up_instance = time.monotonic(), status.instance_id
