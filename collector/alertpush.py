@@ -111,8 +111,8 @@ class _Target:
 
 
 class AlertPusher:
-    def __init__(self, urls: list[str], *, extra_labels: dict[str, str] | None = None,
-                 resend_s: float = 60.0, resolved_keep_s: float = 300.0, timeout_s: float = 5.0,
+    def __init__(self, urls: list[str], *, resend_s: float, extra_labels: dict[str, str] | None = None,
+                 resolved_keep_s: float = 300.0, timeout_s: float = 5.0,
                  settle_s: float = 1.0, max_batch: int = 500) -> None:
         endpoints = [Endpoint.parse(u) for u in parse_alertmanager_urls(urls)]
         if not endpoints:

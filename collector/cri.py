@@ -89,7 +89,7 @@ class CriResolver:
         self,
         transport_for: Callable[[str], CriTransport | None],
         on_change: Callable[[str, str], None],
-        ttl_s: float = 30.0,
+        ttl_s: float,  # --cri-ttl-s (collector/config.py)
         negative_ttl_s: float = 5.0,
         *,
         workers: int = 4,

@@ -37,6 +37,7 @@ def pushers() -> Iterator[list[AlertPusher]]:
 
 
 def _push(table: FindingTable, pushers: list[AlertPusher], urls: list[str], **kw: float) -> AlertPusher:
+    kw.setdefault("resend_s", 60.0)
     pusher = AlertPusher(urls, extra_labels={"cluster": "test"}, **kw)
     table.table.watch(pusher.watcher, include_open=True)
     pusher.start()

@@ -54,6 +54,7 @@ def table() -> FindingTable:
 
 
 def _pusher(table: FindingTable, urls: list[str], **kw: object) -> AlertPusher:
+    kw.setdefault("resend_s", 60.0)
     pusher = AlertPusher(urls, **kw)  # type: ignore[arg-type]
     table.table.watch(pusher.watcher, include_open=True)
     pusher.start()
@@ -372,7 +373,7 @@ def test_url_prefix_and_basic_auth(am: FakeAlertmanager, table: FindingTable) ->
                                  "http://", ""])
 def test_a_bad_alertmanager_url_is_one_line_naming_the_flag(url: str) -> None:
     with pytest.raises(ValueError) as e:
-        AlertPusher([url])
+        AlertPusher([url], resend_s=60.0)
     assert str(e.value).startswith("--alertmanager") and "\n" not in str(e.value)
 
 
@@ -384,7 +385,8 @@ def test_a_bad_alert_label_is_one_line_naming_the_flag(value: str) -> None:
     assert str(e.value).startswith("--alert-label") and "\n" not in str(e.value)
     key, _, val = value.partition("=")
     with pytest.raises(ValueError, match=r"^--alert-label"):
-        AlertPusher(["http://127.0.0.1:9093"], extra_labels={key: val} if "=" in value else {"a-b": "x"})
+        AlertPusher(["http://127.0.0.1:9093"], resend_s=60.0,
+                    extra_labels={key: val} if "=" in value else {"a-b": "x"})
 
 
 def test_flags_parse() -> None:

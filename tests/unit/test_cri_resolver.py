@@ -63,6 +63,7 @@ def make(fake: FakeCri, changes: Changes) -> Iterator[Callable[..., CriResolver]
     transport = direct_transport(fake.endpoint)
 
     def build(**kw: object) -> CriResolver:
+        kw.setdefault("ttl_s", 30.0)
         kw.setdefault("retry_initial_s", 0.05)
         kw.setdefault("retry_max_s", 0.2)
         r = CriResolver(lambda node: transport, changes, **kw)  # type: ignore[arg-type]
@@ -276,14 +277,14 @@ def test_each_node_has_its_own_runtime(changes: Changes) -> None:
         b.add_sandbox("s", "pod-b", "ns", "ub")
         b.add_container(cid, "s", "x")
         transports = {"a": direct_transport(a.endpoint), "b": direct_transport(b.endpoint)}
-        with CriResolver(transports.get, changes) as r:
+        with CriResolver(transports.get, changes, ttl_s=30.0) as r:
             assert resolved(r, cid, node="a").pod == "pod-a"
             assert resolved(r, cid, node="b").pod == "pod-b"
             assert r.get("b", cid).runtime == "cri-o 1.0.0"
 
 
 def test_no_transport_for_the_node(changes: Changes) -> None:
-    with CriResolver(lambda node: None, changes, retry_initial_s=0.05) as r:
+    with CriResolver(lambda node: None, changes, ttl_s=30.0, retry_initial_s=0.05) as r:
         cid = new_id()
         wait_until(lambda: "no CRI path to node lost" in r.get("lost", cid).error, "the no-path error")
         assert r.get("lost", cid).resolution == "unresolved"

@@ -334,7 +334,7 @@ def test_cri_call_latency_histogram_counts_each_call() -> None:
         time.sleep(0.03)  # the runtime's latency being measured, not a wait for a result
         raise CriCallError(__import__("grpc").StatusCode.UNAVAILABLE, "runtime away")
 
-    r = CriResolver(lambda node: slow_refusal, lambda node, cid: None, retry_initial_s=5.0)
+    r = CriResolver(lambda node: slow_refusal, lambda node, cid: None, ttl_s=30.0, retry_initial_s=5.0)
     try:
         r.get("n1", "ab" * 32)
         wait_until(lambda: r.stats().calls_total >= 1, "one CRI call")
