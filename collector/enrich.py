@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from ghostgpu.common.model import classes
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, K8sInfo
+from ghostgpu.common.model.records import physical_device_id
 
 NO_CONTAINER = K8sInfo(resolution="none")
 
@@ -56,10 +57,11 @@ NO_ALLOCATIONS = Allocations(available=False, error="no PodResources report from
 
 def allocations_from(entries: Sequence[tuple[str, str, str, Sequence[str]]], available: bool = True,
                      error: str = "") -> Allocations:
-    """Build from (namespace, pod, container, device_ids) rows; one container may appear more than once."""
+    """Build from (namespace, pod, container, device_ids) rows; one container may appear more than once.
+    A replica's ID (`<UUID>::N`, a shared GPU) counts as its GPU's, as the tracer already writes it."""
     merged: dict[tuple[str, str, str], set[str]] = {}
     for namespace, pod, container, ids in entries:
-        merged.setdefault((namespace, pod, container), set()).update(i.split("::", 1)[0] for i in ids)
+        merged.setdefault((namespace, pod, container), set()).update(physical_device_id(i) for i in ids)
     return Allocations(available, error, {k: frozenset(v) for k, v in merged.items()})
 
 

@@ -4,8 +4,10 @@ A thread calls `/v1.PodResourcesLister/List` on the kubelet's socket every `inte
 an `allocations` record on start and whenever the answer changes (never the same answer twice),
 so the collector can tell a container using a GPU it was never given (`unallocated`, the
 `NVIDIA_VISIBLE_DEVICES=all` leak). Every device resource is kept with its name; the collector
-decides which are GPUs. Device IDs lose any `::N` suffix: the NVIDIA device plugin's time-slicing
-and MPS sharing advertise replica N of a GPU as `<UUID>::N`, and it is the physical GPU that counts.
+decides which are GPUs. Device IDs lose any `::N` suffix (physical_device_id): the NVIDIA device
+plugin's time-slicing and MPS sharing advertise replica N of a GPU as `<UUID>::N`, and it is the
+physical GPU that counts. The record is the typed AllocationsRecord, mapped to proto once
+(ghostgpu.common.wire.convert) like every other record.
 
 Failures are one record and one log line per transition (available -> not, or a different kind
 of failure), not one per poll; a missing socket is how a machine without kubelet looks and is
@@ -26,6 +28,7 @@ from typing import Any
 import grpc
 from ghostgpu.tracer.cri_relay import rpc_status
 
+from ghostgpu.common.model.records import AllocationsRecord, ContainerAllocation, physical_device_id
 from ghostgpu.common.transport.addresses import socket_path
 from ghostgpu.k8s import podresources_v1_pb2
 
@@ -36,7 +39,6 @@ LIST_METHOD = "/v1.PodResourcesLister/List"
 CALL_TIMEOUT_S = 5.0
 MAX_BACKOFF_FACTOR = 8  # RESOURCE_EXHAUSTED backs off to at most 8x the interval
 MAX_RECEIVE_BYTES = 16 << 20  # kubelet's own server limit for this API
-_REPLICA = re.compile(r"::\d+$")
 _GPU_UUID = re.compile(r"\b(?:GPU|MIG)-[0-9A-Za-z-]+")
 
 
@@ -44,26 +46,21 @@ def endpoint_path(endpoint: str) -> str:
     return socket_path(endpoint, "--podresources-endpoint", "kubelet.sock")
 
 
-def physical_id(device_id: str) -> str:
-    """`GPU-...::3` -> `GPU-...`: a shared GPU's replica names the GPU itself."""
-    return _REPLICA.sub("", device_id)
-
-
-def containers_of(response: podresources_v1_pb2.ListPodResourcesResponse) -> list[dict[str, Any]]:
+def containers_of(response: podresources_v1_pb2.ListPodResourcesResponse) -> tuple[ContainerAllocation, ...]:
     """The `containers` of an allocations record: every container holding at least one device.
 
     A container with no device is left out (the collector reads "not listed" as "allocated nothing").
     Dynamic resources (DRA claims) count too: their CDI device names are kept, plus any GPU/MIG UUID
     they spell, so a claimed GPU is not mistaken for an unallocated one.
     """
-    out = []
+    out: list[ContainerAllocation] = []
     for pod in response.pod_resources:
         for c in pod.containers:
             names: list[str] = []
             ids: list[str] = []
             for dev in c.devices:
                 names.append(dev.resource_name)
-                ids.extend(physical_id(i) for i in dev.device_ids)
+                ids.extend(physical_device_id(i) for i in dev.device_ids)
             for dyn in c.dynamic_resources:
                 for claim in dyn.claim_resources:
                     names.append(claim.driver_name or f"claim:{dyn.claim_namespace}/{dyn.claim_name}")
@@ -71,15 +68,15 @@ def containers_of(response: podresources_v1_pb2.ListPodResourcesResponse) -> lis
                         ids.append(cdi.name)
                         ids.extend(_GPU_UUID.findall(cdi.name))
             if ids:
-                out.append({"namespace": pod.namespace, "pod": pod.name, "container": c.name,
-                            "resource_names": sorted(set(names)), "device_ids": sorted(set(ids))})
-    out.sort(key=lambda r: (r["namespace"], r["pod"], r["container"]))
-    return out
+                out.append(ContainerAllocation(pod.namespace, pod.name, c.name, tuple(sorted(set(names))),
+                                               tuple(sorted(set(ids)))))
+    out.sort(key=lambda r: (r.namespace, r.pod, r.container))
+    return tuple(out)
 
 
 class PodResourcesPoller:
-    def __init__(self, endpoint: str | None, emit: Callable[[dict[str, Any]], None], interval_s: float = 10.0,
-                 node: str = "", clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, endpoint: str | None, emit: Callable[[AllocationsRecord], None],
+                 interval_s: float = 10.0, node: str = "", clock: Callable[[], float] = time.time) -> None:
         self.path = endpoint_path(endpoint or DEFAULT_ENDPOINT)
         self.interval_s = interval_s
         self.current_interval_s = interval_s
@@ -112,7 +109,7 @@ class PodResourcesPoller:
                 log.exception("PodResources poll failed unexpectedly")
             self._stop.wait(self.current_interval_s)
 
-    def poll_once(self) -> dict[str, Any] | None:
+    def poll_once(self) -> AllocationsRecord | None:
         """One List call; returns the record it emitted, None when nothing changed."""
         if not os.path.exists(self.path):
             return self._unavailable("missing", (
@@ -145,21 +142,20 @@ class PodResourcesPoller:
         containers = containers_of(response)
         return self._report(("ok", containers), available=True, error="", containers=containers)
 
-    def _unavailable(self, kind: str, error: str) -> dict[str, Any] | None:
+    def _unavailable(self, kind: str, error: str) -> AllocationsRecord | None:
         if self._last is not None and self._last[0] == kind:
             return None
         if kind == "missing":
             log.info("%s", error)  # normal off Kubernetes: one quiet line
         else:
             log.warning("%s", error)
-        return self._report((kind,), available=False, error=error, containers=[])
+        return self._report((kind,), available=False, error=error, containers=())
 
     def _report(self, signature: tuple[Any, ...], available: bool, error: str,
-                containers: list[dict[str, Any]]) -> dict[str, Any] | None:
+                containers: tuple[ContainerAllocation, ...]) -> AllocationsRecord | None:
         if signature == self._last:
             return None
         self._last = signature
-        rec = {"event": "allocations", "ts": round(self._wall(), 6), "node": self._node,
-               "available": available, "error": error, "containers": containers}
+        rec = AllocationsRecord(round(self._wall(), 6), self._node, available, error, containers)
         self._emit(rec)
         return rec

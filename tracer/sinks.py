@@ -15,11 +15,11 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from ghostgpu.common.model.records import AnyRecord, JsonRecord, as_json
+from ghostgpu.common.model.records import JsonRecord, Record
 
 
 class Sink(Protocol):
-    def emit(self, record: AnyRecord) -> None: ...
+    def emit(self, record: Record) -> None: ...
 
     def close(self) -> None: ...
 
@@ -48,8 +48,8 @@ class JsonlSink:
         else:
             self._out = sys.stdout
 
-    def emit(self, record: AnyRecord) -> None:
-        line = dumps(as_json(record))
+    def emit(self, record: Record) -> None:
+        line = dumps(record.to_json())
         with self._lock:
             try:
                 self._out.write(line + "\n")
@@ -70,8 +70,8 @@ class CallbackSink:
     def __init__(self, fn: Callable[[JsonRecord], None]) -> None:
         self._fn = fn
 
-    def emit(self, record: AnyRecord) -> None:
-        self._fn(as_json(record))
+    def emit(self, record: Record) -> None:
+        self._fn(record.to_json())
 
     def close(self) -> None:
         pass
@@ -81,7 +81,7 @@ class FanOut:
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = sinks
 
-    def emit(self, record: AnyRecord) -> None:
+    def emit(self, record: Record) -> None:
         for sink in self.sinks:
             sink.emit(record)
 

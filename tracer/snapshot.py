@@ -11,13 +11,13 @@ from ghostgpu.tracer.agent import Tracer
 from ghostgpu.tracer.config import TracerConfig
 
 from ghostgpu.common.model.consumers import Consumer
-from ghostgpu.common.model.records import AnyRecord
+from ghostgpu.common.model.records import Record
 
 
 class _Discard:
     """A snapshot reports what it finds, not how it got there: notices go to the log only."""
 
-    def emit(self, record: AnyRecord) -> None:
+    def emit(self, record: Record) -> None:
         pass
 
     def close(self) -> None:

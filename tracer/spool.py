@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 
-from ghostgpu.common.model.records import AnyRecord, record_from_json
+from ghostgpu.common.model.records import Record
 from ghostgpu.common.wire.convert import record_to_event
 from ghostgpu.v1 import stream_pb2
 
@@ -33,13 +33,12 @@ log = logging.getLogger("ghostgpu.stream")
 MAX_EVENT_BYTES = 1 << 20
 
 
-def encode_event(seq: int, rec: AnyRecord) -> bytes:
-    """A record's NodeEvent bytes, straight from the typed record (a JSON one, which StreamSink.emit
-    could not read, is read here to say why). One that cannot be encoded (a malformed JSON record, a
-    value the proto cannot hold) becomes a notice with the same seq, so the stream keeps no hole where
-    the collector would count events as lost."""
+def encode_event(seq: int, rec: Record) -> bytes:
+    """A record's NodeEvent bytes, straight from the typed record. One that cannot be encoded (a value
+    the proto cannot hold, a kind it does not know) becomes a notice with the same seq, so the stream
+    keeps no hole where the collector would count events as lost."""
     try:
-        ev = record_to_event(record_from_json(rec) if type(rec) is dict else rec, seq)  # type: ignore[arg-type]
+        ev = record_to_event(rec, seq)
         if ev is None:
             raise ValueError("kind is not streamed")
         data = ev.SerializeToString()
@@ -48,8 +47,7 @@ def encode_event(seq: int, rec: AnyRecord) -> bytes:
         why = f"{len(data)} bytes, over the {MAX_EVENT_BYTES}-byte limit"
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         why = f"{type(exc).__name__}: {exc}"
-    kind = rec.get("event") if type(rec) is dict else rec.event  # type: ignore[union-attr]
-    message = f"{kind!r} record seq {seq} could not be streamed ({why}); dropped"
+    message = f"{rec.event!r} record seq {seq} could not be streamed ({why}); dropped"
     log.warning("%s", message)
     ev = stream_pb2.NodeEvent(seq=seq, ts_unix_ns=time.time_ns())
     ev.notice.what, ev.notice.message = "stream", message
@@ -81,7 +79,7 @@ class Spool:
         if capacity <= 0:
             raise ValueError(f"--spool-events: must be a positive number of events, got {capacity}")
         self.capacity = capacity
-        self.pending: deque[tuple[int, AnyRecord]] = deque()
+        self.pending: deque[tuple[int, Record]] = deque()
         self.unsent: deque[tuple[int, bytes]] = deque()
         self.inflight: deque[tuple[int, bytes]] = deque()
         self.encoding = 0  # records taken out by take_pending() and not yet back from put_encoded()
@@ -93,7 +91,7 @@ class Spool:
     def __len__(self) -> int:
         return self.size
 
-    def add(self, seq: int, rec: AnyRecord, bounded: bool = True) -> int:
+    def add(self, seq: int, rec: Record, bounded: bool = True) -> int:
         """Append a new record; returns how many of the oldest events overflow dropped (0 or 1).
 
         bounded=False lets one record in over capacity: the notice that reports an overflow must
@@ -117,7 +115,7 @@ class Spool:
         else:
             self.pending.popleft()
 
-    def take_pending(self, max_n: int) -> list[tuple[int, AnyRecord]]:
+    def take_pending(self, max_n: int) -> list[tuple[int, Record]]:
         """Up to max_n of the oldest records, to encode outside the lock (put_encoded brings them back)."""
         n = min(max_n, len(self.pending))
         out = [self.pending.popleft() for _ in range(n)]

@@ -26,13 +26,7 @@ from ghostgpu.tracer.cri_relay import CommandRunner, CriRelay
 from ghostgpu.tracer.stream_sender import FLUSH_S, WINDOW_BATCHES, Outbox, StreamOptions, StreamSender
 from ghostgpu.tracer.stream_session import read_boot_id
 
-from ghostgpu.common.model.records import (
-    STREAMED_KINDS,
-    AnyRecord,
-    JsonRecord,
-    Record,
-    record_from_json,
-)
+from ghostgpu.common.model.records import STREAMED_KINDS, Record
 from ghostgpu.common.wire.convert import snapshot_to_proto
 from ghostgpu.v1 import stream_pb2
 
@@ -42,16 +36,6 @@ log = logging.getLogger("ghostgpu.stream")
 
 TRACE_QUEUE_MAX = 256  # trace batches waiting for the stream (~512 records each): then they are counted lost
 _STATE_KINDS = frozenset(("finding", "resolved", "info", "allocations"))  # what a Snapshot is made of
-
-
-def _read_json(record: JsonRecord) -> AnyRecord:
-    """A JSON record from a source that still writes JSON (the PodResources poller), read once here.
-    One that cannot be read stays JSON and is spooled as it is: encode_event turns it into a notice
-    that says why and keeps its seq."""
-    try:
-        return record_from_json(record)
-    except (KeyError, TypeError, ValueError):
-        return record
 
 
 class StreamSink:
@@ -79,13 +63,8 @@ class StreamSink:
 
     # --- the Sink side (any thread) ---------------------------------------------------------
 
-    def emit(self, record: AnyRecord, _bounded: bool = True) -> None:
-        try:
-            kind = record.event  # type: ignore[union-attr]
-        except AttributeError:  # a JSON record: the typed records' hot path pays nothing for it
-            kind = record.get("event")  # type: ignore[union-attr]
-            if kind in STREAMED_KINDS:
-                record = _read_json(record)  # type: ignore[arg-type]
+    def emit(self, record: Record, _bounded: bool = True) -> None:
+        kind = record.event
         if kind not in STREAMED_KINDS:
             return
         # acquire/release rather than `with`: measurably cheaper on CPython 3.11, and this is per event.
@@ -95,8 +74,8 @@ class StreamSink:
             if out.closed:
                 return
             seq = out.seq = out.seq + 1
-            if kind in _STATE_KINDS and type(record) is not dict:
-                _track(out, kind, record)  # type: ignore[arg-type]
+            if kind in _STATE_KINDS:
+                _track(out, kind, record)
             spool = out.spool
             wake = not spool.pending
             if wake:
@@ -115,7 +94,7 @@ class StreamSink:
             log.warning("spool full (%d events): dropping the oldest until the collector at %s acknowledges",
                         spool.capacity, self.target)
 
-    def _emit_unbounded(self, record: AnyRecord) -> None:
+    def _emit_unbounded(self, record: Record) -> None:
         """The sender's own notices (a spool overflow): spooled past the bound, never dropped for room."""
         self.emit(record, _bounded=False)
 

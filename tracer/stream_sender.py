@@ -32,7 +32,7 @@ from ghostgpu.tracer.stream_session import StreamSession
 
 from ghostgpu import __version__
 from ghostgpu.common.model.consumers import Consumer, ConsumerKey
-from ghostgpu.common.model.records import AllocationsRecord, AnyRecord, InfoRecord
+from ghostgpu.common.model.records import AllocationsRecord, InfoRecord, Record
 from ghostgpu.common.system.settings import default_of
 from ghostgpu.common.transport.dial import CollectorRefused
 from ghostgpu.common.transport.tls import TlsFiles
@@ -103,7 +103,7 @@ class StreamSender:
                  commands: CommandRunner, instance_id: str, boot_id: str, capabilities: list[str],
                  snapshot: Callable[[], stream_pb2.Snapshot],
                  tracer_stats: Callable[[], stream_pb2.TracerStats],
-                 report: Callable[[AnyRecord], None]) -> None:
+                 report: Callable[[Record], None]) -> None:
         self.target = target
         self.node = node
         self.options = options

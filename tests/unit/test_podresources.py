@@ -9,8 +9,9 @@ from typing import Any
 
 import grpc
 import pytest
-from ghostgpu.tracer.podresources import PodResourcesPoller, containers_of, physical_id
+from ghostgpu.tracer.podresources import PodResourcesPoller, containers_of
 
+from ghostgpu.common.model.records import AllocationsRecord
 from tests.helpers.podresources_server import Container, Pod, PodResourcesServer, response_for
 from tests.helpers.polling import wait_until
 
@@ -20,13 +21,16 @@ MIG = "MIG-1f0f7f4e-3c2d-5a43-9e2e-000000000000"
 
 
 class Collect:
+    """The emitted records, as the JSON they write."""
+
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
-    def __call__(self, rec: dict[str, Any]) -> None:
+    def __call__(self, rec: AllocationsRecord) -> None:
+        assert isinstance(rec, AllocationsRecord)  # typed: the stream maps it to proto directly
         with self._lock:
-            self.records.append(rec)
+            self.records.append(rec.to_json())
 
     def __len__(self) -> int:
         with self._lock:
@@ -46,17 +50,9 @@ INFER = Pod("serving", "infer-7",
             [Container("srv", {"nvidia.com/mig-1g.10gb": [MIG], "example.com/nic": ["eth1"]})])
 
 
-@pytest.mark.parametrize(("raw", "physical"), [
-    (f"{UUID0}::0", UUID0), (f"{UUID0}::12", UUID0), (UUID0, UUID0), (f"{MIG}::1", MIG),
-    ("nvidia0", "nvidia0"), ("a::b", "a::b"),
-])
-def test_replica_suffix_is_stripped(raw: str, physical: str) -> None:
-    assert physical_id(raw) == physical
-
-
 def test_containers_keep_every_device_resource_and_lose_replicas() -> None:
     dra = Pod("dra", "claim-pod", [Container("c", cdi_devices=[f"k8s.gpu.nvidia.com/gpu={UUID1}"])])
-    assert containers_of(response_for([TRAIN, INFER, dra])) == [
+    assert [c.to_json() for c in containers_of(response_for([TRAIN, INFER, dra]))] == [
         {"namespace": "dra", "pod": "claim-pod", "container": "c", "resource_names": ["gpu.nvidia.com"],
          "device_ids": [UUID1, f"k8s.gpu.nvidia.com/gpu={UUID1}"]},
         {"namespace": "ml", "pod": "train-0", "container": "main", "resource_names": ["nvidia.com/gpu"],

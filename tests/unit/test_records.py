@@ -13,13 +13,14 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
+from ghostgpu.collector.enrich import allocations_from
 from ghostgpu.tracer import records
 from ghostgpu.tracer.events import EventKind, NvmlGpu, NvmlView, ProcessInfo, SourceEvent
 from ghostgpu.tracer.ioctl_decode import decode_ioctl
 from ghostgpu.tracer.sinks import dumps
 
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, DeviceRef, consumer_key
-from ghostgpu.common.model.records import Record, record_from_json
+from ghostgpu.common.model.records import Record, physical_device_id, record_from_json
 from ghostgpu.common.wire.convert import consumer_to_proto, proto_consumer_key
 
 NODE = "node-r"
@@ -133,7 +134,7 @@ def test_node_records_write_the_same_bytes() -> None:
     ready = records.ready_record(NODE, False, True, 0.12345, 2)
     assert dumps(ready.to_json()) == dumps({"event": "ready", "ts": ready.ts, "node": NODE, "bpf": False,
                                             "nvml": True, "startup_s": 0.123, "holders": 2})
-    # The PodResources poller writes JSON: read and written again, it is the same bytes.
+    # What the PodResources poller wrote as a dict before its record was typed: the same bytes.
     allocations = {"event": "allocations", "ts": 1.5, "node": NODE, "available": True, "error": "",
                    "containers": [{"namespace": "ml", "pod": "a", "container": "m",
                                    "resource_names": ["nvidia.com/gpu"], "device_ids": ["GPU-3"]}]}
@@ -163,3 +164,22 @@ def test_an_unknown_kind_is_refused() -> None:
 def test_one_consumer_key_from_the_model_and_from_the_proto(consumer: Consumer) -> None:
     assert consumer.key == consumer_key(consumer.pid, consumer.gpu_minor, consumer.gpu, consumer.gpu_uuid)
     assert proto_consumer_key(consumer_to_proto(consumer)) == consumer.key
+
+
+UUID = "GPU-6a1cd0c3-0000-4000-8000-000000000000"
+MIG = "MIG-1f0f7f4e-3c2d-5a43-9e2e-000000000000"
+
+
+@pytest.mark.parametrize(("raw", "physical"), [
+    # a shared GPU's replica (the NVIDIA device plugin's time-slicing and MPS: `<ID>::N`) is its GPU
+    (f"{UUID}::0", UUID), (f"{UUID}::3", UUID), (f"{UUID}::12", UUID), (f"{MIG}::1", MIG),
+    # anything else stays: a plain ID, a device name, a CDI name
+    (UUID, UUID), (MIG, MIG), ("nvidia0", "nvidia0"), ("eth1", "eth1"),
+    (f"k8s.gpu.nvidia.com/gpu={UUID}", f"k8s.gpu.nvidia.com/gpu={UUID}"),
+    # `::` that is not a replica number: kept (the collector's old rule cut at the first `::`)
+    ("a::b", "a::b"), (f"{UUID}::", f"{UUID}::"), (f"{UUID}::1::2", f"{UUID}::1"),
+])
+def test_a_replica_names_its_physical_device(raw: str, physical: str) -> None:
+    """One rule for the tracer (PodResources device IDs) and the collector (its allocations table)."""
+    assert physical_device_id(raw) == physical
+    assert allocations_from([("ml", "p", "c", [raw])]).by_container[("ml", "p", "c")] == {physical}

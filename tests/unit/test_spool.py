@@ -8,6 +8,7 @@ import pytest
 from ghostgpu.tracer import records
 from ghostgpu.tracer.spool import MAX_EVENT_BYTES, Spool, encode_event, encode_events_message, varint
 
+from ghostgpu.common.model.records import HolderRecord
 from ghostgpu.v1 import stream_pb2
 
 
@@ -149,7 +150,9 @@ def test_varint(n: int) -> None:
 
 
 def test_a_record_that_cannot_be_encoded_becomes_a_notice_with_its_seq() -> None:
-    ev = stream_pb2.NodeEvent.FromString(encode_event(12, {"event": "open", "ts": 1.0}))  # no pid
+    # A pid is a uint32 on the wire: -1 cannot be encoded.
+    bad_pid = HolderRecord(event="open", ts=1.0, ts_ns=1, source="bpf", node="n", pid=-1)
+    ev = stream_pb2.NodeEvent.FromString(encode_event(12, bad_pid))
     assert ev.seq == 12 and ev.notice.what == "stream" and "'open' record seq 12" in ev.notice.message
     huge = records.notice_record("n", "big", "y" * (MAX_EVENT_BYTES + 1))
     ev = stream_pb2.NodeEvent.FromString(encode_event(13, huge))

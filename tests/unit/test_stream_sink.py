@@ -27,6 +27,7 @@ from ghostgpu.tracer.stream import FLUSH_S, WINDOW_BATCHES, StreamOptions, Strea
 
 from ghostgpu import __version__
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass
+from ghostgpu.common.model.records import InfoRecord, ReadyRecord
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.fake_collector import FakeCollector
@@ -35,9 +36,10 @@ from tests.unit.test_cri_relay import RawRuntime
 
 NODE = "node-a"
 FAST = StreamOptions(backoff_min_s=0.01, backoff_max_s=0.2, info_wait_s=0.0, heartbeat_s=30.0)
-INFO = {"event": "info", "ts": 1_767_000_000.5, "node": NODE, "bpf": True, "nvml": True, "nvml_error": "",
-        "driver_version": "550.54.15", "gpus": [{"index": 0, "uuid": "GPU-0", "name": "H100", "minor": 0,
-                                                 "memory_total_bytes": 80 << 30}]}
+INFO = InfoRecord.from_json({
+    "event": "info", "ts": 1_767_000_000.5, "node": NODE, "bpf": True, "nvml": True, "nvml_error": "",
+    "driver_version": "550.54.15", "gpus": [{"index": 0, "uuid": "GPU-0", "name": "H100", "minor": 0,
+                                             "memory_total_bytes": 80 << 30}]})
 
 
 def consumer(pid: int, cls: ConsumerClass = ConsumerClass.HIDDEN) -> Consumer:
@@ -133,7 +135,7 @@ def test_handshake_snapshot_and_events(collector: FakeCollector, sinks: Sinks) -
                  capabilities=["podresources"])
     sink.emit(INFO)  # the sender waits for it: bpf and nvml go into Hello
     wait_until(lambda: collector.messages("hello"), "Hello")
-    sink.emit({"event": "ready", "ts": 1.0, "node": NODE})  # local only: no seq
+    sink.emit(ReadyRecord(1.0, NODE, True, True, 0.1, 0))  # local only: no seq
     for rec in (finding(10), finding(11), resolved(10), notice(1)):
         sink.emit(rec)
     collector.gate.set()

@@ -2,7 +2,7 @@
 
 The records are built by the tracer's own record functions (tracer/records.py) from real events,
 process identities and NVML views, so the table follows the agent's keys, not a copy of them; the
-PodResources poller's JSON records are read as the stream reads them (record_from_json).
+PodResources poller's records are read from their JSON (record_from_json).
 """
 
 from __future__ import annotations

@@ -184,9 +184,6 @@ class ReadyRecord(JsonForm):
 
 
 Record = HolderRecord | ConsumerRecord | NoticeRecord | InfoRecord | AllocationsRecord | ReadyRecord
-# What a sink accepts: a typed record, or a JSON one from a source that still writes JSON (the
-# PodResources poller's `allocations`), read once where it enters.
-AnyRecord = Record | JsonRecord
 
 _RECORD_TYPES: dict[str, type[Record]] = {
     **dict.fromkeys(HOLDER_KINDS, HolderRecord), "finding": ConsumerRecord, "resolved": ConsumerRecord,
@@ -203,7 +200,3 @@ def record_from_json(d: JsonRecord) -> Record:
         raise ValueError(f"unknown record kind {kind!r}")
     return record_type.from_json(d)
 
-
-def as_json(record: AnyRecord) -> JsonRecord:
-    """The JSON edge: a record's JSON object (a JSON record is already one)."""
-    return record if isinstance(record, dict) else record.to_json()
