@@ -40,6 +40,7 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
+import grpc
 from ghostgpu.cli.demo_cri import DemoPod
 from ghostgpu.cli.demo_cri import serve as serve_cri
 
@@ -101,7 +102,7 @@ class Demo:
         self.shims: list[subprocess.Popen[bytes]] = []
         self.pods: dict[str, DemoPod] = {}
         self.container_dirs: dict[str, list[str]] = {}
-        self._cri: object | None = None
+        self._cri: grpc.Server | None = None
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -349,7 +350,7 @@ class Demo:
             self._rmdir(directory, deadline)
         self.cgroup_dirs.clear()
         if self._cri is not None:
-            self._cri.stop(grace=None)  # type: ignore[attr-defined]
+            self._cri.stop(grace=None)
             self._cri = None
         shutil.rmtree(self.workdir, ignore_errors=True)
 

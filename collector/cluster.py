@@ -277,15 +277,14 @@ class ClusterTable:
         else:
             rec.consumer = cc
 
-    def _emit(self, kind: int, rec: FindingRec, write: bool = True) -> None:
+    def _emit(self, kind: query_pb2.FindingEvent.Kind, rec: FindingRec, write: bool = True) -> None:
         if write:
             self._ops.append(Store.op_finding(rec.row()))
         event = None
         for w in self.watchers:
             if w.matches(rec):
                 if event is None:
-                    event = query_pb2.FindingEvent(kind=kind,  # type: ignore[arg-type]
-                                                   finding=rec.to_proto())
+                    event = query_pb2.FindingEvent(kind=kind, finding=rec.to_proto())
                 w.push(event)
 
     def flush_changed(self) -> None:

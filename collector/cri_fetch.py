@@ -58,32 +58,37 @@ class CriCallError(Exception):
         self.message = message
 
 
-def direct_transport(endpoint: str) -> CriTransport:
+class DirectTransport:
     """A transport over a local CRI socket: one channel, reused for every call and every runtime
-    restart (gRPC reconnects by itself); only the read-only methods are let through."""
-    target = socket_target(endpoint)
-    channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
-    calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
-    lock = threading.Lock()
+    restart (gRPC reconnects by itself); only the read-only methods are let through. A CriTransport:
+    call it with (method, request bytes, timeout_s); `channel` is there for whoever closes it."""
 
-    def call(method: str, request: bytes, timeout_s: float) -> bytes:
+    def __init__(self, endpoint: str) -> None:
+        self.target = socket_target(endpoint)
+        self.channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, method: str, request: bytes, timeout_s: float) -> bytes:
         if method not in READ_ONLY_METHODS:
             raise CriCallError(grpc.StatusCode.PERMISSION_DENIED,
                                f"CRI method {method!r} is not one of the read-only methods ghostgpu calls")
-        with lock:
-            stub = calls.get(method)
+        with self._lock:
+            stub = self._calls.get(method)
             if stub is None:
                 # No serializers: the request and response stay raw bytes, as on the relay.
-                stub = calls[method] = channel.unary_unary(SERVICE_PATH + method)
+                stub = self._calls[method] = self.channel.unary_unary(SERVICE_PATH + method)
         try:
             return stub(request, timeout=timeout_s)
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
             details = (e.details() if isinstance(e, grpc.Call) else "") or str(e)
-            raise CriCallError(code, f"{details} (CRI endpoint {target})") from None
+            raise CriCallError(code, f"{details} (CRI endpoint {self.target})") from None
 
-    call.channel = channel  # type: ignore[attr-defined]  # tests and close() reach the channel
-    return call
+
+def direct_transport(endpoint: str) -> DirectTransport:
+    """The transport over the local CRI socket at `endpoint` (see DirectTransport)."""
+    return DirectTransport(endpoint)
 
 
 class CriClient:

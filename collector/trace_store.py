@@ -57,10 +57,11 @@ def select_audit(session: str = "", since_unix_ns: int = 0,
                  limit: int = 1000) -> Callable[[sqlite3.Connection], list[trace_pb2.TraceAuditEntry]]:
     """A read for Store.read(): audit rows (of one session, or all), at or after `since`, the newest
     `limit` of them, oldest first. What a future `ghostgpu trace audit` would print."""
-    where, args = ["ts_unix_ns >= ?"], [since_unix_ns]
+    where = ["ts_unix_ns >= ?"]
+    args: list[int | str] = [since_unix_ns]
     if session:
         where.append("session = ?")
-        args.append(session)  # type: ignore[arg-type]
+        args.append(session)
     sql = (f"SELECT ts_unix_ns, session, action, who, detail FROM trace_audit WHERE {' AND '.join(where)} "
            "ORDER BY id DESC LIMIT ?")
 

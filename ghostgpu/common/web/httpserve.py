@@ -312,7 +312,7 @@ class HttpServer:
     async def _client(self, conn: _Conn, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.header_timeout_s  # handshake and first request head
-        transport: asyncio.BaseTransport | None = None
+        transport: asyncio.Transport | None = None
         conn.sock = None  # this task's now: its finally closes it
         try:
             context = self.guard.context() if self.guard is not None else None
@@ -337,7 +337,7 @@ class HttpServer:
         finally:
             self._forget(conn)
             if transport is not None:
-                transport.abort()  # type: ignore[attr-defined]
+                transport.abort()
             sock.close()
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
