@@ -26,7 +26,13 @@ from ghostgpu.tracer.cri_relay import CommandRunner, CriRelay
 from ghostgpu.tracer.stream_sender import FLUSH_S, WINDOW_BATCHES, Outbox, StreamOptions, StreamSender
 from ghostgpu.tracer.stream_session import read_boot_id
 
-from ghostgpu.common.model.records import STREAMED_KINDS, Record
+from ghostgpu.common.model.records import (
+    STREAMED_KINDS,
+    AllocationsRecord,
+    ConsumerRecord,
+    InfoRecord,
+    Record,
+)
 from ghostgpu.common.wire.convert import snapshot_to_proto
 from ghostgpu.v1 import stream_pb2
 
@@ -172,12 +178,13 @@ class StreamSink:
 
 def _track(out: Outbox, kind: str, record: Record) -> None:
     """What a Snapshot needs, kept as records are emitted (under the outbox's lock, so it matches seq)."""
-    if kind == "finding":
-        consumer = record.consumer  # type: ignore[union-attr]
-        out.consumers[consumer.key] = consumer
-    elif kind == "resolved":
-        out.consumers.pop(record.consumer.key, None)  # type: ignore[union-attr]
-    elif kind == "info":
-        out.info = record  # type: ignore[assignment]
-    else:
-        out.allocations = record  # type: ignore[assignment]
+    if isinstance(record, ConsumerRecord):
+        consumer = record.consumer
+        if kind == "finding":
+            out.consumers[consumer.key] = consumer
+        else:  # resolved
+            out.consumers.pop(consumer.key, None)
+    elif isinstance(record, InfoRecord):
+        out.info = record
+    elif isinstance(record, AllocationsRecord):
+        out.allocations = record
