@@ -28,7 +28,6 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -163,7 +162,7 @@ def parse_web_config(text: str, path: str) -> WebConfig:
     return WebConfig(os.path.abspath(path), tls, users, headers, http2, interval_s, burst)
 
 
-def _mapping(value: Any, where: str, key: str, known: tuple[str, ...]) -> dict[str, Any]:
+def _mapping(value: object, where: str, key: str, known: tuple[str, ...]) -> dict[str, object]:
     if not isinstance(value, dict):
         raise WebConfigError(f"{where}: {key}: expected a mapping of keys, got {type(value).__name__}")
     for k in value:
@@ -173,7 +172,7 @@ def _mapping(value: Any, where: str, key: str, known: tuple[str, ...]) -> dict[s
     return value
 
 
-def _string(tls: dict[str, Any], key: str, where: str) -> str:
+def _string(tls: Mapping[str, object], key: str, where: str) -> str:
     value = tls.get(key, "")
     if value is None:
         return ""
@@ -183,7 +182,7 @@ def _string(tls: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _names(tls: dict[str, Any], key: str, where: str, known: Mapping[str, str]) -> tuple[str, ...]:
+def _names(tls: Mapping[str, object], key: str, where: str, known: Mapping[str, str]) -> tuple[str, ...]:
     values = tls.get(key) or []
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         raise WebConfigError(f"{where}: tls_server_config.{key}: expected a list of names")
@@ -199,7 +198,7 @@ _TLS_STRINGS = ("cert", "key", "client_ca", "cert_file", "key_file", "client_aut
 _TLS_ON = ("cert", "key", "client_ca", "cert_file", "key_file", "client_ca_file", "client_auth_type")
 
 
-def _tls(value: Any, where: str, base: str) -> TlsServerConfig | None:
+def _tls(value: object, where: str, base: str) -> TlsServerConfig | None:
     """tls_server_config, checked in the order its errors are reported; None: plain HTTP."""
     if value is None:
         return None
@@ -268,7 +267,7 @@ def _versions(s: dict[str, str], where: str) -> tuple[str, str]:
     return versions["min_version"], versions["max_version"]
 
 
-def _allowed_sans(sans: Any, auth: str, where: str) -> tuple[str, ...] | None:
+def _allowed_sans(sans: object, auth: str, where: str) -> tuple[str, ...] | None:
     """client_allowed_sans: a list of strings, only where every client shows a verified certificate."""
     if sans is None:
         return None
@@ -281,8 +280,9 @@ def _allowed_sans(sans: Any, auth: str, where: str) -> tuple[str, ...] | None:
     return tuple(sans)
 
 
-def _headers(value: Any, where: str) -> dict[str, str]:
+def _headers(value: object, where: str) -> dict[str, str]:
     headers = _mapping(value, where, "http_server_config.headers", tuple(HEADERS))
+    out: dict[str, str] = {}
     for name, v in headers.items():
         if not isinstance(v, str):
             raise WebConfigError(f"{where}: http_server_config.headers.{name}: expected a string")
@@ -290,10 +290,12 @@ def _headers(value: Any, where: str) -> dict[str, str]:
         if allowed and v.lower() not in allowed:
             raise WebConfigError(f"{where}: http_server_config.headers.{name}: {v!r} is not one of "
                                  f"{', '.join(allowed)}")
-    return {k: v for k, v in headers.items() if v}
+        if v:
+            out[name] = v
+    return out
 
 
-def _users(value: Any, where: str) -> dict[str, bytes]:
+def _users(value: object, where: str) -> dict[str, bytes]:
     if not isinstance(value, dict):
         raise WebConfigError(f"{where}: basic_auth_users: expected a mapping of user: bcrypt hash")
     users = {}
@@ -308,7 +310,7 @@ def _users(value: Any, where: str) -> dict[str, bytes]:
     return users
 
 
-def _interval_s(value: Any, where: str) -> float:
+def _interval_s(value: object, where: str) -> float:
     if value in (0, "0", "", None):
         return 0.0
     try:
