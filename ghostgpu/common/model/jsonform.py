@@ -55,6 +55,8 @@ HEX = Codec(lambda v: f"{v:#x}", _int_from_hex)  # an int written as "0xc020462a
 
 @dataclass(frozen=True, slots=True)
 class JsonMeta:
+    """How one field's JSON departs from the plain rule (json_meta() puts it in the field's metadata)."""
+
     key: str | None = None  # the JSON key, when it is not the field's name
     last: bool = False  # written after the other fields (in field order among the last ones)
     omit_default: bool = False  # left out while the field holds its default
