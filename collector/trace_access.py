@@ -18,12 +18,16 @@ namespaces"), beyond the method's role that collector/authz.py checked.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from ghostgpu.collector.trace_scope import Names, TraceError, resolve
 
 from ghostgpu.common.model.trace import TraceScope, TraceSession
+
+if TYPE_CHECKING:
+    from ghostgpu.collector.cri_fetch import CriTransport
+    from ghostgpu.collector.ingest import IngestSession
 
 CONFINE = "trace-confine"  # a tracer's Hello capability: it checks TraceStart.pid_containers
 InNamespace = Callable[[str | None], bool]  # may the caller trace this namespace (None: no namespace)
@@ -50,7 +54,8 @@ def stop_refusal(who: str, admin: bool, session: TraceSession) -> str | None:
 
 
 async def confine(scope: TraceScope, who: str, in_namespace: InNamespace, names: Mapping[str, Names],
-                  streams: Mapping[str, Any], transport_for: Callable[[str], Any]) -> frozenset[str]:
+                  streams: Mapping[str, IngestSession],
+                  transport_for: Callable[[str], CriTransport | None]) -> frozenset[str]:
     """For a caller who is not admin: TraceError unless the scope lies inside `in_namespace`; the
     container ids the `--pid` process must be in (empty for a scope without a pid)."""
     denied = grpc.StatusCode.PERMISSION_DENIED

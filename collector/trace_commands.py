@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from ghostgpu.collector.trace_scope import TraceError
@@ -29,6 +29,9 @@ from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.common.model.durations import format_ms
 from ghostgpu.common.model.trace import TraceScope
 from ghostgpu.v1 import stream_pb2
+
+if TYPE_CHECKING:
+    from ghostgpu.collector.ingest import IngestSession
 
 _CODES = {"limit:": grpc.StatusCode.RESOURCE_EXHAUSTED, "not found:": grpc.StatusCode.NOT_FOUND,
           "invalid:": grpc.StatusCode.INVALID_ARGUMENT, "timeout:": grpc.StatusCode.UNAVAILABLE,
@@ -97,16 +100,16 @@ class TraceCommands:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._pending: dict[tuple[Any, int], asyncio.Future[str]] = {}
+        self._pending: dict[tuple[IngestSession, int], asyncio.Future[str]] = {}
         self._ids = itertools.count(COMMAND_ID_BASE)
 
-    def send(self, stream: Any, **body: Any) -> int:
+    def send(self, stream: IngestSession, **body: Any) -> int:
         """Queue a Command on the stream, answered or not; its id."""
         cid = next(self._ids)
         stream.out.put_nowait(stream_pb2.CollectorMessage(command=stream_pb2.Command(id=cid, **body)))
         return cid
 
-    async def call(self, stream: Any, **body: Any) -> str:
+    async def call(self, stream: IngestSession | None, **body: Any) -> str:
         """Send one command and wait for its answer: the error line, "" when done."""
         if stream is None or not stream.active:
             return "gone: its tracer is not connected"
@@ -121,7 +124,7 @@ class TraceCommands:
         finally:
             self._pending.pop((stream, cid), None)
 
-    def answer(self, stream: Any, result: stream_pb2.CommandResult) -> bool:
+    def answer(self, stream: IngestSession, result: stream_pb2.CommandResult) -> bool:
         """A CommandResult: True when it answers a trace command (ours, even if nobody waits now)."""
         body = result.WhichOneof("body")
         fut = self._pending.pop((stream, result.id), None)
@@ -132,7 +135,7 @@ class TraceCommands:
                            f"node {stream.node}'s tracer does not know trace commands (it answered {body})")
         return True
 
-    def stream_ended(self, stream: Any) -> None:
+    def stream_ended(self, stream: IngestSession) -> None:
         for (s, _), fut in list(self._pending.items()):
             if s is stream and not fut.done():
                 fut.set_result(f"gone: node {stream.node}'s tracer disconnected before it answered")

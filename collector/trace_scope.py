@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from ghostgpu.collector.cri_fetch import (
@@ -31,6 +31,13 @@ from ghostgpu.collector.cri_fetch import (
 
 from ghostgpu.common.model.trace import TraceScope
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
+from ghostgpu.v1 import trace_pb2
+
+if TYPE_CHECKING:
+    from ghostgpu.collector.ingest import IngestSession
+    from ghostgpu.collector.nodes import NodeView
+
+    from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerKey
 
 ACTIVE_STATES = (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING)
 CAPABILITY = "trace"  # what a tracer's Hello offers when it can run sessions
@@ -121,7 +128,8 @@ async def resolve(scope: TraceScope, nodes: Iterable[str],
     return out
 
 
-def name_records(records: Iterable[Any], node: str, names_of_id: Callable[[str], Names | None]) -> None:
+def name_records(records: Iterable[trace_pb2.TraceRecord], node: str,
+                 names_of_id: Callable[[str], Names | None]) -> None:
     """Fill in each record's node and its container's names (looked up once per container id)."""
     known: dict[str, Names | None] = {}
     for r in records:
@@ -159,8 +167,9 @@ def remembered(scope: TraceScope, memories: Iterable[Memory]) -> str | None:
     return None
 
 
-def cluster_memories(disconnected: Sequence[str], cluster_rows: dict[str, dict[Any, Any]],
-                     nodes: dict[str, Any]) -> list[Memory]:
+def cluster_memories(disconnected: Sequence[str],
+                     cluster_rows: Mapping[str, Mapping[ConsumerKey, ClusterConsumer]],
+                     nodes: Mapping[str, NodeView]) -> list[Memory]:
     """What the cluster table (names CRI gave) and PodResources (allocations) remember of nodes
     whose tracer is not connected."""
     out: list[Memory] = []
@@ -204,7 +213,7 @@ def refusal(scope: TraceScope, res: Resolution, lost_node: str | None) -> TraceE
     return TraceError(grpc.StatusCode.NOT_FOUND, f"{what(scope)} not found ({hint})")
 
 
-def capability_problem(streams: Mapping[str, Any], node: str) -> TraceError | None:
+def capability_problem(streams: Mapping[str, IngestSession], node: str) -> TraceError | None:
     """FAILED_PRECONDITION for a node whose tracer's Hello does not offer "trace"."""
     hello = getattr(streams.get(node), "hello", None)
     if hello is None or CAPABILITY in hello.capabilities:
@@ -213,8 +222,9 @@ def capability_problem(streams: Mapping[str, Any], node: str) -> TraceError | No
                       f"{hello.tracer_version or 'unknown'}): upgrade it to one that offers \"{CAPABILITY}\"")
 
 
-async def targets(scope: TraceScope, streams: Mapping[str, Any], transport_for: Callable[[str], Any],
-                  nodes: Mapping[str, Any], cluster_rows: Mapping[str, Any],
+async def targets(scope: TraceScope, streams: Mapping[str, IngestSession],
+                  transport_for: Callable[[str], CriTransport | None], nodes: Mapping[str, NodeView],
+                  cluster_rows: Mapping[str, Mapping[ConsumerKey, ClusterConsumer]],
                   ) -> tuple[dict[str, set[str]], dict[str, Names]]:
     """node -> the container ids in scope now (a pid scope: its node, no ids), and their names;
     TraceError when nothing can be traced. `streams`: each node's connected stream."""

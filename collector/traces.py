@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from ghostgpu.collector.config import CollectorConfig
@@ -48,6 +48,13 @@ from ghostgpu.common.model.trace import TraceScope, TraceSession, TraceStatus
 from ghostgpu.common.wire.convert_trace import session_to_proto
 from ghostgpu.v1 import trace_pb2
 
+if TYPE_CHECKING:
+    from ghostgpu.collector.cri_fetch import CriTransport
+    from ghostgpu.collector.ingest import IngestSession
+    from ghostgpu.collector.nodes import NodeView
+
+    from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerKey
+
 log = logging.getLogger(__name__)
 
 RETENTION_CHECK_S = 60.0
@@ -56,9 +63,11 @@ MAX_KEPT_SESSIONS = 10_000  # ended sessions in memory and in the table; the old
 
 
 class TraceBook:
-    def __init__(self, streams: Mapping[str, Any], store: TraceStore, limits: TraceLimits | None = None, *,
-                 transport_for: Callable[[str], Any] | None = None, nodes: Mapping[str, Any] | None = None,
-                 cluster_rows: Mapping[str, Any] | None = None,
+    def __init__(self, streams: Mapping[str, IngestSession], store: TraceStore,
+                 limits: TraceLimits | None = None, *,
+                 transport_for: Callable[[str], CriTransport | None] | None = None,
+                 nodes: Mapping[str, NodeView] | None = None,
+                 cluster_rows: Mapping[str, Mapping[ConsumerKey, ClusterConsumer]] | None = None,
                  resolve_names: Callable[[str, str], Any] | None = None) -> None:
         self.streams = streams  # node -> its current stream (Ingest.sessions)
         self.store = store
@@ -176,7 +185,7 @@ class TraceBook:
 
     # ---- from the tracers' streams (collector/ingest.py) -----------------------------------------
 
-    def batch(self, stream: Any, tb: trace_pb2.TraceBatch) -> None:
+    def batch(self, stream: IngestSession, tb: trace_pb2.TraceBatch) -> None:
         live = self._live.get(tb.session)
         part = live.parts.get(stream.node) if live is not None else None
         if live is None or part is None:
@@ -213,7 +222,7 @@ class TraceBook:
             part.ended, part.end_reason = True, tb.end_reason or "deadline"
             self._finish_if_done(live)
 
-    def stream_ended(self, stream: Any) -> None:
+    def stream_ended(self, stream: IngestSession) -> None:
         """A tracer's stream ended: sessions running on it end as node lost, records kept."""
         self.commands.stream_ended(stream)
         for live in list(self._running.values()):
