@@ -7,7 +7,9 @@ import json
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from ghostgpu.cli.tls_flags import (
     INSECURE_HELP,
@@ -18,6 +20,9 @@ from ghostgpu.cli.tls_flags import (
 
 from ghostgpu import __version__
 from ghostgpu.common.transport.addresses import DEFAULT_COLLECTOR
+
+if TYPE_CHECKING:
+    from ghostgpu.tracer.config import TracerConfig
 
 
 def _add_tracer_flags(p: argparse.ArgumentParser) -> None:
@@ -124,7 +129,7 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
 def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], verb: bool = False) -> None:
     """--collector and the outputs. On list/show the defaults are SUPPRESSed, so a flag given before
     the verb (`trace --collector X list`) is not overwritten by the verb's default."""
-    def default(value: Any) -> Any:
+    def default(value: object) -> object:
         return argparse.SUPPRESS if verb else value
 
     p.add_argument("--collector", default=default(None), help="collector address HOST:PORT or "
@@ -258,14 +263,14 @@ def _add_up_parser(sub: Any) -> None:
     _add_collector_flags(up)  # --listen: up's own default, DEFAULT_COLLECTOR (cli/up.py)
 
 
-def _config(args: argparse.Namespace) -> Any:
+def _config(args: argparse.Namespace) -> TracerConfig:
     from ghostgpu.tracer.config import tracer_config
 
     return tracer_config(args)
 
 
-def _install_signals(stop: Any) -> None:
-    def handler(signum: int, frame: Any) -> None:
+def _install_signals(stop: Callable[[], None]) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         stop()
 
     signal.signal(signal.SIGTERM, handler)

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ghostgpu.cli import view
 from ghostgpu.cli.client import ClientError, FindingWaker, Query, show
@@ -43,7 +43,7 @@ from ghostgpu.cli.demo import Demo, DemoError
 from ghostgpu.cli.supervise import DEFAULT_MAX_RESTARTS, TracerSupervisor
 from ghostgpu.collector.config import CollectorConfig
 
-from ghostgpu.common.model.consumers import ConsumerClass
+from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerClass
 from ghostgpu.common.system.fdlimit import raise_fd_limit
 from ghostgpu.common.system.settings import default_of
 from ghostgpu.common.transport.addresses import (
@@ -54,6 +54,10 @@ from ghostgpu.common.transport.addresses import (
     unix_address,
 )
 from ghostgpu.v1 import query_pb2, stream_pb2
+
+if TYPE_CHECKING:
+    from ghostgpu.collector.main import Collector
+    from ghostgpu.tracer.config import TracerConfig
 
 DEFAULT_DB = default_of(CollectorConfig, "db_path")  # the collector's (collector/config.py)
 CONNECT_TIMEOUT_S = 60.0  # tracer start to its snapshot: BPF compile takes ~2 s, more on a busy node
@@ -191,7 +195,7 @@ def _open_db(db: str) -> str:
 
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None,
-                     db: str) -> Any:
+                     db: str) -> Collector:
     from ghostgpu.collector.config import CollectorConfig
     from ghostgpu.collector.heap import HeapPolicy
     from ghostgpu.collector.main import Collector
@@ -229,12 +233,13 @@ def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpo
     return collector
 
 
-def run_up(cfg: Any, args: argparse.Namespace, install_signals: Callable[[Callable[[], None]], None]) -> int:
+def run_up(cfg: TracerConfig, args: argparse.Namespace,
+           install_signals: Callable[[Callable[[], None]], None]) -> int:
     stop = threading.Event()
     install_signals(stop.set)
     node = cfg.node_name
     demo: Demo | None = None
-    collector: Any = None
+    collector: Collector | None = None
     tracer: TracerSupervisor | None = None
     try:
         raise_fd_limit()  # before the collector listens: a flood of connections takes descriptors
@@ -334,7 +339,7 @@ class LiveView:
                 with self._lock:
                     self.recent.append((ev.ts_unix_ns, line))
 
-    def _short_lived(self, ev: Any, line: str | None) -> None:
+    def _short_lived(self, ev: stream_pb2.NodeEvent, line: str | None) -> None:
         h = ev.holder
         new_run = h.process.pid != self._short_lived_pid  # one run opens once; the stream may resend
         if h.kind == h.KIND_OPEN and h.device_kind in ("gpu", "mig") and new_run:
@@ -411,7 +416,7 @@ class LiveView:
             line += f" | {self.nvml_text}"
         return line
 
-    def _check_demo_seen(self, consumers: list[Any]) -> None:
+    def _check_demo_seen(self, consumers: list[ClusterConsumer]) -> None:
         """Set (or clear) demo_problem: hidden or orphaned still unlisted DEMO_UNSEEN_S after the tracer's
         first snapshot."""
         assert self.demo is not None
@@ -427,7 +432,7 @@ class LiveView:
         elif not unseen:
             self.demo_problem = ""
 
-    def _demo_seen(self, consumers: list[Any]) -> bool:
+    def _demo_seen(self, consumers: list[ClusterConsumer]) -> bool:
         assert self.demo is not None
         ids = self.demo.container_ids()
         classes = {(c.consumer.container_id, c.consumer.cls) for c in consumers}
