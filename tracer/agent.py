@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ghostgpu.tracer import records
 from ghostgpu.tracer.agent_scan import EXIT_WAIT_S, AgentScans, IoctlCounts
@@ -21,7 +21,7 @@ from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.containment import Containment, HealthReport
 from ghostgpu.tracer.devices import DeviceCatalog
-from ghostgpu.tracer.events import EventKind, NvmlView, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, Holder, NvmlView, SourceEvent, boot_ns
 from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
 from ghostgpu.tracer.nvml import NvmlSource
@@ -29,7 +29,10 @@ from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
 from ghostgpu.tracer.rescan import RescanPlanner
 from ghostgpu.tracer.sinks import Sink
 
-from ghostgpu.common.model.consumers import Consumer, ConsumerClass
+from ghostgpu.common.model.consumers import Consumer, ConsumerClass, ConsumerKey
+
+if TYPE_CHECKING:
+    from ghostgpu.tracer.bpf_source import BpfSource  # imports bcc: only where BPF runs
 
 log = logging.getLogger("ghostgpu.tracer")
 
@@ -52,8 +55,8 @@ class Tracer:
         self.nvml_source = NvmlSource()
         self.nvml = NvmlView(available=False, error="NVML not read yet")
         self.state = HolderTable(self.identities.identify, exists=self.identities.alive)
-        self.bpf: Any = None  # tracer.bpf_source.BpfSource when the kernel side runs
-        self.consumers: dict[Any, Consumer] = {}
+        self.bpf: BpfSource | None = None  # when the kernel side runs
+        self.consumers: dict[ConsumerKey, Consumer] = {}
         self.nvml_first_listed: dict[tuple[str, int], int] = {}
         self.stop_event = threading.Event()
         self.errors = Containment()  # one bad event or scan is counted, never fatal
@@ -169,9 +172,14 @@ class Tracer:
         if self.health is not None:
             self.health.stepped()  # after the work: a step stuck in NVML or /proc never gets here
 
+    def _kernel(self) -> BpfSource:
+        """The kernel side, for the steps that run only while it is attached."""
+        assert self.bpf is not None, "a BPF step ran with BPF off"
+        return self.bpf
+
     def _drain(self, timeout_ms: int) -> None:
         """Apply what the ring buffer holds, each event on its own: one that fails is counted."""
-        for ev in self.errors.run("event", self.bpf.poll, timeout_ms) or ():
+        for ev in self.errors.run("event", self._kernel().poll, timeout_ms) or ():
             self.errors.run("event", self._handle, ev)
 
     def _poll_counters(self) -> None:
@@ -181,7 +189,7 @@ class Tracer:
         # An allocation makes no event: a monitor that starts allocating is re-judged within one
         # poll, not at the next change (one map lookup per monitor).
         monitors = [c.pid for c in self.consumers.values() if c.cls is ConsumerClass.MONITOR]
-        if monitors and self.bpf.any_allocated(monitors):
+        if monitors and self._kernel().any_allocated(monitors):
             self._dirty = True
 
     # --- sources --------------------------------------------------------------------------
@@ -211,7 +219,7 @@ class Tracer:
         return self._bpf_stats
 
     def _report_bpf_stats(self) -> None:
-        stats = self.bpf.stats()
+        stats = self._kernel().stats()
         for name, value in stats.items():
             before = self._bpf_stats.get(name, 0)
             if value > before:
@@ -262,7 +270,7 @@ class Tracer:
                 # zombie by then. It holds nothing any more; classified, it would read as orphaned.
                 self._settle_if_gone(ev.pid)
 
-    def _exit(self, ev: SourceEvent, before: Any) -> None:
+    def _exit(self, ev: SourceEvent, before: Holder | None) -> None:
         if before is None:  # not a holder (or already settled by a rescan): only kernel leftovers
             self._forget(ev.pid)
             return
@@ -296,7 +304,7 @@ class Tracer:
             self.bpf.forget(pid)
         self.scans.ioctls.pop(pid, None)
 
-    def _emit_event(self, ev: SourceEvent, holder: Any, counts: IoctlCounts | None = None) -> None:
+    def _emit_event(self, ev: SourceEvent, holder: Holder | None, counts: IoctlCounts | None = None) -> None:
         info = holder.process if holder is not None else None
         devices = sorted(holder.holds) if holder is not None else []
         if ev.device is not None and ev.device.path not in devices:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ghostgpu.tracer.containment import Containment, HealthReport
-from ghostgpu.tracer.events import EventKind, ProcView, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, Holder, ProcView, SourceEvent, boot_ns
 from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import ALIVE, EXITING, Identities
 from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
 from ghostgpu.tracer.rescan import RescanPlanner
+
+if TYPE_CHECKING:
+    from ghostgpu.tracer.bpf_source import BpfSource  # imports bcc: only where BPF runs
 
 EXIT_WAIT_S = 1.0  # how long a dead holder the kernel knows waits for its EXIT before /proc settles it
 
@@ -29,11 +32,12 @@ class ScanHost(Protocol):
     with the kernel's queued events and with the events and exits a scan finds."""
 
     @property
-    def bpf(self) -> Any: ...
+    def bpf(self) -> BpfSource | None: ...
 
     def _drain(self, timeout_ms: int) -> None: ...
 
-    def _emit_event(self, ev: SourceEvent, holder: Any, counts: IoctlCounts | None = None) -> None: ...
+    def _emit_event(self, ev: SourceEvent, holder: Holder | None,
+                    counts: IoctlCounts | None = None) -> None: ...
 
     def _forget(self, pid: int) -> None: ...
 
@@ -135,7 +139,7 @@ class AgentScans:
                 self._outer_scan_ns = None
         return view, events
 
-    def _seed(self, view: ProcView, pids: set[int] | None, periodic: bool, before: dict[int, Any],
+    def _seed(self, view: ProcView, pids: set[int] | None, periodic: bool, before: dict[int, Holder],
               ) -> set[int]:
         """Tell the kernel what the scan saw; the pids whose procs entry the seed created."""
         bpf = self.agent.bpf
@@ -150,7 +154,7 @@ class AgentScans:
         return created
 
     def _report(self, events: list[SourceEvent], view: ProcView, pids: set[int] | None,
-                before: dict[int, Any]) -> None:
+                before: dict[int, Holder]) -> None:
         """The scan's events as records, with the ioctl counts of each close and exit."""
         if events and self.agent.bpf is not None:
             if pids is None:
@@ -216,7 +220,9 @@ class AgentScans:
 
     def read_ioctls(self, pid: int | None = None) -> None:
         """All processes' counters (the periodic read), or one process's at its close or exit."""
-        fresh = self.agent.bpf.ioctl_counts(pid)
+        bpf = self.agent.bpf
+        assert bpf is not None, "ioctl counters read with BPF off"
+        fresh = bpf.ioctl_counts(pid)
         if pid is None:
             self.ioctls = fresh
         else:
