@@ -19,12 +19,15 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
 
 from ghostgpu.common.audit.chain import AuditRecord, BadLine, Verdict, check, compare, parse_lines, verify
 from ghostgpu.common.transport.addresses import DEFAULT_COLLECTOR
+
+if TYPE_CHECKING:
+    from ghostgpu.cli.client import Query  # imports grpc: only when a collector is asked
 
 PAGE_RECORDS = 5000  # per ListAudit call; the collector caps a page at 100,000
 DEFAULT_SINCE = "1h"
@@ -78,7 +81,7 @@ def read_db(path: str, since_unix_ns: int = 0) -> list[Item]:
     return [record_from_row(row) for row in read_audit_file(path, since_unix_ns)]
 
 
-def read_collector(query: Any, since_unix_ns: int = 0) -> list[Item]:
+def read_collector(query: Query, since_unix_ns: int = 0) -> list[Item]:
     """Every record at or after `since`, page by page, through a ghostgpu.cli.client.Query (whose
     _call phrases a failure, TLS ones included, as a ClientError line)."""
     from ghostgpu.common.wire.convert_audit import audit_record_from_proto
@@ -139,7 +142,7 @@ def _verdict_line(verdict: Verdict, records: list[AuditRecord]) -> str:
     return verdict.why
 
 
-def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], Any] | None = None) -> int:
+def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], Query] | None = None) -> int:
     """`query_factory(args)` builds the client (ghostgpu.cli.client.Query.from_args by default: --collector
     and the TLS flags)."""
     since_ns = _since_ns(args)  # a bad --since fails before any connection (ValueError: exit 2)

@@ -24,11 +24,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, Protocol
 
 import grpc
+from ghostgpu.collector.audit import AuditFn
 from ghostgpu.collector.authz import DenialFold, current_principal
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
@@ -122,7 +123,7 @@ class Ingest:
     def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int,
                  max_batch_events: int = MAX_BATCH_EVENTS, *,
                  sessions: dict[str, IngestSession] | None = None, traces: TraceSink | None = None,
-                 audit: Callable[..., Any] | None = None, local_node: str | None = None) -> None:
+                 audit: AuditFn | None = None, local_node: str | None = None) -> None:
         """sessions: the connected streams by node, filled here (the trace book reads the same dict);
         traces: the trace session book; audit: AuditLog.append (collector/audit.py); local_node: the
         collector's own node (`ghostgpu up`), whose tracer may speak as a local uid."""
