@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
+from ghostgpu.collector.aio_handlers import Context, Continuation, Req, Resp, behaviours, is_generator
 from ghostgpu.collector.tcpgate import HANDSHAKE_TIMEOUT_S
 from google.protobuf.message import DecodeError
 
@@ -97,13 +98,16 @@ def client_version_problem(metadata: Sequence[tuple[str, Any]] | None) -> str | 
     return version_mismatch(version, "client")
 
 
-def _checked(handler: grpc.RpcMethodHandler, method: str, problem: str | None) -> grpc.RpcMethodHandler:
+def _checked(handler: grpc.RpcMethodHandler[Req, Resp], method: str,
+             problem: str | None) -> grpc.RpcMethodHandler[Req, Resp]:
     """The query handler on raw bytes: a client of an unsupported version (`problem`) is refused with
     FAILED_PRECONDITION, and a malformed request is INVALID_ARGUMENT, where gRPC's own deserializer
     would answer UNKNOWN ("Unexpected DecodeError"; grpcio 1.85 aio)."""
     parse, name = handler.request_deserializer, method.rpartition("/")[2]
+    assert parse is not None  # every Query method has its request's FromString
+    behaviour = behaviours(handler)
 
-    async def request(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    async def request(raw: bytes, context: Context) -> Req:
         if problem is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         try:
@@ -112,21 +116,23 @@ def _checked(handler: grpc.RpcMethodHandler, method: str, problem: str | None) -
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"malformed {name} request ({len(raw)} bytes): {e}")
 
-    kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
-    if handler.unary_stream:
-        stream = handler.unary_stream
+    serialize = handler.response_serializer
+    if behaviour.unary_stream is not None:
+        stream = behaviour.unary_stream
+        assert is_generator(stream)  # the Query service's response streams are async generators
 
-        async def serve_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def serve_stream(raw: bytes, context: Context) -> AsyncIterator[object]:
             async for item in stream(await request(raw, context), context):
                 yield item
 
-        return grpc.unary_stream_rpc_method_handler(serve_stream, **kwargs)
-    unary = handler.unary_unary
+        return grpc.unary_stream_rpc_method_handler(serve_stream, None, serialize)
+    unary = behaviour.unary_unary
+    assert unary is not None  # a Query method is unary or answers with a stream
 
-    async def serve(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    async def serve(raw: bytes, context: Context) -> object:
         return await unary(await request(raw, context), context)
 
-    return grpc.unary_unary_rpc_method_handler(serve, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(serve, None, serialize)
 
 
 class ApiVersionInterceptor(grpc.aio.ServerInterceptor):
@@ -134,9 +140,8 @@ class ApiVersionInterceptor(grpc.aio.ServerInterceptor):
     parses the requests of the others itself (see _checked)."""
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(QUERY_PREFIX):
             return handler
@@ -158,6 +163,7 @@ async def start_server(connect: Callable[..., Any], query: Any, listen: Sequence
                              interceptors=[security.authorizer, ApiVersionInterceptor()],
                              maximum_concurrent_rpcs=None)
     # Connect takes raw bytes: ingest parses them itself (see collector/ingest.py).
+    stream_handler: grpc.RpcMethodHandler[bytes, stream_pb2.CollectorMessage]
     stream_handler = grpc.stream_stream_rpc_method_handler(
         connect, request_deserializer=None,
         response_serializer=stream_pb2.CollectorMessage.SerializeToString)
