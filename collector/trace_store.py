@@ -31,8 +31,6 @@ from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STORE_MAX_RECORDS = 1_000_000  # all sessions together (--trace-store-max-records)
-DEFAULT_RETENTION_S = 24 * 3600.0  # after a session's end (--trace-retention-h)
 RESTARTED = "collector restarted while it ran; records so far are kept"
 RecordRow = tuple[str, int, bytes]  # node, codec, blob (a serialized TraceBatch)
 
@@ -76,8 +74,9 @@ def select_audit(session: str = "", since_unix_ns: int = 0,
 class TraceStore:
     """The trace tables and their bounds; every method but the loaders runs on the event loop."""
 
-    def __init__(self, store: Store, max_total: int = DEFAULT_STORE_MAX_RECORDS,
-                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+    def __init__(self, store: Store, max_total: int, retention_s: float) -> None:
+        """max_total: records of all sessions together (--trace-store-max-records); retention_s: how
+        long an ended session is kept (--trace-retention-h); collector/config.py holds both defaults."""
         if max_total < 0 or retention_s <= 0:
             raise ValueError("TraceStore: max_total must be 0 or more, retention_s more than 0")
         self.store = store

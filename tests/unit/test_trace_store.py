@@ -17,6 +17,8 @@ from ghostgpu.v1 import trace_pb2
 from tests.helpers.sim_tracer import trace_record
 
 HOUR_NS = 3600 * 10**9
+MAX_TOTAL, RETENTION_S = 1_000_000, 24 * 3600.0  # as a collector without the flags keeps them
+LIMITS = (MAX_TOTAL, RETENTION_S)
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ def add(ts: TraceStore, sid: str, first_seq: int, n: int) -> None:
 
 
 def test_records_come_back_in_order_compressed_on_the_writer(store: Store) -> None:
-    ts = TraceStore(store)
+    ts = TraceStore(store, *LIMITS)
     ts.save(session("t-1"))
     add(ts, "t-1", 1, 3)
     add(ts, "t-1", 4, 2)
@@ -54,7 +56,7 @@ def test_records_come_back_in_order_compressed_on_the_writer(store: Store) -> No
 
 
 def test_fit_keeps_within_the_session_and_the_total_bound(store: Store) -> None:
-    ts = TraceStore(store, max_total=10)
+    ts = TraceStore(store, 10, RETENTION_S)
     add(ts, "a", 1, 6)
     assert ts.fit("a", 10, session_max=8) == 2  # the session's own bound
     assert ts.fit("b", 10, session_max=100) == 4  # the total's
@@ -63,7 +65,7 @@ def test_fit_keeps_within_the_session_and_the_total_bound(store: Store) -> None:
 
 
 def test_room_comes_from_the_oldest_ended_sessions_whole(store: Store) -> None:
-    ts = TraceStore(store, max_total=10)
+    ts = TraceStore(store, 10, RETENTION_S)
     for sid, n in (("old", 3), ("older", 3), ("run", 4)):
         ts.save(session(sid))
         add(ts, sid, 1, n)
@@ -75,7 +77,7 @@ def test_room_comes_from_the_oldest_ended_sessions_whole(store: Store) -> None:
 
 
 def test_retention_and_the_kept_count(store: Store) -> None:
-    ts = TraceStore(store, retention_s=3600)
+    ts = TraceStore(store, MAX_TOTAL, 3600)
     now = 100 * HOUR_NS
     ended = [("a", now - 2 * HOUR_NS), ("b", now - 60 * 10**9), ("c", now - 30 * 10**9), ("d", now)]
     assert ts.expired(ended, now, keep_max=10) == ["a"]
@@ -85,14 +87,14 @@ def test_retention_and_the_kept_count(store: Store) -> None:
 def test_a_running_session_found_at_start_ended_as_node_lost(tmp_path: Path) -> None:
     db = str(tmp_path / "c.db")
     first = Store(db, 1000, 7)
-    ts = TraceStore(first)
+    ts = TraceStore(first, *LIMITS)
     ts.save(session("t-run"))
     ts.save(session("t-done", TraceStatus.COMPLETED, ended=time.time_ns()))
     add(ts, "t-run", 1, 4)
     first.close()  # as a crash leaves it: nobody ended t-run
     again = Store(db, 1000, 7)
     try:
-        ts2 = TraceStore(again)
+        ts2 = TraceStore(again, *LIMITS)
         loaded = {s.id: s for s in ts2.load()}
         assert (loaded["t-run"].status, loaded["t-run"].status_detail) == (TraceStatus.NODE_LOST, RESTARTED)
         assert loaded["t-run"].ended_unix_ns > 0 and loaded["t-done"].status is TraceStatus.COMPLETED
@@ -105,7 +107,7 @@ def test_a_running_session_found_at_start_ended_as_node_lost(tmp_path: Path) -> 
 
 
 def test_audit_rows_filter_and_order(store: Store) -> None:
-    ts = TraceStore(store)
+    ts = TraceStore(store, *LIMITS)
     ts.audit("", "refused", "ipv4:127.0.0.1:1", "ml: namespace ml not found", ts_unix_ns=10)
     ts.audit("t-1", "start", "uid 0 (claimed)", "ml for 30s on n1", ts_unix_ns=20)
     ts.audit("t-1", "stop", "uid 0 (claimed)", "stopped by uid 0 (claimed)", ts_unix_ns=30)
@@ -118,7 +120,7 @@ def test_audit_rows_filter_and_order(store: Store) -> None:
 
 
 def test_deleting_sessions_frees_the_bound_and_the_rows(store: Store) -> None:
-    ts = TraceStore(store, max_total=5)
+    ts = TraceStore(store, 5, RETENTION_S)
     ts.save(session("t-1"))
     add(ts, "t-1", 1, 5)
     ts.delete(["t-1"])
@@ -132,6 +134,6 @@ def test_a_failing_write_function_does_not_stop_the_writer(store: Store) -> None
         raise RuntimeError("a bug")
 
     store.submit([Store.op_call(broken)])
-    ts = TraceStore(store)
+    ts = TraceStore(store, *LIMITS)
     ts.save(session("t-1"))
     assert [s.id for s in ts.load()] == ["t-1"] and store.failed is None
