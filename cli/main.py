@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="ghostgpu: %(name)s: %(message)s")
-    from ghostgpu.tracer.config import ConfigError
+    from ghostgpu.common.system.configfile import ConfigError
 
     try:
         if args.command in ("tracer", "collector", "up"):

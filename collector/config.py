@@ -7,10 +7,11 @@ cli/main.py declares the flags from here and a flag's help can never say another
 the collector uses. Component settings (SecurityOptions, TraceLimits, the store's and /metrics'
 limits) are slices of it.
 
-The file is read the way the tracer's is (tracer/config.py): TOML, its keys the field names, in a
-`[collector]` table or at the top level; a flag that is given wins over the file. Durations are
-seconds in the file (`trace_max_duration_s = 600`) and "10m" on the command line. A bad value is a
-ValueError with one line: a flag's names the flag, a file's names the file and the key.
+The file is read by the reader the tracer's is (ghostgpu/common/system/configfile.py): TOML, its
+keys the field names, in a `[collector]` table or at the top level; a flag that is given wins over
+the file. Durations are seconds in the file (`trace_max_duration_s = 600`) and "10m" on the command
+line. A bad value is a ValueError with one line: a flag's names the flag, a file's (ConfigError)
+names the file and the key.
 
 This module is imported when the parser is built, by every command: nothing heavy at module level.
 """
@@ -18,17 +19,15 @@ This module is imported when the parser is built, by every command: nothing heav
 from __future__ import annotations
 
 import argparse
-import re
-import tomllib
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any
 
 from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE
 
 from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.system.configfile import read_config_file
 from ghostgpu.common.system.settings import flag_values, meta, setting
 
 if TYPE_CHECKING:
@@ -36,10 +35,6 @@ if TYPE_CHECKING:
     from ghostgpu.collector.trace_commands import TraceLimits, TraceTiming
 
     from ghostgpu.common.web.httpserve import HttpCaps
-
-
-class ConfigFileError(ValueError):
-    """A bad --config file: one line naming the file and, where there is one, the key."""
 
 
 # ---- the checks: one line naming the flag, as the collector always said it ---------------------------
@@ -259,110 +254,5 @@ class CollectorConfig:
 def collector_config(args: argparse.Namespace, **given: Any) -> CollectorConfig:
     """`ghostgpu collector`'s settings: the defaults, then --config FILE, then the flags, then `given`."""
     path = getattr(args, "config", None)
-    from_file = read_config_file(path) if path else {}
+    from_file = read_config_file(path, CollectorConfig, "collector", where=f"--config {path}") if path else {}
     return CollectorConfig(**{**from_file, **flag_values(CollectorConfig, args), **given})
-
-
-# ---- the config file -------------------------------------------------------------------------------------
-
-_AT_LINE = re.compile(r"\(at line (\d+), column \d+\)")
-_KEY = re.compile(r"\s*\[*\s*([A-Za-z0-9_.\"'-]+)")
-
-
-def _duplicate_key(text: str, message: str) -> str | None:
-    """The key tomllib's "Cannot overwrite a value" / "Cannot declare ... twice" names by its line."""
-    if not message.startswith(("Cannot overwrite", "Cannot declare")):
-        return None
-    if (m := re.search(r"\('([^']+)'", message)) is not None:
-        return m.group(1)
-    if (at := _AT_LINE.search(message)) is not None:
-        lines = text.splitlines()
-        line = int(at.group(1))
-        if 0 < line <= len(lines) and (k := _KEY.match(lines[line - 1])) is not None:
-            return k.group(1).strip("\"'")
-    return "a key"
-
-
-def _kind(value: Any) -> str:
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            dict: "a table"}.get(type(value), type(value).__name__)
-
-
-def _typed(hint: Any, raw: Any) -> Any:
-    """The file's value as the field's type (`X | None`: X); ValueError saying what was expected."""
-    if isinstance(hint, types.UnionType):
-        hint = next(a for a in get_args(hint) if a is not type(None))
-    origin = get_origin(hint)
-    if origin is tuple:  # of strings: a list, or one string of comma-separated values as the flag takes
-        if isinstance(raw, str):
-            return _comma_list(raw)
-        if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
-            return tuple(raw)
-        raise ValueError(f"expected a list of strings, got {_kind(raw)}")
-    if origin is dict:
-        if isinstance(raw, dict) and all(isinstance(v, str) for v in raw.values()):
-            return dict(raw)
-        raise ValueError(f"expected a table of strings (KEY = \"VALUE\"), got {_kind(raw)}")
-    if hint is bool:
-        if isinstance(raw, bool):
-            return raw
-        raise ValueError(f"expected true or false, got {_kind(raw)}")
-    if hint is float:
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        raise ValueError(f"expected a number, got {_kind(raw)}")
-    if hint is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        raise ValueError(f"expected a whole number, got {_kind(raw)}")
-    if hint is str:
-        if isinstance(raw, str):
-            return raw
-        raise ValueError(f"expected a string, got {_kind(raw)}")
-    raise ValueError(f"unsupported type {hint}")
-
-
-def parse_config_text(text: str, path: str) -> dict[str, Any]:
-    """The settings a config file's text sets, typed and each checked; ConfigFileError naming the file
-    and the key. Keys sit in a [collector] table, or at the top level when the file has none."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        key = _duplicate_key(text, str(exc))
-        if key is not None:
-            at = _AT_LINE.search(str(exc))
-            where = f" (line {at.group(1)})" if at else ""
-            raise ConfigFileError(f"--config {path}: {key}: set twice{where}") from None
-        raise ConfigFileError(f"--config {path}: not valid TOML ({exc})") from None
-    section = data.get("collector", data)
-    if not isinstance(section, dict):
-        raise ConfigFileError(f"--config {path}: collector: expected a table, got a value")
-    hints = get_type_hints(CollectorConfig)
-    settable = {f.name: f for f in fields(CollectorConfig) if f.metadata.get("in_file", True)}
-    values: dict[str, Any] = {}
-    for key, raw in section.items():
-        if key not in settable:
-            raise ConfigFileError(f"--config {path}: {key}: unknown key; known keys: "
-                                  f"{', '.join(sorted(settable))}")
-        try:
-            value = _typed(hints[key], raw)
-            check = settable[key].metadata.get("check")
-            if check is not None:
-                check(value)
-        except ValueError as exc:
-            raise ConfigFileError(f"--config {path}: {key}: {exc}") from None
-        values[key] = value
-    return values
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    """parse_config_text of the file at `path`; ConfigFileError when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(1 << 20)  # a config file is small: a megabyte is plenty
-    except FileNotFoundError:
-        raise ConfigFileError(f"--config {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigFileError(f"--config {path}: cannot read it ({reason})") from None
-    return parse_config_text(text, path)

@@ -3,7 +3,9 @@
 Every default, unit and check of the tracer is written once, on TracerConfig's field; the field's
 metadata says its flag, and cli/main.py declares the flags from it (help with the default filled in).
 Host paths are settings because in a pod they are host mounts (/host/proc, /host/sys, ...).
-A bad value raises ConfigError with one line naming the key and what to do.
+The file and the environment are read by the reader the collector's file is
+(ghostgpu/common/system/configfile.py). A bad value raises ConfigError with one line naming the key
+(and, for the file or the environment, where it was set) and what to do.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import argparse
 import os
 import re
 import socket
-import tomllib
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, get_type_hints
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from ghostgpu.common.model.durations import format_ms, parse_duration_s
 from ghostgpu.common.model.names import node_name_problem
 from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.system.configfile import ConfigError, environment_values, read_config_file
 from ghostgpu.common.system.settings import flag_values, meta, setting
 from ghostgpu.common.transport.addresses import parse_listen
 
@@ -47,10 +49,6 @@ DEFAULT_SYSTEM_ALLOWLIST = (
 BPF_MODES = ("auto", "on", "off")
 TRACE_SLOTS = 8  # trace sessions the kernel side can hold at once (bpf/trace.bpf.c's slots)
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123: namespace and container names
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message is one line naming the key."""
 
 
 def _node_name() -> str:
@@ -211,63 +209,22 @@ class TracerConfig:
                                   "picks a free one), or leave it empty for no health server") from None
 
 
-def _coerce(key: str, typ: Any, raw: Any) -> Any:
-    """Turn a file/env/flag value into the field's type, or say which key is wrong."""
-    try:
-        if typ is float:
-            return float(raw)
-        if typ is int:
-            if isinstance(raw, bool):
-                raise ValueError("a boolean is not a number")
-            return int(raw)
-        if typ is str:
-            if not isinstance(raw, str):
-                raise ValueError(f"expected a string, got {type(raw).__name__}")
-            return raw
-        if typ == list[str]:
-            if isinstance(raw, str):
-                return [part.strip() for part in raw.split(",") if part.strip()]
-            if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
-                return list(raw)
-            raise ValueError("expected a list of strings or a comma-separated string")
-    except ValueError as exc:
-        raise ConfigError(f"{key}: bad value {raw!r} ({exc})") from None
-    raise ConfigError(f"{key}: unsupported type {typ}")
-
-
 def load_config(
     path: str | os.PathLike[str] | None = None,
-    env: dict[str, str] | None = None,
-    overrides: dict[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> TracerConfig:
-    """Merge the config file, GHOSTGPU_* environment and flag overrides (None values are unset)."""
-    env = dict(os.environ) if env is None else env
-    hints = get_type_hints(TracerConfig)
-    names = {f.name for f in fields(TracerConfig)}
+    """The defaults, then the config file (`path`, else GHOSTGPU_CONFIG), then the GHOSTGPU_*
+    environment, then `overrides` (the flags given, in the fields' units; None values are unset).
+    ConfigError naming the file or the variable and the key."""
+    env = os.environ if env is None else env
     values: dict[str, Any] = {}
-    path = path or env.get("GHOSTGPU_CONFIG")
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config: file {path} not found; fix --config or GHOSTGPU_CONFIG") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
-        data = data.get("tracer", data)
-        for key, raw in data.items():
-            if key not in names:
-                raise ConfigError(f"{key}: unknown key in {path}; known keys: {', '.join(sorted(names))}")
-            values[key] = _coerce(key, hints[key], raw)
-    for name in names:
-        raw = env.get(f"GHOSTGPU_{name.upper()}")
-        if raw is not None:
-            values[name] = _coerce(f"GHOSTGPU_{name.upper()}", hints[name], raw)
-    for key, raw in (overrides or {}).items():
-        if raw is None:
-            continue
-        if key not in names:
-            raise ConfigError(f"{key}: unknown setting")
-        values[key] = _coerce(key, hints[key], raw)
+        values |= read_config_file(os.fspath(path), TracerConfig, "tracer", where=f"--config {path}")
+    elif path := env.get("GHOSTGPU_CONFIG"):
+        values |= read_config_file(path, TracerConfig, "tracer", where=f"GHOSTGPU_CONFIG {path}")
+    values |= environment_values(TracerConfig, env, "GHOSTGPU_")
+    values |= {key: value for key, value in (overrides or {}).items() if value is not None}
     return TracerConfig(**values)
 
 

@@ -1,5 +1,6 @@
-"""The collector's config file (`ghostgpu collector --config FILE`, collector/config.py): what a good
-file sets, one line naming the file and the key for each bad input, and a flag beating the file."""
+"""The collector's config file (`ghostgpu collector --config FILE`, collector/config.py, read by
+ghostgpu/common/system/configfile.py): what a good file sets, one line naming the file and the key for
+each bad input, and a flag beating the file."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 
 import pytest
 from ghostgpu.cli import main as cli
-from ghostgpu.collector.config import CollectorConfig, ConfigFileError, collector_config, parse_config_text
+from ghostgpu.collector.config import CollectorConfig, collector_config
+
+from ghostgpu.common.system.configfile import ConfigError, parse_config_text
 
 GOOD = """\
 [collector]
@@ -27,6 +30,10 @@ cluster = "eu-1"
 """
 
 
+def parse(text: str) -> dict[str, Any]:
+    return parse_config_text(text, CollectorConfig, "collector", where="--config c.toml")
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     (GOOD, {"listen": ("127.0.0.1:7450", "unix:///run/ghostgpu.sock"), "db_path": ":memory:",
             "retention_days": 3.0, "event_log_max": 0, "metrics_listen": "127.0.0.1:9400",
@@ -37,7 +44,7 @@ cluster = "eu-1"
     ("", {}),
 ])
 def test_a_good_file_sets_its_keys(text: str, expected: dict[str, Any]) -> None:
-    values = parse_config_text(text, "c.toml")
+    values = parse(text)
     assert values == expected
     cfg = CollectorConfig(**values)
     assert {k: getattr(cfg, k) for k in expected} == expected
@@ -63,15 +70,15 @@ def test_a_good_file_sets_its_keys(text: str, expected: dict[str, Any]) -> None:
      "--config c.toml: metrics_max_process_series: --metrics-max-process-series -1: must be 0 or more"),
 ])
 def test_each_bad_input_is_one_line_naming_the_file_and_key(text: str, line: str) -> None:
-    with pytest.raises(ConfigFileError) as err:
-        parse_config_text(text, "c.toml")
+    with pytest.raises(ConfigError) as err:
+        parse(text)
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
 
 
 def test_a_missing_or_unreadable_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigFileError, match=rf"^--config {tmp_path}/none.toml: no such file$"):
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path}/none.toml: no such file$"):
         collector_config(cli._build_parser().parse_args(["collector", "--config", f"{tmp_path}/none.toml"]))
-    with pytest.raises(ConfigFileError, match=rf"^--config {tmp_path}: cannot read it \("):
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path}: cannot read it \("):
         collector_config(cli._build_parser().parse_args(["collector", "--config", str(tmp_path)]))
 
 
