@@ -213,6 +213,15 @@ def attribution_goal(d: dict[str, Any]) -> str:
     return met(s["open_to_jsonl_ms"]["p99"] < s["goal_p99_ms"] and s["openers_seen"] == s["openers"])
 
 
+def recheck_goal(d: dict[str, Any]) -> str:
+    """bench_tls.py part 1: whether the re-check at each policy reload costs at most 2% of mTLS ingest."""
+    runs = sorted(d["ingest"].values(), key=lambda s: s["batch_events"])
+    met_at = [f"{s['batch_events']:,}" for s in runs if s["recheck_goal_met"]]
+    missed_at = [f"{s['batch_events']:,}" for s in runs if not s["recheck_goal_met"]]
+    return "; ".join([f"met at {' and '.join(met_at)}"] * bool(met_at)
+                     + [f"missed at {' and '.join(missed_at)}"] * bool(missed_at))
+
+
 def tls_goal(d: dict[str, Any]) -> str:
     """bench_tls.py part 1: 'met at 200 and 2,000', or which batch sizes missed mTLS >= 0.8x plaintext."""
     runs = sorted(d["ingest"].values(), key=lambda s: s["batch_events"])
@@ -225,7 +234,7 @@ def tls_goal(d: dict[str, Any]) -> str:
 # The tracer's batching policy, quoted where the README explains the ingest figures.
 TRACER_BATCHING = [
     const("else {:g} ms or {:,} events", stream.FLUSH_S * 1000, protocol.MAX_BATCH_EVENTS,
-          where="tracer/stream.py FLUSH_S, ghostgpu/protocol.py MAX_BATCH_EVENTS"),
+          where="tracer/stream.py FLUSH_S, ghostgpu/common/wire/protocol.py MAX_BATCH_EVENTS"),
     const("at most {} batches unacknowledged", stream.WINDOW_BATCHES,
           where="tracer/stream.py WINDOW_BATCHES"),
 ]
@@ -531,6 +540,24 @@ ROWS: dict[str, list[Figure]] = {
             "ingest.batch_200.ratio_mtls_vs_plaintext"),
         fig("≥ {:g}x plaintext ({})", "tls", "goal_ratio_mtls_vs_plaintext", tls_goal),
     ],
+    "open streams re-checked at each policy reload": [
+        fig("rewritten every {:g} s", "tls", "policy_rewrite_every_s"),
+        fig("batches of {:,} / {:,})", "tls", "ingest.batch_2000.batch_events",
+            "ingest.batch_200.batch_events"),
+        fig("each of the {} tracers' streams", "tls", "reload_recheck.streams_open"),
+        fig("| one reload {:.0f} µs + the re-check of {} streams {:.0f} µs", "tls",
+            "reload_recheck.reload_cpu_us", "reload_recheck.streams_open", "reload_recheck.recheck_cpu_us"),
+        fig("once a second: {:.2%} / {:.2%} of the collector's CPU", "tls", "ingest.batch_2000.recheck_cost",
+            "ingest.batch_200.recheck_cost"),
+        fig("{:,} / {:,} events/s while reloading", "tls",
+            "ingest.batch_2000.mtls-recheck.events_per_s_median",
+            "ingest.batch_200.mtls-recheck.events_per_s_median"),
+        fig("without reloads: {:,} / {:,} events/s", "tls", "ingest.batch_2000.mtls.events_per_s_median",
+            "ingest.batch_200.mtls.events_per_s_median"),
+        fig("| {:.2f} / {:.2f} |", "tls", "ingest.batch_2000.ratio_recheck_arm_vs_mtls",
+            "ingest.batch_200.ratio_recheck_arm_vs_mtls"),
+        fig("≤ 2% of mTLS ingest ({})", "tls", recheck_goal),
+    ],
     "reconnecting tracer over mTLS": [
         fig("{} reconnects", "tls", "handshake.reconnects"),
         fig("| p50 {:.1f} ms, p99 {:.1f} ms |", "tls", "handshake.collector.mtls.p50_ms",
@@ -593,7 +620,7 @@ PROSE: dict[tuple[str, str], list[Figure]] = {
     ],
     ("a real tracer sends a lone event at once", "batches unacknowledged"): [
         const("gathers up to {:g} ms or {:,} events", stream.FLUSH_S * 1000, protocol.MAX_BATCH_EVENTS,
-              where="tracer/stream.py FLUSH_S, ghostgpu/protocol.py MAX_BATCH_EVENTS"),
+              where="tracer/stream.py FLUSH_S, ghostgpu/common/wire/protocol.py MAX_BATCH_EVENTS"),
         const("at most {} batches unacknowledged", stream.WINDOW_BATCHES,
               where="tracer/stream.py WINDOW_BATCHES"),
     ],
