@@ -213,6 +213,11 @@ def attribution_goal(d: dict[str, Any]) -> str:
     return met(s["open_to_jsonl_ms"]["p99"] < s["goal_p99_ms"] and s["openers_seen"] == s["openers"])
 
 
+def tls_batches(template: str, leaf: str) -> Figure:
+    """A bench_tls.py figure given for both batch sizes: template.format(2,000's, 200's)."""
+    return fig(template, "tls", f"ingest.batch_2000.{leaf}", f"ingest.batch_200.{leaf}")
+
+
 def met_by_batch(flag: str) -> Callable[[dict[str, Any]], str]:
     """bench_tls.py part 1: 'met at 200 and 2,000', or which batch sizes missed the goal `flag` says."""
     def say(d: dict[str, Any]) -> str:
@@ -524,35 +529,24 @@ ROWS: dict[str, list[Figure]] = {
     "collector ingest over mTLS": [
         fig("the same {} simulated tracers", "tls", "tracers"),
         fig("median of {} rounds", "tls", "rounds"),
-        fig("batches of {:,} / {:,} events", "tls", "ingest.batch_2000.batch_events",
-            "ingest.batch_200.batch_events"),
-        fig("| {:,} / {:,} events/s", "tls", "ingest.batch_2000.mtls.events_per_s_median",
-            "ingest.batch_200.mtls.events_per_s_median"),
-        fig("collector CPU per event {:.2f}x / {:.2f}x plaintext's", "tls",
-            "ingest.batch_2000.cpu_per_event_ratio_mtls_vs_plaintext",
-            "ingest.batch_200.cpu_per_event_ratio_mtls_vs_plaintext"),
-        fig("plaintext on loopback: {:,} / {:,}", "tls", "ingest.batch_2000.plaintext.events_per_s_median",
-            "ingest.batch_200.plaintext.events_per_s_median"),
-        fig("| {:.2f} / {:.2f} |", "tls", "ingest.batch_2000.ratio_mtls_vs_plaintext",
-            "ingest.batch_200.ratio_mtls_vs_plaintext"),
+        tls_batches("batches of {:,} / {:,} events", "batch_events"),
+        tls_batches("| {:,} / {:,} events/s", "mtls.events_per_s_median"),
+        tls_batches("collector CPU per event {:.2f}x / {:.2f}x plaintext's",
+                    "cpu_per_event_ratio_mtls_vs_plaintext"),
+        tls_batches("plaintext on loopback: {:,} / {:,}", "plaintext.events_per_s_median"),
+        tls_batches("| {:.2f} / {:.2f} |", "ratio_mtls_vs_plaintext"),
         fig("≥ {:g}x plaintext ({})", "tls", "goal_ratio_mtls_vs_plaintext", tls_goal),
     ],
     "open streams re-checked at each policy reload": [
         fig("rewritten every {:g} s", "tls", "policy_rewrite_every_s"),
-        fig("batches of {:,} / {:,})", "tls", "ingest.batch_2000.batch_events",
-            "ingest.batch_200.batch_events"),
+        tls_batches("batches of {:,} / {:,})", "batch_events"),
         fig("each of the {} tracers' streams", "tls", "reload_recheck.streams_open"),
         fig("| one reload {:.0f} µs + the re-check of {} streams {:.0f} µs", "tls",
             "reload_recheck.reload_cpu_us", "reload_recheck.streams_open", "reload_recheck.recheck_cpu_us"),
-        fig("once a second: {:.2%} / {:.2%} of the collector's CPU", "tls", "ingest.batch_2000.recheck_cost",
-            "ingest.batch_200.recheck_cost"),
-        fig("{:,} / {:,} events/s while reloading", "tls",
-            "ingest.batch_2000.mtls-recheck.events_per_s_median",
-            "ingest.batch_200.mtls-recheck.events_per_s_median"),
-        fig("without reloads: {:,} / {:,} events/s", "tls", "ingest.batch_2000.mtls.events_per_s_median",
-            "ingest.batch_200.mtls.events_per_s_median"),
-        fig("| {:.2f} / {:.2f} |", "tls", "ingest.batch_2000.ratio_recheck_arm_vs_mtls",
-            "ingest.batch_200.ratio_recheck_arm_vs_mtls"),
+        tls_batches("once a second: {:.2%} / {:.2%} of the collector's CPU", "recheck_cost"),
+        tls_batches("{:,} / {:,} events/s while reloading", "mtls-recheck.events_per_s_median"),
+        tls_batches("without reloads: {:,} / {:,} events/s", "mtls.events_per_s_median"),
+        tls_batches("| {:.2f} / {:.2f} |", "ratio_recheck_arm_vs_mtls"),
         fig("≤ 2% of mTLS ingest ({})", "tls", recheck_goal),
     ],
     "reconnecting tracer over mTLS": [
