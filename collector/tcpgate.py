@@ -157,8 +157,9 @@ class TcpGate:
 
     def prove(self, grpc_peer: str) -> None:
         """An RPC came over the connection gRPC names `grpc_peer`: its TLS handshake with a
-        certificate of the CA is done. Any thread; one dict lookup on the RPC path."""
-        if grpc_peer not in self._proven:
+        certificate of the CA is done. Any thread; one dict lookup on the RPC path. A unix socket's
+        peer is no connection of a TCP port: it is left out."""
+        if grpc_peer.startswith("ip") and grpc_peer not in self._proven:
             self._proven[grpc_peer] = time.monotonic()
 
     @property
@@ -269,7 +270,8 @@ class TcpGate:
             os.dup2(self._null, self._spare)
 
     def _join_proofs(self, now_s: float) -> None:
-        """Mark the connections an RPC came over; drop proofs whose connection is gone."""
+        """Mark the connections an RPC came over, each proof once (a later RPC over a proven one
+        files it again, and it is dropped again); drop proofs whose connection is gone."""
         for peer, at_s in list(self._proven.items()):
             address = peer_address(peer)
             conn = self._by_address.get(address) if address is not None else None
@@ -277,9 +279,10 @@ class TcpGate:
                 if not conn.proven:
                     conn.proven, conn.peer = True, peer
                     self._unprove(conn)
+                self._proven.pop(peer, None)
             elif now_s - at_s > self.unproven_s:
-                # Its connection closed (or a unix peer, which no gate counts): a later connection
-                # from the same address and port must earn its own proof.
+                # Its connection closed: a later connection from the same address and port must
+                # earn its own proof.
                 self._proven.pop(peer, None)
 
     def _age(self, now_s: float) -> None:
