@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from ghostgpu.tracer.bpf_source import BpfSource  # noqa: E402
 from ghostgpu.tracer.cgroup import CgroupIdResolver  # noqa: E402
+from ghostgpu.tracer.config import TracerConfig  # noqa: E402
 from ghostgpu.tracer.devices import classify_device_path  # noqa: E402
 from ghostgpu.tracer.events import EventKind, boot_ns  # noqa: E402
 from ghostgpu.tracer.trace_records import RecordMaker  # noqa: E402
@@ -299,7 +301,9 @@ class Bench:
         cgroups = CgroupIdResolver()
         maker = RecordMaker("bench", "/proc", cgroups, classify_device_path, kernel.dev_paths,
                             lambda minor: (str(minor), ""))
-        self.limits = NodeTraceLimits(max_sessions=4, max_duration_s=600.0, max_records=args.max_records)
+        # The tracer's defaults, but the records limit this run asks for.
+        self.limits = replace(NodeTraceLimits.of(TracerConfig(node_name="bench")),
+                              max_records=args.max_records)
         self.emit = Counting()
         self.sessions = TraceSessions(kernel, "bench", self.limits, maker, cgroups, self.emit,
                                       lambda: DRIVER)

@@ -23,10 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from ghostgpu.collector.tcpgate import DEFAULT_MAX_CONNECTIONS_PER_SOURCE
-
-from ghostgpu.common.model.durations import format_ms, parse_duration_s
-from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.model.durations import duration_flag, format_s
+from ghostgpu.common.model.trace_limits import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
 from ghostgpu.common.system.configfile import read_config_file
 from ghostgpu.common.system.settings import flag_values, meta, setting
 
@@ -88,10 +86,6 @@ def _comma_list(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
 
-def _duration(flag: str) -> Callable[[str], float]:
-    return lambda value: parse_duration_s(value, flag)
-
-
 def _alertmanager_urls(values: Sequence[str]) -> tuple[str, ...]:
     """ValueError naming --alertmanager and a bad URL."""
     from ghostgpu.collector.alertpush import parse_alertmanager_urls  # only with --alertmanager
@@ -103,11 +97,6 @@ def _alert_labels(values: Sequence[str]) -> dict[str, str]:
     from ghostgpu.collector.alertpush import parse_alert_labels  # only with --alert-label
 
     return parse_alert_labels(values)
-
-
-def _seconds_text(seconds: float) -> str:
-    """10m, 30s: a duration default as the flags take it."""
-    return format_ms(round(seconds * 1000))
 
 
 @dataclass(frozen=True)
@@ -166,13 +155,13 @@ class CollectorConfig:
     # ---- trace sessions (docs/TRACE.md) ----
     trace_max_duration_s: float = setting(
         TRACE_MAX_DURATION_S, flag="--trace-max-duration", dest="trace_max_duration",
-        check=_above_0("--trace-max-duration"), parse=_duration("--trace-max-duration"), show=_seconds_text,
+        check=_above_0("--trace-max-duration"), parse=duration_flag("--trace-max-duration"), show=format_s,
         metavar="D",
         help="longest trace session a client may start (default {default}; 30s, 10m, 1h)")
     trace_default_duration_s: float = setting(
         30.0, flag="--trace-default-duration", dest="trace_default_duration",
-        check=_above_0("--trace-default-duration"), parse=_duration("--trace-default-duration"),
-        show=_seconds_text, metavar="D",
+        check=_above_0("--trace-default-duration"), parse=duration_flag("--trace-default-duration"),
+        show=format_s, metavar="D",
         help="length of a trace session whose client names none (default {default})")
     trace_max_records: int = setting(
         TRACE_MAX_RECORDS, flag="--trace-max-records", check=_check_trace_max_records, type=int, metavar="N",
@@ -202,7 +191,7 @@ class CollectorConfig:
         "authenticated is closed for the new one (default 10000, fewer where the fd limit "
         "holds fewer: docs/SECURITY.md)")
     max_connections_per_source: int = setting(
-        DEFAULT_MAX_CONNECTIONS_PER_SOURCE, flag="--max-connections-per-source", type=int, metavar="N",
+        32, flag="--max-connections-per-source", type=int, metavar="N",
         help="connections not yet authenticated at once from one address on each mTLS port; "
         "past it that address's oldest is closed (default {default})")
 

@@ -42,6 +42,8 @@ CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grac
 class Tracer:
     def __init__(self, cfg: TracerConfig, sink: Sink, health: HealthReport | None = None) -> None:
         self.cfg = cfg
+        # The classifier's fixed settings, once; classify_config() adds what changes per step.
+        self._classify_settings = replace(ClassifyConfig.of(cfg), boot_ns_of_ticks=ticks_to_boot_ns)
         self.sink = sink
         self.health = health  # reported into at start, per loop step and per full scan; read by HTTP
         if health is not None:
@@ -69,8 +71,7 @@ class Tracer:
         # The /proc scans and ioctl counter reads (tracer/agent_scan.py): they call back into this
         # loop for the kernel's queued events and for the records and exits they find.
         self.scans = AgentScans(self, self.scanner, self.rescans, self.state, self.identities, self.errors,
-                                health, exit_due=self._exit_due, due=self._due,
-                                scan_interval_s=cfg.scan_interval_s)
+                                health, exit_due=self._exit_due)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -138,6 +139,8 @@ class Tracer:
         """A /proc scan (AgentScans.scan); it also refreshes identities (a parent that died, a leader
         turned zombie) without any hold changing: re-classify after every one."""
         self.scans.scan(initial, pids, periodic)
+        if initial:  # the start scan puts off the first periodic one
+            self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
         self._dirty = True
 
     def _rescan(self) -> None:
@@ -261,8 +264,7 @@ class Tracer:
         if changes:
             counts = None
             if ev.kind is EventKind.CLOSE and self.bpf is not None:
-                self.scans.read_ioctls(ev.pid)  # the counts at the moment of the close, not a second ago
-                counts = self.scans.ioctls.get(ev.pid, {})
+                counts = self.scans.read_ioctls_of(ev.pid)  # at the moment of the close, not a second ago
             self._emit_event(ev, after or before, counts=counts)
             self._dirty = True
             if after is not None and after is not before:
@@ -276,8 +278,7 @@ class Tracer:
             return
         counts: IoctlCounts | None = None
         if self.bpf is not None:
-            self.scans.read_ioctls(ev.pid)
-            counts = self.scans.ioctls.get(ev.pid, {})
+            counts = self.scans.read_ioctls_of(ev.pid)
         self.state.apply(ev)
         self._emit_event(ev, before, counts=counts)
         self._forget(ev.pid)
@@ -323,10 +324,9 @@ class Tracer:
 
     def classify_config(self) -> ClassifyConfig:
         return replace(
-            ClassifyConfig.of(self.cfg),
+            self._classify_settings,
             own_pids=frozenset(self.own_pids),
             nvml_first_listed=dict(self.nvml_first_listed),
-            boot_ns_of_ticks=ticks_to_boot_ns,
             # The kernel reports every open; without it, a holder is known once a full scan found it.
             holders_complete_ns=None if self.bpf is not None else self.scans.full_scan_ns,
         )

@@ -51,7 +51,7 @@ class AgentScans:
 
     def __init__(self, agent: ScanHost, scanner: ProcScanner, rescans: RescanPlanner, state: HolderTable,
                  identities: Identities, errors: Containment, health: HealthReport | None, *,
-                 exit_due: dict[int, float], due: dict[str, float], scan_interval_s: float) -> None:
+                 exit_due: dict[int, float]) -> None:
         self.agent = agent
         self.scanner = scanner
         self.rescans = rescans
@@ -60,8 +60,6 @@ class AgentScans:
         self.errors = errors
         self.health = health
         self.exit_due = exit_due  # the agent's: pid -> when /proc settles it if its EXIT never came
-        self.due = due  # the agent loop's clocks: the start scan puts off the first periodic one
-        self.scan_interval_s = scan_interval_s
         self.ioctls: dict[int, IoctlCounts] = {}  # pid -> its counts as last read
         self.full_scan_ns = 0  # boot ns when the last full /proc scan began (classify: holders_complete_ns)
         self._outer_scan_ns: int | None = None  # start of the periodic or full scan under way, if any
@@ -105,7 +103,6 @@ class AgentScans:
         self._report(events, view, pids, before)
         if initial:
             self._backdate_start_holders()
-            self.due["scan"] = time.monotonic() + self.scan_interval_s
         self._settle_unseeded(created, view, set() if periodic else (pids or set()))
         self._await_kernel_exits(pids or ())
         if full and bpf is not None:
@@ -150,8 +147,7 @@ class AgentScans:
         # (fds closed by close_range, which the kernel does not trace). Not any other process a
         # periodic rescan read: one that opens a device meanwhile would lose its count.
         zero = (pids & before.keys()) if periodic and pids else pids
-        created: set[int] = bpf.seed_view(view, zero)
-        return created
+        return bpf.seed_view(view, zero)
 
     def _report(self, events: list[SourceEvent], view: ProcView, pids: set[int] | None,
                 before: dict[int, Holder]) -> None:
@@ -217,6 +213,11 @@ class AgentScans:
                 self.agent._settle_exit(pid)  # or, if the kernel's EXIT came first, forget its entries
         for pid in zombies:
             self.agent._settle_if_gone(pid)
+
+    def read_ioctls_of(self, pid: int) -> IoctlCounts:
+        """One process's counters now: at its close or exit, not as the last periodic read left them."""
+        self.read_ioctls(pid)
+        return self.ioctls.get(pid, {})
 
     def read_ioctls(self, pid: int | None = None) -> None:
         """All processes' counters (the periodic read), or one process's at its close or exit."""

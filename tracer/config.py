@@ -1,7 +1,9 @@
 """The tracer's one typed configuration: defaults < config file (TOML) < GHOSTGPU_* env < flags.
 
-Every default, unit and check of the tracer is written once, on TracerConfig's field; the field's
-metadata says its flag, and cli/main.py declares the flags from it (help with the default filled in).
+Every default and unit of the tracer is written once, on TracerConfig's field, and its checks in
+TracerConfig.validate (the spool's bound in tracer/spool.py); the field's metadata says its flag, and
+cli/main.py declares the tracer's flags from it (help with the default filled in; the TLS and web
+config flags, which the commands share, come from cli/tls_flags.py and cli/main.py).
 Host paths are settings because in a pod they are host mounts (/host/proc, /host/sys, ...).
 The file and the environment are read by the reader the collector's file is
 (ghostgpu/common/system/configfile.py). A bad value raises ConfigError with one line naming the key
@@ -18,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ghostgpu.common.model.durations import format_ms, parse_duration_s
+from ghostgpu.common.model.durations import duration_flag, format_s
 from ghostgpu.common.model.names import node_name_problem
-from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.model.trace_limits import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
 from ghostgpu.common.system.configfile import ConfigError, environment_values, read_config_file
 from ghostgpu.common.system.settings import flag_values, meta, setting
 from ghostgpu.common.transport.addresses import parse_listen
@@ -47,7 +49,9 @@ DEFAULT_SYSTEM_ALLOWLIST = (
 
 
 BPF_MODES = ("auto", "on", "off")
-TRACE_SLOTS = 8  # trace sessions the kernel side can hold at once (bpf/trace.bpf.c's slots)
+# Trace sessions the kernel side holds at once: bpf/trace.bpf.c GG_TRACE_SLOTS (tracer/trace_kernel.py
+# reads its slot masks with it).
+TRACE_SLOTS = 8
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123: namespace and container names
 
 
@@ -57,14 +61,6 @@ def _node_name() -> str:
 
 def _vendors_text(vendors: list[str]) -> str:
     return ",".join(vendors)
-
-
-def _duration_text(seconds: float) -> str:
-    return format_ms(int(seconds * 1000))
-
-
-def _trace_max_duration(value: str) -> float:
-    return parse_duration_s(value, "--trace-max-duration")
 
 
 @dataclass
@@ -127,7 +123,7 @@ class TracerConfig:
         help=f"trace sessions at once on this node (default {{default}}, at most {TRACE_SLOTS})")
     trace_max_duration_s: float = setting(
         TRACE_MAX_DURATION_S, flag="--trace-max-duration", dest="trace_max_duration", metavar="D",
-        parse=_trace_max_duration, show=_duration_text,
+        parse=duration_flag("--trace-max-duration"), show=format_s,
         help="longest trace session (default {default}; 30s, 10m, 1h)")
     trace_max_records: int = setting(  # per session; calls past it are counted, not recorded
         TRACE_MAX_RECORDS, flag="--trace-max-records", type=int, metavar="N",

@@ -122,7 +122,7 @@ def start_trace_sessions(cfg: TracerConfig, tracer: Tracer, stream: StreamSink) 
 def start_health(cfg: TracerConfig, args: argparse.Namespace,
                  ) -> tuple[AgentHealth | None, HttpServer | None]:
     """(AgentHealth, HttpServer) serving --health-listen, or (None, None) when it is not set."""
-    listen = getattr(args, "health_listen", None) or cfg.health_listen
+    listen = cfg.health_listen  # --health-listen, already merged into cfg
     if not listen:
         return None, None
     from ghostgpu.tracer.health import AgentHealth, start_health_server  # prometheus_client: only when asked

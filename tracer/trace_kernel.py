@@ -17,12 +17,14 @@ import threading
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from ghostgpu.tracer.config import TRACE_SLOTS
+
 log = logging.getLogger("ghostgpu.trace")
 
 TREC = struct.Struct("=QQQQQQqIIIIiIIIIIII56s")  # struct gg_trec, 160 bytes
 TRACE_KINDS = {1: "ioctl", 2: "open", 3: "close", 4: "mmap", 5: "munmap", 6: "fork", 7: "exec", 8: "exit"}
 TF_XFER, TF_STATUS = 1, 2  # gg_trec.flags
-SLOTS = 8  # GG_TRACE_SLOTS
+SLOTS = TRACE_SLOTS  # GG_TRACE_SLOTS
 NO_STATUS = 0xFFFF  # GG_TRACE_NO_STATUS
 # Attached only while a session runs (bpf/trace.bpf.c): with none, no process pays for them.
 LAZY_HOOKS = (

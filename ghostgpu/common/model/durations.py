@@ -13,7 +13,7 @@ A bad value is a ValueError of one line naming the flag (or key) and the value a
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -65,3 +65,13 @@ def format_ms(ms: int) -> str:
         if ms and ms % size == 0:
             return f"{ms // size}{unit}"
     return f"{ms}ms"
+
+
+def duration_flag(flag: str) -> Callable[[object], float]:
+    """parse_duration_s for one flag's values (a config field's `parse`)."""
+    return lambda value: parse_duration_s(value, flag)
+
+
+def format_s(seconds: float) -> str:
+    """A duration in seconds as the flags take it (10m, 30s): a default in a flag's help."""
+    return format_ms(round(seconds * 1000))
