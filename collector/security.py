@@ -94,7 +94,7 @@ class Security:
         self.gates: list[UnixGate] = []
         self.server_ports: set[int] = set()
         self.identify = Identify(opts.tls.trust_domain, self.gates, self.server_ports)
-        self.tcp_gates: list[TcpGate] = []  # the mTLS TCP listeners' fronts (collector/tcpgate.py)
+        self.tcp_gates: list[TcpGate] = []  # the mTLS TCP ports' caps, beside gRPC (collector/tcpgate.py)
         self.authorizer = Authorizer(self._identify, lambda: self.policy.policy, self.audit)
         self._checked_policy = self.policy.policy  # the one the open streams were checked against
 
@@ -121,7 +121,7 @@ class Security:
             gate.start()  # OSError naming nothing: the caller adds the flag
             self.gates.append(gate)
             return addr
-        if self.opts.tls.enabled:  # gRPC behind a gate that caps connections (collector/tcpgate.py)
+        if self.opts.tls.enabled:  # gRPC, with a gate beside it that caps connections (collector/tcpgate.py)
             return self._bind_gated(server, addr)
         else:
             port = server.add_insecure_port(addr)

@@ -23,11 +23,12 @@ The rules:
   come over it yet (`prove()`, which the authorizer calls with gRPC's peer, marks it). At most
   `max_connections_per_source` unproven connections per source address: past it the oldest unproven
   ones of that address are closed.
-- **Per listener**: at most `max_connections` connections. Past it, the oldest unproven connections
-  (of any address) are closed; when every connection is proven, the oldest ones that hold no open
-  response stream (`holds_stream`, asked of collector/revoke.py `OpenStreams`) are: any certificate
-  of the CA proves a connection, even one the policy then denies every call, so proven alone must
-  not keep a slot for good. Only when every connection holds a stream are the newest ones closed.
+- **Per port** (one gate for `[::1]:P` and `127.0.0.1:P`): at most `max_connections` connections.
+  Past it, the oldest unproven connections (of any address) are closed; when every connection is
+  proven, the oldest ones that hold no open response stream (`holds_stream`, asked of
+  collector/revoke.py `OpenStreams`) are: any certificate of the CA proves a connection, even one the
+  policy then denies every call, so proven alone must not keep a slot for good. Only when every
+  connection holds a stream are the newest ones closed.
 
 So idle unauthenticated connections push out each other, never a tracer's or an admin's: a client
 that connects and completes its handshake (milliseconds) is proven before a flood can close it.
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0  # gRPC's deadline for TLS and HTTP/2 settings (grpc.server_handshake_timeout_ms)
 UNPROVEN_S = HANDSHAKE_TIMEOUT_S + 1.0  # past this a live connection has been through the handshake
 DEFAULT_MAX_CONNECTIONS = 10_000
-DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 32
 FDS_RESERVED = 256  # the store, the audit log, the CRI sockets, the metrics port, gRPC's own
 POLL_S = 0.1  # how often the gate looks while nothing changes
 FAST_POLL_S = 0.02  # the next look after one that found new connections: a flood is cut short
@@ -114,14 +114,12 @@ class _Conn:
     seen_s: float
     proven: bool = False
     peer: str = ""  # gRPC's name for it, once an RPC came over it
-    closing: bool = False  # shut down; gone once gRPC closes its descriptor
 
 
 class TcpGate:
     """The caps of one mTLS TCP port that gRPC serves (see the module's docstring)."""
 
-    def __init__(self, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
+    def __init__(self, port: int, max_connections: int, max_connections_per_source: int,
                  unproven_s: float = UNPROVEN_S, holds_stream: Callable[[str], bool] | None = None,
                  poll_s: float = POLL_S, fd_dir: str = FD_DIR) -> None:
         self.port = port
@@ -134,9 +132,9 @@ class TcpGate:
         # peer name -> when an RPC first came over it; written by gRPC's threads (one dict store
         # per new peer), read and pruned by the gate's.
         self._proven: dict[str, float] = {}
-        self._conns: dict[int, _Conn] = {}  # inode -> every connection found, closing ones too
+        self._conns: dict[int, _Conn] = {}  # inode -> every connection found, shut down ones too
         self._by_address: dict[Address, _Conn] = {}
-        self._live: dict[_Conn, None] = {}  # admitted and not closing, oldest first
+        self._live: dict[_Conn, None] = {}  # admitted and not shut down, oldest first
         self._unproven: dict[_Conn, None] = {}  # oldest first; pruned as they age or are proven
         self._unproven_by_source: dict[str, dict[_Conn, None]] = {}
         self._others: set[int] = set()  # socket inodes that are not connections of this port
@@ -157,8 +155,8 @@ class TcpGate:
 
     def prove(self, grpc_peer: str) -> None:
         """An RPC came over the connection gRPC names `grpc_peer`: its TLS handshake with a
-        certificate of the CA is done. Any thread; one dict lookup on the RPC path. A unix socket's
-        peer is no connection of a TCP port: it is left out."""
+        certificate of the CA is done. Any thread; a dict lookup and at most one store on the RPC
+        path. A unix socket's peer is no connection of a TCP port: it is left out."""
         if grpc_peer.startswith("ip") and grpc_peer not in self._proven:
             self._proven[grpc_peer] = time.monotonic()
 
@@ -287,10 +285,11 @@ class TcpGate:
 
     def _age(self, now_s: float) -> None:
         """Unproven connections past the handshake deadline have been through it: no longer unproven."""
-        for conn in list(self._unproven):
-            if now_s - conn.seen_s < self.unproven_s:
-                break  # oldest first: the rest are younger
-            self._unprove(conn)
+        while self._unproven:
+            oldest = next(iter(self._unproven))
+            if now_s - oldest.seen_s < self.unproven_s:
+                return  # oldest first: the rest are younger
+            self._unprove(oldest)
 
     def _admit(self, conn: _Conn) -> None:
         same = self._unproven_by_source.get(conn.address[0], {})
@@ -320,7 +319,6 @@ class TcpGate:
             done = conn.address
         if done != conn.address:
             self._full_scan_s = -FULL_SCAN_S  # its descriptor number moved on: look again next time
-        conn.closing = True
         self._live.pop(conn, None)
         self._unprove(conn)
         if reason == "refused":

@@ -11,7 +11,7 @@ import pytest
 from ghostgpu.cli.main import _build_parser
 from ghostgpu.tracer.config import TracerConfig, tracer_config
 
-from ghostgpu.common.model.trace import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
+from ghostgpu.common.model.trace_limits import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
 from ghostgpu.common.system.settings import default_of, flag_help, flag_values
 
 

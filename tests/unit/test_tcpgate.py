@@ -62,13 +62,9 @@ def _peer(client: socket.socket) -> str:
     return f"ipv4:{host}:{port}"
 
 
-def _gate(server: _Server, **kwargs: object) -> TcpGate:
-    return TcpGate(server.port, **kwargs)  # type: ignore[arg-type]  # the caps, by keyword
-
-
 def test_unproven_connections_past_the_per_source_cap_close_oldest_first(
         server: _Server, open_sockets: list[socket.socket]) -> None:
-    gate = _gate(server, max_connections=1000, max_connections_per_source=3)
+    gate = TcpGate(server.port, max_connections=1000, max_connections_per_source=3)
     try:
         for _ in range(10):  # one source: each newcomer pushes out that source's oldest unproven one
             server.connect(open_sockets)
@@ -85,7 +81,8 @@ def test_unproven_connections_past_the_per_source_cap_close_oldest_first(
 def test_proven_connections_are_closed_for_room_unless_they_hold_an_open_stream(
         server: _Server, open_sockets: list[socket.socket]) -> None:
     streaming: set[str] = set()
-    gate = _gate(server, max_connections=3, max_connections_per_source=3, holds_stream=streaming.__contains__)
+    gate = TcpGate(server.port, max_connections=3, max_connections_per_source=3,
+                   holds_stream=streaming.__contains__)
     try:
         tracer, viewer, denied = (server.connect(open_sockets) for _ in range(3))
         for client in (tracer, viewer, denied):  # an RPC over each: all proven
@@ -116,7 +113,7 @@ def test_a_connection_past_the_handshake_deadline_counts_as_proven(
         server: _Server, open_sockets: list[socket.socket]) -> None:
     """One that got through gRPC's handshake deadline without an RPC is not unproven any more: the
     per-source cap leaves it, and the listener's cap takes it only as one without a stream."""
-    gate = _gate(server, max_connections=1000, max_connections_per_source=1)
+    gate = TcpGate(server.port, max_connections=1000, max_connections_per_source=1)
     try:
         old = server.connect(open_sockets)
         gate.check(now_s=0.0)
@@ -129,7 +126,7 @@ def test_a_connection_past_the_handshake_deadline_counts_as_proven(
 
 
 def test_a_proof_does_not_outlive_its_connection(server: _Server, open_sockets: list[socket.socket]) -> None:
-    gate = _gate(server, max_connections=1000, max_connections_per_source=1)
+    gate = TcpGate(server.port, max_connections=1000, max_connections_per_source=1)
     try:
         first = server.connect(open_sockets)
         gate.prove(_peer(first))
@@ -143,7 +140,7 @@ def test_a_proof_does_not_outlive_its_connection(server: _Server, open_sockets: 
 
 def test_a_descriptor_that_holds_another_socket_now_is_never_touched(
         server: _Server, open_sockets: list[socket.socket]) -> None:
-    gate = _gate(server)
+    gate = TcpGate(server.port, max_connections=1000, max_connections_per_source=32)
     try:
         server.connect(open_sockets)
         fd = server.held[0].fileno()

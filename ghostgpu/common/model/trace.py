@@ -16,10 +16,6 @@ from ghostgpu.common.model.jsonform import JsonForm, json_meta
 
 TRACE_KINDS = ("ioctl", "open", "close", "mmap", "munmap", "fork", "exec", "exit")
 INSTANT_KINDS = frozenset(TRACE_KINDS) - {"ioctl"}  # shown as instants, not slices
-# A session's default limits, the same on both sides: the longest one a tracer runs (tracer/config.py)
-# and a collector lets a client start, and the records kept per session (collector/config.py).
-TRACE_MAX_DURATION_S = 600.0
-TRACE_MAX_RECORDS = 100_000
 
 # Two kinds of decoder note (tracer/call_decode.py writes them; tests/unit/test_trace_view.py holds
 # these to the decoder's own output) that the views say once rather than on every call.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -174,6 +173,8 @@ def _duplicate_key(text: str, message: str) -> str | None:
 
 
 def _toml(text: str, where: str) -> dict[str, Any]:
+    import tomllib  # only when a config file is read: not on every command's start
+
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -54,8 +54,11 @@ def _show(value: Any) -> str:
 def flag_help(cls: type, name: str) -> str:
     """The help line of a setting's flag, its default filled in from the field."""
     f = _field(cls, name)
+    text = str(f.metadata["help"])
+    if "{default}" not in text:
+        return text  # no default to work out (node_name's asks the host for its name)
     show = f.metadata.get("show") or _show
-    return str(f.metadata["help"]).replace("{default}", show(default_of(cls, name)))
+    return text.replace("{default}", show(default_of(cls, name)))
 
 
 def add_flag(p: argparse.ArgumentParser, cls: type, name: str) -> None:
