@@ -68,7 +68,10 @@ class DenialFold:
             self._seen[key] = (last_s, folded + 1)
             return None
         if key not in self._seen and len(self._seen) >= self.keys_max:  # many subjects: forget old windows
-            self._seen = {k: v for k, v in self._seen.items() if now_s - v[0] < self.window_s}
+            # The table is in the order the windows began (a new window is re-inserted): the ones
+            # that ended are at its front, so forgetting them never walks the open ones.
+            while self._seen and now_s - next(iter(self._seen.values()))[0] >= self.window_s:
+                del self._seen[next(iter(self._seen))]
             # Every window still open (more keys per window than keys_max): the table must not grow
             # past its bound anyway, so the oldest window goes; its key's next refusal is recorded
             # again, without the count folded into the forgotten window.

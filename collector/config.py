@@ -240,8 +240,8 @@ class CollectorConfig:
 # ---- the command line -----------------------------------------------------------------------------------
 
 
-def collector_config(args: argparse.Namespace, **given: Any) -> CollectorConfig:
-    """`ghostgpu collector`'s settings: the defaults, then --config FILE, then the flags, then `given`."""
+def collector_config(args: argparse.Namespace) -> CollectorConfig:
+    """`ghostgpu collector`'s settings: the defaults, then --config FILE, then the flags."""
     path = getattr(args, "config", None)
     from_file = read_config_file(path, CollectorConfig, "collector", where=f"--config {path}") if path else {}
-    return CollectorConfig(**{**from_file, **flag_values(CollectorConfig, args), **given})
+    return CollectorConfig(**{**from_file, **flag_values(CollectorConfig, args)})

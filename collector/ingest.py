@@ -120,9 +120,8 @@ class Ingest:
     """The stream servicer; every method runs on the event loop. CRI calls to the tracers go through
     `relay` (collector/relay.py), which this servicer hands the tracers' answers and ended streams."""
 
-    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int,
-                 max_batch_events: int = MAX_BATCH_EVENTS, *,
-                 sessions: dict[str, IngestSession] | None = None, traces: TraceSink | None = None,
+    def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int, *,
+                 sessions: dict[str, IngestSession], traces: TraceSink | None = None,
                  audit: AuditFn | None = None, local_node: str | None = None) -> None:
         """sessions: the connected streams by node, filled here (the trace book reads the same dict);
         traces: the trace session book; audit: AuditLog.append (collector/audit.py); local_node: the
@@ -131,8 +130,7 @@ class Ingest:
         self.cluster = cluster
         self.store = store
         self.event_log_max = event_log_max
-        self.max_batch_events = max_batch_events
-        self.sessions: dict[str, IngestSession] = {} if sessions is None else sessions
+        self.sessions = sessions
         self.relay = CriRelayClient(self.sessions)
         self.traces = traces
         self.audit = audit
@@ -178,7 +176,7 @@ class Ingest:
             # self.sessions (and its node read as connected) until that node's next Hello.
             await context.write(stream_pb2.CollectorMessage(welcome=stream_pb2.Welcome(
                 api_version=API_VERSION, collector_version=__version__, acked_seq=pos.delivered_seq,
-                max_batch_events=self.max_batch_events)))
+                max_batch_events=MAX_BATCH_EVENTS)))
             reader = asyncio.create_task(self._read(session, it))
             await self._write(session, context)
         finally:
@@ -373,7 +371,7 @@ class Ingest:
     def _batch(self, session: IngestSession, batch: stream_pb2.EventBatch, raw: bytes) -> None:
         events = batch.events
         try:
-            seqs, bodies = validate_batch(events, self.max_batch_events)
+            seqs, bodies = validate_batch(events, MAX_BATCH_EVENTS)
         except BatchError as e:
             raise StreamAbort(grpc.StatusCode.INVALID_ARGUMENT, f"node {session.node}: {e}") from None
         state = session.state

@@ -29,7 +29,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.trace_access import InNamespace, confine
 from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, node_error, validate
 from ghostgpu.collector.trace_scope import (
@@ -64,14 +63,14 @@ MAX_KEPT_SESSIONS = 10_000  # ended sessions in memory and in the table; the old
 
 class TraceBook:
     def __init__(self, streams: Mapping[str, IngestSession], store: TraceStore,
-                 limits: TraceLimits | None = None, *,
+                 limits: TraceLimits, *,
                  transport_for: Callable[[str], CriTransport | None] | None = None,
                  nodes: Mapping[str, NodeView] | None = None,
                  cluster_rows: Mapping[str, Mapping[ConsumerKey, ClusterConsumer]] | None = None,
                  resolve_names: Callable[[str, str], Any] | None = None) -> None:
         self.streams = streams  # node -> its current stream (Ingest.sessions)
         self.store = store
-        self.limits = limits or CollectorConfig().trace_limits()
+        self.limits = limits
         self.transport_for = transport_for or (lambda node: None)
         self.nodes = nodes if nodes is not None else {}  # NodeViews of every node ever connected
         self.cluster_rows = cluster_rows if cluster_rows is not None else {}

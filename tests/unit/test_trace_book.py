@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.trace_commands import node_error
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.trace_watch import TraceWatcher, watch_messages
@@ -351,7 +352,7 @@ def test_a_book_with_no_stream_answers_not_found_for_ids() -> None:
         def load(self) -> list[object]:
             return []
 
-    book = TraceBook({}, NoStore())  # type: ignore[arg-type]
+    book = TraceBook({}, NoStore(), CollectorConfig().trace_limits())  # type: ignore[arg-type]
     with pytest.raises(TraceError) as err:
         book.get("t-1")
     assert err.value.code == grpc.StatusCode.NOT_FOUND and book.list() == []
