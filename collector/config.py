@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ghostgpu.common.model.durations import duration_flag, format_s
 from ghostgpu.common.model.trace_limits import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
-from ghostgpu.common.system.configfile import read_config_file
+from ghostgpu.common.system.configfile import comma_list, read_config_file
 from ghostgpu.common.system.settings import flag_values, meta, setting
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _check_alert_labels(labels: Mapping[str, str]) -> None:
 
 
 def _comma_list(value: str) -> tuple[str, ...]:
-    return tuple(a.strip() for a in value.split(",") if a.strip())
+    return tuple(comma_list(value))
 
 
 def _alertmanager_urls(values: Sequence[str]) -> tuple[str, ...]:
@@ -136,8 +136,8 @@ class CollectorConfig:
         help="at most N non-visible consumers get per-process series, oldest findings first (default "
         "{default}; ghostgpu_metrics_process_series_capped counts the rest)")
     alertmanager: tuple[str, ...] = setting(
-        (), flag="--alertmanager", parse=_alertmanager_urls,
-        action="append", metavar="URL", help="push findings to this Alertmanager as they open and resolve, "
+        (), flag="--alertmanager", action="append", metavar="URL",
+        help="push findings to this Alertmanager as they open and resolve, "
         "e.g. http://127.0.0.1:9093 (repeatable, or comma-separated)")
     alert_resend_s: float = setting(
         60.0, flag="--alertmanager-resend-s", dest="alertmanager_resend_s",
@@ -196,7 +196,7 @@ class CollectorConfig:
         "past it that address's oldest is closed (default {default})")
 
     def __post_init__(self) -> None:
-        if self.alertmanager:  # comma-separated, duplicates once: as --alertmanager takes them
+        if self.alertmanager:  # comma-separated, duplicates once (flag and file alike): checked here
             object.__setattr__(self, "alertmanager", _alertmanager_urls(self.alertmanager))
         for f in fields(self):
             check = f.metadata.get("check")

@@ -37,7 +37,9 @@ def _kind(value: object) -> str:
             dict: "a table"}.get(type(value), type(value).__name__)
 
 
-def _comma_list(text: str) -> list[str]:
+def comma_list(text: str) -> list[str]:
+    """A comma-separated list, as a flag or an environment variable writes one: items stripped,
+    empty ones dropped."""
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
@@ -70,7 +72,7 @@ def _from_text(hint: object, text: str) -> object:
             raise ValueError(f"expected true or false, got {text!r}")
         return flag
     if (kind := _strings(hint)) is not None:
-        return kind(_comma_list(text))
+        return kind(comma_list(text))
     raise ValueError("expected a table, which only the config file can set")
 
 
@@ -79,7 +81,7 @@ def _from_toml(hint: object, raw: object) -> object:
     list of strings may be one comma-separated string, as its flag takes it. ValueError otherwise."""
     if (kind := _strings(hint)) is not None:
         if isinstance(raw, str):
-            return kind(_comma_list(raw))
+            return kind(comma_list(raw))
         if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
             return kind(raw)
         raise ValueError(f"expected a list of strings, got {_kind(raw)}")
