@@ -1,6 +1,6 @@
 """Raise this process's soft RLIMIT_NOFILE to its hard limit.
 
-Every connection costs a descriptor (three for one relayed by the collector's TCP gate), and the
+Every connection costs a descriptor (three for one relayed by the collector's unix gate), and the
 soft limit is often 1024 where the hard one is far higher (systemd's default is 1024:524288;
 containerd gives pods 1048576 for both): a flood of idle connections then runs a server out of
 descriptors long before the caps that protect it. `ghostgpu collector`, `ghostgpu tracer` and
