@@ -605,7 +605,7 @@ PROSE: dict[tuple[str, str], list[Figure]] = {
         fig("stop the loop for {} ms", "metrics_scrape", full_gc_range),
         fig("instead of {} ms at {:,} nodes", "metrics_scrape_no_heap_policy", full_gc_range, "nodes"),
     ],
-    ("the first `run --demo --once` took", "MB (it held"): [
+    ("the first `run --demo --once` took", "MB."): [
         fig("took {:.0f} s, the second {:.0f} s, and the finished root is {:,} MB", "first_run",
             "first.wall_s", "second.wall_s", "root_size_mb"),
     ],
