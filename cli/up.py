@@ -196,7 +196,6 @@ def _open_db(db: str) -> str:
 
 def _start_collector(args: argparse.Namespace, listen: str, node: str, cri_endpoint: str | None,
                      db: str) -> Collector:
-    from ghostgpu.collector.config import CollectorConfig
     from ghostgpu.collector.heap import HeapPolicy
     from ghostgpu.collector.main import Collector
     from ghostgpu.collector.server import ListenError

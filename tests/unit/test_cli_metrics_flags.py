@@ -14,6 +14,7 @@ import pytest
 from ghostgpu.cli import main as cli
 from ghostgpu.cli import up
 from ghostgpu.collector.config import CollectorConfig, collector_config
+from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.run import run_collector
 
 from ghostgpu.common.system.settings import flag_values
@@ -173,3 +174,21 @@ def test_collector_never_prints_an_alertmanager_password(tmp_path: Path,
     assert run_collector(args, install_signals=stop_at_once) == 0
     err = capsys.readouterr().err
     assert "; alerts to http://127.0.0.1:9" in err and "s3cret" not in err
+
+
+def test_collector_and_up_give_their_collector_the_commands_gc_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both commands build the Collector with the HeapPolicy (gc state is process-wide: the commands
+    own it, collector/heap.py): a stand-in Collector records what it was given and refuses to start."""
+    given: list[object] = []
+
+    def stand_in(config: CollectorConfig, **collaborators: object) -> None:
+        given.append(collaborators.get("heap"))
+        raise ValueError("stand-in collector: not started")
+
+    monkeypatch.setattr("ghostgpu.collector.run.Collector", stand_in)
+    monkeypatch.setattr("ghostgpu.collector.main.Collector", stand_in)
+    assert run_collector(parse("collector", "--db", str(tmp_path / "c.db")), lambda _stop: None) == 2
+    with pytest.raises(up.FlagError, match="stand-in collector"):
+        up._start_collector(parse("up"), "127.0.0.1:0", "n1", None, str(tmp_path / "up.db"))
+    assert len(given) == 2 and all(isinstance(heap, HeapPolicy) for heap in given)
