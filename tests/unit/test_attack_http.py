@@ -88,7 +88,7 @@ def flood(server: HttpServer, socks: list[socket.socket], count: int, first: byt
         socks.append(s)
 
 
-# ---- item 8: slowloris, header deadline ----------------------------------------------------------
+# ---- slowloris, header deadline ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
@@ -126,7 +126,7 @@ def test_a_request_head_must_arrive_within_the_header_deadline(open_sockets: lis
         server.stop()
 
 
-# ---- item 9: basic auth --------------------------------------------------------------------------
+# ---- basic auth --------------------------------------------------------------------------
 
 
 def test_a_password_over_72_bytes_is_a_401_without_a_traceback(
@@ -196,7 +196,7 @@ def test_junk_from_one_address_neither_fails_the_probes_nor_limits_another(web_c
         server.stop()
 
 
-# ---- item 14: plaintext off loopback -------------------------------------------------------------
+# ---- plaintext off loopback -------------------------------------------------------------
 
 
 def test_plaintext_health_port_off_loopback_needs_insecure() -> None:

@@ -2,7 +2,8 @@
 mTLS on loopback with a policy file, certificates from a real CA (tests/helpers/certs.py), tracers
 speaking the stream proto (tests/helpers/sim_tracer.py) whose CRI relay answers from an in-process runtime
 (tests/helpers/cri_fake.py), and the audit log read back from disk (docs/SECURITY.md, "Threats and
-what stops them"). The real tracer's side of item 1 is tests/integration/test_attack_scope_tracer.py.
+what stops them"). The real tracer's side of the first (scopes inside the caller's namespaces) is
+tests/integration/test_attack_scope_tracer.py.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _denied(attack: Attack, method: str) -> list[dict[str, Any]]:
     return [r for r in attack.records("denied") if r["detail"]["method"] == f"/ghostgpu.v1.Query/{method}"]
 
 
-# ---- item 1: a trace-operator traces only inside its namespaces ----------------------------------------
+# ---- a trace-operator traces only inside its namespaces ----------------------------------------
 
 
 def test_an_operator_cannot_trace_a_host_pid_through_an_empty_namespace(attack: Attack) -> None:
@@ -164,7 +165,7 @@ def test_a_pid_that_cannot_be_confirmed_is_refused(attack: Attack, failure: str)
     assert [c for c in t.trace_commands if c.WhichOneof("body") == "trace_start"] == []
 
 
-# ---- item 2: reading and stopping other people's sessions ------------------------------------------------
+# ---- reading and stopping other people's sessions ------------------------------------------------
 
 
 def test_an_operator_reads_and_stops_only_what_its_namespaces_and_ownership_allow(attack: Attack) -> None:
@@ -209,7 +210,7 @@ def test_a_viewer_alone_reads_no_trace_session(attack: Attack) -> None:
         assert code == grpc.StatusCode.PERMISSION_DENIED
 
 
-# ---- item 4: only a node certificate naming the node streams as it ------------------------------------
+# ---- only a node certificate naming the node streams as it ------------------------------------
 
 
 @pytest.mark.parametrize("who", ["tracer by a group rule", "admin"])

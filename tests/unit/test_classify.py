@@ -144,7 +144,7 @@ CASES = [
      "grace"),
 ]
 
-# Node-wide holders: only nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/* (item 1). One
+# Node-wide holders: only nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps/*. One
 # consumer with no GPU, the same classes and grace, its reason naming the devices.
 NODE_WIDE = [
     ("node-wide-hidden", [ctr(100, hold(CTL, 3), hold(UVM, 4))], nv(), [(100, None, C.HIDDEN)],
@@ -175,7 +175,7 @@ NODE_WIDE = [
 MPS = h(200, hold(NV0, 9), comm="nvidia-cuda-mps")  # the server: comm is cut to 15 bytes
 MPS_BY_EXE = ctr(200, hold(NV0, 9), comm="x", exe="/usr/bin/nvidia-cuda-mps-server")
 
-# NVML lists a PID that is alive but holds no GPU device file (item 2): reused, unless an MPS server
+# NVML lists a PID that is alive but holds no GPU device file: reused, unless an MPS server
 # holds that GPU (its clients are listed while it holds the device).
 LISTED = [
     ("alive-unheld-pid-was-reused", [], nv(proc(301, 2 * GIB)), [(301, 0, C.GHOST)],
@@ -200,7 +200,7 @@ DONE = GpuWork(False)  # watched since its first open, allocated nothing
 COMPUTE = GpuWork(True, "RM_ALLOC AMPERE_COMPUTE_A (0xc6c0)")
 
 # A holder NVML does not list: a monitoring client (no allocation, no device memory mapped, whole
-# history) or a GPU job (item 3). Precedence: visible and pending win over monitor.
+# history) or a GPU job. Precedence: visible and pending win over monitor.
 MONITOR = [
     ("monitor-in-container", [ctr(100, hold(NV0, 5), hold(CTL, 3), work=DONE)], nv(), [(100, 0, C.MONITOR)],
      "allocated no memory, channel or compute class and mapped no device memory"),
@@ -235,7 +235,7 @@ MONITOR = [
      [(100, 0, C.SYSTEM)], "dcgm-exporter"),
 ]
 
-# `system` by executable path and by where it runs (item 4): the host, else its real class with a
+# `system` by executable path and by where it runs: the host, else its real class with a
 # note on the name it impersonates.
 SYSTEM = [
     ("container-named-like-a-daemon-is-hidden", [ctr(100, hold(NV0, 5), comm="nv-hostengine")], nv(),
