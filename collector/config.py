@@ -1,11 +1,13 @@
 """The collector's one typed configuration: defaults < config file (TOML, `--config`) < flags.
 
 Every setting is a field of CollectorConfig, and the field is the one place its default, its check
-and its unit are written. Its metadata (ghostgpu/common/system/settings.py) says what the command line
-needs (the flag, its argparse type, the help line with `{default}` filled in from the field), so
-cli/main.py declares the flags from here and a flag's help can never say another default than the one
-the collector uses. Component settings (SecurityOptions, TraceLimits, the store's and /metrics'
-limits) are slices of it.
+and its unit are written (but the mTLS connection caps' "1 or more", checked where the TCP gate is
+built: only TLS on a TCP port uses them). Its metadata (ghostgpu/common/system/settings.py) says
+what the command line needs (the flag, its argparse type, the help line with `{default}` filled in
+from the field), so cli/main.py declares the flags from here and a flag's help can never say another
+default than the one the collector uses. What a component takes (SecurityOptions, TraceLimits, the
+trace store's caps, /metrics' HttpCaps, the CRI cache's ttl, the Alertmanager resend) comes from
+here; none of them has a default of its own for it.
 
 The file is read by the reader the tracer's is (ghostgpu/common/system/configfile.py): TOML, its
 keys the field names, in a `[collector]` table or at the top level; a flag that is given wins over
