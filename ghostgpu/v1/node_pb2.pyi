@@ -65,7 +65,7 @@ class Process(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., ns_pid: _Optional[int] = ..., comm: _Optional[str] = ..., exe: _Optional[str] = ..., cmdline: _Optional[str] = ..., uid: _Optional[int] = ..., ppid: _Optional[int] = ..., start_time_ns: _Optional[int] = ..., state: _Optional[str] = ..., container_id: _Optional[str] = ..., pod_uid: _Optional[str] = ..., runtime: _Optional[str] = ..., cgroup_path: _Optional[str] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class Consumer(_message.Message):
-    __slots__ = ("node", "process", "gpu", "gpu_uuid", "gpu_minor", "devices", "reason", "gpu_memory_bytes", "first_seen_ns", "mapped", "fds", "allowlisted", "system_places")
+    __slots__ = ("node", "process", "gpu", "gpu_uuid", "gpu_minor", "devices", "reason", "gpu_memory_bytes", "first_seen_ns", "mapped", "fds", "allowlisted", "system_places", "allocated_bytes", "allocated_reason")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class Consumer(_message.Message):
     FDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWLISTED_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PLACES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_REASON_FIELD_NUMBER: _ClassVar[int]
     node: str
     process: Process
     gpu: int
@@ -93,7 +95,9 @@ class Consumer(_message.Message):
     fds: _containers.RepeatedScalarFieldContainer[int]
     allowlisted: str
     system_places: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node: _Optional[str] = ..., process: _Optional[_Union[Process, _Mapping]] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., gpu_minor: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., first_seen_ns: _Optional[int] = ..., mapped: _Optional[bool] = ..., fds: _Optional[_Iterable[int]] = ..., allowlisted: _Optional[str] = ..., system_places: _Optional[_Iterable[str]] = ..., **kwargs) -> None: ...
+    allocated_bytes: int
+    allocated_reason: str
+    def __init__(self, node: _Optional[str] = ..., process: _Optional[_Union[Process, _Mapping]] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., gpu_minor: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., gpu_memory_bytes: _Optional[int] = ..., first_seen_ns: _Optional[int] = ..., mapped: _Optional[bool] = ..., fds: _Optional[_Iterable[int]] = ..., allowlisted: _Optional[str] = ..., system_places: _Optional[_Iterable[str]] = ..., allocated_bytes: _Optional[int] = ..., allocated_reason: _Optional[str] = ..., **kwargs) -> None: ...
 
 class HolderEvent(_message.Message):
     __slots__ = ("kind", "source", "ts_ns", "process", "device", "fd", "cgroup_id", "child_pid", "mapped", "ioctls", "tid", "gpu", "gpu_uuid", "device_kind", "devices", "held_ns", "ioctls_counted")

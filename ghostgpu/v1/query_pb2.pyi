@@ -260,3 +260,43 @@ class ListAuditResponse(_message.Message):
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[AuditRecord]
     def __init__(self, records: _Optional[_Iterable[_Union[AuditRecord, _Mapping]]] = ...) -> None: ...
+
+class FaultHit(_message.Message):
+    __slots__ = ("consumer", "k8s")
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    K8S_FIELD_NUMBER: _ClassVar[int]
+    consumer: _stream_pb2.FaultConsumer
+    k8s: K8sIdentity
+    def __init__(self, consumer: _Optional[_Union[_stream_pb2.FaultConsumer, _Mapping]] = ..., k8s: _Optional[_Union[K8sIdentity, _Mapping]] = ...) -> None: ...
+
+class ClusterFault(_message.Message):
+    __slots__ = ("id", "node", "fault", "hits", "ts_unix_ns")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    node: str
+    fault: _stream_pb2.Fault
+    hits: _containers.RepeatedCompositeFieldContainer[FaultHit]
+    ts_unix_ns: int
+    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., fault: _Optional[_Union[_stream_pb2.Fault, _Mapping]] = ..., hits: _Optional[_Iterable[_Union[FaultHit, _Mapping]]] = ..., ts_unix_ns: _Optional[int] = ...) -> None: ...
+
+class ListFaultsRequest(_message.Message):
+    __slots__ = ("since_unix_ns", "node", "namespace", "limit")
+    SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    since_unix_ns: int
+    node: str
+    namespace: str
+    limit: int
+    def __init__(self, since_unix_ns: _Optional[int] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListFaultsResponse(_message.Message):
+    __slots__ = ("faults",)
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    faults: _containers.RepeatedCompositeFieldContainer[ClusterFault]
+    def __init__(self, faults: _Optional[_Iterable[_Union[ClusterFault, _Mapping]]] = ...) -> None: ...

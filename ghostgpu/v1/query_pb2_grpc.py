@@ -85,6 +85,11 @@ class QueryStub:
                 request_serializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditRequest.SerializeToString,
                 response_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditResponse.FromString,
                 _registered_method=True)
+        self.ListFaults = channel.unary_unary(
+                '/ghostgpu.v1.Query/ListFaults',
+                request_serializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsResponse.FromString,
+                _registered_method=True)
 
 
 class QueryServicer:
@@ -152,6 +157,13 @@ class QueryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListFaults(self, request, context):
+        """GPU faults (Xid) the tracers read from their kernel logs, with the pods each one hit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +216,11 @@ def add_QueryServicer_to_server(servicer, server):
                     servicer.ListAudit,
                     request_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditRequest.FromString,
                     response_serializer=ghostgpu_dot_v1_dot_query__pb2.ListAuditResponse.SerializeToString,
+            ),
+            'ListFaults': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFaults,
+                    request_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +493,33 @@ class Query:
             '/ghostgpu.v1.Query/ListAudit',
             ghostgpu_dot_v1_dot_query__pb2.ListAuditRequest.SerializeToString,
             ghostgpu_dot_v1_dot_query__pb2.ListAuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFaults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/ListFaults',
+            ghostgpu_dot_v1_dot_query__pb2.ListFaultsRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_query__pb2.ListFaultsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -111,21 +111,73 @@ class NodeInfo(_message.Message):
     def __init__(self, bpf: _Optional[bool] = ..., nvml: _Optional[bool] = ..., nvml_error: _Optional[str] = ..., driver_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "minor", "memory_total_bytes")
+    __slots__ = ("index", "uuid", "name", "minor", "memory_total_bytes", "pci_bus_id", "memory_used_bytes", "memory_listed_bytes", "memory_unlisted_bytes", "unaccounted_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LISTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UNLISTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNACCOUNTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
     minor: int
     memory_total_bytes: int
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., minor: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+    pci_bus_id: str
+    memory_used_bytes: int
+    memory_listed_bytes: int
+    memory_unlisted_bytes: int
+    unaccounted_bytes: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., minor: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_listed_bytes: _Optional[int] = ..., memory_unlisted_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ...) -> None: ...
+
+class FaultConsumer(_message.Message):
+    __slots__ = ("process", "named", "exited", "gpu")
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    process: _node_pb2.Process
+    named: bool
+    exited: bool
+    gpu: int
+    def __init__(self, process: _Optional[_Union[_node_pb2.Process, _Mapping]] = ..., named: _Optional[bool] = ..., exited: _Optional[bool] = ..., gpu: _Optional[int] = ...) -> None: ...
+
+class Fault(_message.Message):
+    __slots__ = ("ts_ns", "gpu", "gpu_uuid", "pci_bus_id", "xid", "severity", "meaning", "message", "pid", "process_name", "affected", "raw", "kmsg_seq")
+    TS_NS_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    MEANING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_NAME_FIELD_NUMBER: _ClassVar[int]
+    AFFECTED_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    KMSG_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ts_ns: int
+    gpu: int
+    gpu_uuid: str
+    pci_bus_id: str
+    xid: int
+    severity: str
+    meaning: str
+    message: str
+    pid: int
+    process_name: str
+    affected: _containers.RepeatedCompositeFieldContainer[FaultConsumer]
+    raw: str
+    kmsg_seq: int
+    def __init__(self, ts_ns: _Optional[int] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., xid: _Optional[int] = ..., severity: _Optional[str] = ..., meaning: _Optional[str] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ..., process_name: _Optional[str] = ..., affected: _Optional[_Iterable[_Union[FaultConsumer, _Mapping]]] = ..., raw: _Optional[str] = ..., kmsg_seq: _Optional[int] = ...) -> None: ...
 
 class NodeEvent(_message.Message):
-    __slots__ = ("seq", "ts_unix_ns", "finding", "resolved", "holder", "notice", "allocations", "info")
+    __slots__ = ("seq", "ts_unix_ns", "finding", "resolved", "holder", "notice", "allocations", "info", "fault")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +186,7 @@ class NodeEvent(_message.Message):
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     ts_unix_ns: int
     finding: _node_pb2.Consumer
@@ -142,7 +195,8 @@ class NodeEvent(_message.Message):
     notice: Notice
     allocations: Allocations
     info: NodeInfo
-    def __init__(self, seq: _Optional[int] = ..., ts_unix_ns: _Optional[int] = ..., finding: _Optional[_Union[_node_pb2.Consumer, _Mapping]] = ..., resolved: _Optional[_Union[_node_pb2.Consumer, _Mapping]] = ..., holder: _Optional[_Union[_node_pb2.HolderEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., allocations: _Optional[_Union[Allocations, _Mapping]] = ..., info: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+    fault: Fault
+    def __init__(self, seq: _Optional[int] = ..., ts_unix_ns: _Optional[int] = ..., finding: _Optional[_Union[_node_pb2.Consumer, _Mapping]] = ..., resolved: _Optional[_Union[_node_pb2.Consumer, _Mapping]] = ..., holder: _Optional[_Union[_node_pb2.HolderEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., allocations: _Optional[_Union[Allocations, _Mapping]] = ..., info: _Optional[_Union[NodeInfo, _Mapping]] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events",)
@@ -167,16 +221,20 @@ class Snapshot(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[_node_pb2.Consumer, _Mapping]]] = ..., allocations: _Optional[_Union[Allocations, _Mapping]] = ..., info: _Optional[_Union[NodeInfo, _Mapping]] = ..., ts_unix_ns: _Optional[int] = ..., stats: _Optional[_Union[TracerStats, _Mapping]] = ...) -> None: ...
 
 class TracerStats(_message.Message):
-    __slots__ = ("spool_events", "spool_dropped_total", "ringbuf_dropped_total", "reconnects_total")
+    __slots__ = ("spool_events", "spool_dropped_total", "ringbuf_dropped_total", "reconnects_total", "memory_objects_dropped_total", "kmsg_unparsed_total")
     SPOOL_EVENTS_FIELD_NUMBER: _ClassVar[int]
     SPOOL_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RINGBUF_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RECONNECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OBJECTS_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KMSG_UNPARSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     spool_events: int
     spool_dropped_total: int
     ringbuf_dropped_total: int
     reconnects_total: int
-    def __init__(self, spool_events: _Optional[int] = ..., spool_dropped_total: _Optional[int] = ..., ringbuf_dropped_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ...) -> None: ...
+    memory_objects_dropped_total: int
+    kmsg_unparsed_total: int
+    def __init__(self, spool_events: _Optional[int] = ..., spool_dropped_total: _Optional[int] = ..., ringbuf_dropped_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ..., memory_objects_dropped_total: _Optional[int] = ..., kmsg_unparsed_total: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("ts_unix_ns", "last_seq", "stats")

@@ -12,7 +12,6 @@ from ghostgpu.common.model.records import (
     AllocationsRecord,
     ConsumerRecord,
     ContainerAllocation,
-    GpuInfo,
     HolderRecord,
     InfoRecord,
     IoctlCount,
@@ -21,7 +20,13 @@ from ghostgpu.common.model.records import (
     Record,
 )
 from ghostgpu.common.model.trace import TraceRecord
-from ghostgpu.common.wire.convert import consumer_from_proto, holder_kind, opt_from_pb
+from ghostgpu.common.wire.convert import (
+    consumer_from_proto,
+    fault_from_proto,
+    gpu_from_proto,
+    holder_kind,
+    opt_from_pb,
+)
 from ghostgpu.common.wire.convert_trace import record_into
 from ghostgpu.v1 import node_pb2, stream_pb2, trace_pb2
 
@@ -51,8 +56,7 @@ def holder_from_proto(msg: node_pb2.HolderEvent, ts: float, node: str) -> Holder
 
 
 def info_from_proto(msg: stream_pb2.NodeInfo, ts: float, node: str) -> InfoRecord:
-    gpus = tuple(GpuInfo(g.index, g.uuid, g.name, opt_from_pb(g.minor, -1), g.memory_total_bytes or None)
-                 for g in msg.gpus)
+    gpus = tuple(gpu_from_proto(g) for g in msg.gpus)
     return InfoRecord(ts, node, msg.bpf, msg.nvml, msg.nvml_error, msg.driver_version, gpus)
 
 
@@ -77,6 +81,8 @@ def event_to_record(ev: stream_pb2.NodeEvent, node: str = "") -> Record:
         return NoticeRecord(ts, node, ev.notice.what, ev.notice.message)
     if body == "info":
         return info_from_proto(ev.info, ts, node)
+    if body == "fault":
+        return fault_from_proto(ev.fault, node, ts)
     return allocations_from_proto(ev.allocations, ts, node)
 
 

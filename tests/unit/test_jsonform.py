@@ -23,6 +23,8 @@ from ghostgpu.common.model.records import (
     AllocationsRecord,
     ConsumerRecord,
     ContainerAllocation,
+    FaultConsumer,
+    FaultRecord,
     GpuInfo,
     HolderRecord,
     InfoRecord,
@@ -38,12 +40,21 @@ CONSUMER = Consumer(
     devices=["/dev/nvidia0", "/dev/nvidiactl"], container_id="c" * 64, pod_uid="p", runtime="containerd",
     cls=ConsumerClass.HIDDEN, reason="holds /dev/nvidia0", gpu_memory_bytes=1 << 20, exe="/usr/bin/python3",
     cmdline="python3 x.py", uid=1000, ppid=1, state="S", start_time_ns=5, first_seen_ns=6, mapped=True,
-    fds=[3, 9], cgroup_path="/kubepods/x", alive=False, allowlisted="dcgm", system_places=["kube-system"])
+    fds=[3, 9], cgroup_path="/kubepods/x", alive=False, allowlisted="dcgm", system_places=["kube-system"],
+    allocated_bytes=3 << 30, allocated_reason="")
 IDENTITY = ProcessIdentity(ns_pid=7, comm="python3", exe="/usr/bin/python3", cmdline="python3 x.py", uid=0,
                            ppid=1, state="S", container_id="c" * 64, pod_uid="p", runtime="containerd",
                            cgroup_path="/kubepods/x", alive=False)
 IOCTLS = (IoctlCount("/dev/nvidiactl", 0xC020462A, "RM_ALLOC", 12), IoctlCount("/dev/nvidia0", 0x2A, "", 1))
-GPUS = (GpuInfo(0, "GPU-0", "H100", 0, 80 << 30), GpuInfo(1, "GPU-1", "", None, None))
+GPUS = (GpuInfo(0, "GPU-0", "H100", 0, 80 << 30, "00000000:3B:00.0", 9 << 30, 4 << 30, 3 << 30, 2 << 30),
+        GpuInfo(1, "GPU-1", "", None, None))
+FAULT_HIT = FaultConsumer(pid=42, named=True, exited=False, gpu=0, process=IDENTITY)
+FAULT = FaultRecord(ts=3.5, node="n", ts_ns=11, xid=79, gpu=0, gpu_uuid="GPU-0", pci_bus_id="0000:3b:00",
+                    severity="critical", meaning="GPU has fallen off the bus",
+                    message="GPU has fallen off the bus.",
+                    pid=42, process_name="python3", affected=(FAULT_HIT, FaultConsumer(pid=43, exited=True)),
+                    raw="NVRM: Xid (PCI:0000:3b:00): 79, pid=42, name=python3, GPU has fallen off the bus.",
+                    kmsg_seq=900)
 ALLOCATED = ContainerAllocation("ml", "train-0", "main", ("nvidia.com/gpu",), ("GPU-0", "GPU-1"))
 SCOPE = TraceScope(namespace="ml", pod="train-0", container="main", node="n", pid=42, gpu="0")
 SESSION = TraceSession(id="t-1", scope=SCOPE, requested_by="uid 0", started_unix_ns=1, deadline_unix_ns=2,
@@ -81,6 +92,12 @@ POPULATED: list[JsonForm] = [
     AllocationsRecord(1.0, "n", True, "", (ALLOCATED, ContainerAllocation("ml", "p", "c"))),
     AllocationsRecord(1.0, "n", False, "socket not found"),
     ReadyRecord(1.0, "n", True, False, 0.123, 2),
+    FAULT, FAULT_HIT,
+    FaultRecord(ts=3.5, node="n", ts_ns=12, xid=None, raw="NVRM: Xid (PCI:garbled", kmsg_seq=901),  # kept raw
+    Consumer(node="n", pid=9, ns_pid=None, comm="", gpu=0, gpu_uuid="", gpu_minor=0, devices=[],
+             container_id="", pod_uid="", runtime="", cls=ConsumerClass.HIDDEN, reason="",
+             gpu_memory_bytes=None,
+             allocated_bytes=None, allocated_reason="allocated before the tracer started"),
     TraceRecord(session="t-1", node="n", ts_ns=1, pid=42, tid=42, seq=1, kind="exit"),
 ]
 

@@ -71,6 +71,8 @@ def legacy_event(rec_ts: float, ev: SourceEvent, info: ProcessInfo | None, devic
 def legacy_consumer(c: Consumer) -> dict[str, Any]:
     d = asdict(c)
     d["class"] = str(d.pop("cls"))
+    if not d["allocated_reason"]:  # written only when it says why allocated_bytes is unknown
+        del d["allocated_reason"]
     return d
 
 

@@ -93,6 +93,10 @@ class Consumer(JsonForm):
     cls: ConsumerClass = field(metadata=json_meta(key="class", last=True))  # JSON: `class`, the last key
     reason: str
     gpu_memory_bytes: int | None  # what NVML says this PID uses on this GPU; None when NVML does not say
+    # What the driver accepted from this process's own allocation calls on this GPU, less what it
+    # freed (tracer/gpu_memory.py); None: unknown, and allocated_reason says why. Never 0 for unknown.
+    allocated_bytes: int | None = None
+    allocated_reason: str = field(default="", metadata=json_meta(omit_default=True))
     exe: str = ""
     cmdline: str = ""
     uid: int | None = None

@@ -24,7 +24,7 @@ from ghostgpu.common.model.jsonform import HEX, JsonForm, json_meta
 
 HOLDER_KINDS = ("open", "close", "mmap", "unmap", "fork", "exec", "exit")
 # Record kinds that travel on the stream; `ready` is a local start-up marker and does not.
-STREAMED_KINDS = frozenset((*HOLDER_KINDS, "finding", "resolved", "notice", "info", "allocations"))
+STREAMED_KINDS = frozenset((*HOLDER_KINDS, "finding", "resolved", "notice", "info", "allocations", "fault"))
 
 JsonRecord = dict[str, Any]
 
@@ -123,6 +123,13 @@ class GpuInfo(JsonForm):
     name: str
     minor: int | None
     memory_total_bytes: int | None
+    pci_bus_id: str = ""  # NVML's, "00000000:3B:00.0"
+    # NVML's used memory, split (tracer/gpu_memory.py memory_split): what NVML attributes to the
+    # processes it lists; what the consumers it does not list hold by their driver calls; the rest.
+    memory_used_bytes: int | None = None
+    memory_listed_bytes: int | None = None
+    memory_unlisted_bytes: int | None = None
+    unaccounted_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +144,41 @@ class InfoRecord(JsonForm):
     nvml_error: str = ""
     driver_version: str = ""
     gpus: tuple[GpuInfo, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FaultConsumer(JsonForm):
+    """One process a GPU fault hit: it held the GPU when the driver logged the Xid."""
+
+    pid: int  # host PID
+    named: bool = False  # the driver's message named this process
+    exited: bool = False  # it had already exited (within the look-back) when the Xid came
+    gpu: int | None = None  # the GPU it held; None: node-wide devices only
+    process: ProcessIdentity | None = field(default=None, metadata=json_meta(flatten=True,
+                                                                            absent=_NO_IDENTITY_JSON))
+
+
+@dataclass(frozen=True, slots=True)
+class FaultRecord(JsonForm):
+    """A GPU fault (Xid) from the kernel log, joined to the consumers that held that GPU then
+    (tracer/faults.py). A line that did not parse is a fault too: `xid` None, `raw` keeps it."""
+
+    event: ClassVar[str] = "fault"
+    ts: float  # unix seconds, when the tracer read the line
+    node: str
+    ts_ns: int  # when the driver logged it, since boot (CLOCK_BOOTTIME, converted from the printk clock)
+    xid: int | None
+    gpu: int | None = None  # NVML index of the GPU with that PCI bus id; None: none matched
+    gpu_uuid: str = ""
+    pci_bus_id: str = ""  # as the driver wrote it
+    severity: str = "unknown"  # critical | warning | info | unknown (tracer/xid_catalog.py)
+    meaning: str = ""
+    message: str = ""  # the driver's text after the Xid number
+    pid: int | None = None  # the process the driver named
+    process_name: str = ""
+    affected: tuple[FaultConsumer, ...] = ()  # the named process first
+    raw: str = ""
+    kmsg_seq: int = 0
 
 
 # The NVIDIA device plugin's time-slicing and MPS sharing advertise replica N of a device as `<ID>::N`.
@@ -183,11 +225,13 @@ class ReadyRecord(JsonForm):
     holders: int
 
 
-Record = HolderRecord | ConsumerRecord | NoticeRecord | InfoRecord | AllocationsRecord | ReadyRecord
+Record = (HolderRecord | ConsumerRecord | NoticeRecord | InfoRecord | AllocationsRecord | ReadyRecord
+          | FaultRecord)
 
 _RECORD_TYPES: dict[str, type[Record]] = {
     **dict.fromkeys(HOLDER_KINDS, HolderRecord), "finding": ConsumerRecord, "resolved": ConsumerRecord,
     "notice": NoticeRecord, "info": InfoRecord, "allocations": AllocationsRecord, "ready": ReadyRecord,
+    "fault": FaultRecord,
 }
 
 

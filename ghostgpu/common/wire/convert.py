@@ -30,6 +30,9 @@ from ghostgpu.common.model.records import (
     HOLDER_KINDS,
     AllocationsRecord,
     ConsumerRecord,
+    FaultConsumer,
+    FaultRecord,
+    GpuInfo,
     HolderRecord,
     InfoRecord,
     NoticeRecord,
@@ -110,6 +113,9 @@ def consumer_into(msg: node_pb2.Consumer, c: Consumer) -> None:
     setattr(msg, "class", _CLASS_TO_PB[c.cls])  # `class` is a Python keyword
     if c.gpu_memory_bytes is not None:
         msg.gpu_memory_bytes = c.gpu_memory_bytes
+    if c.allocated_bytes is not None:
+        msg.allocated_bytes = c.allocated_bytes
+    msg.allocated_reason = c.allocated_reason
 
 
 def consumer_to_proto(c: Consumer) -> node_pb2.Consumer:
@@ -126,6 +132,8 @@ def consumer_from_proto(msg: node_pb2.Consumer) -> Consumer:
         container_id=p.container_id, pod_uid=p.pod_uid, runtime=p.runtime,
         cls=class_from_proto(getattr(msg, "class")), reason=msg.reason,
         gpu_memory_bytes=msg.gpu_memory_bytes if msg.HasField("gpu_memory_bytes") else None,
+        allocated_bytes=msg.allocated_bytes if msg.HasField("allocated_bytes") else None,
+        allocated_reason=msg.allocated_reason,
         exe=p.exe, cmdline=p.cmdline, uid=opt_from_pb(p.uid, -1), ppid=opt_from_pb(p.ppid, 0), state=p.state,
         start_time_ns=opt_from_pb(p.start_time_ns, 0), first_seen_ns=opt_from_pb(msg.first_seen_ns, 0),
         mapped=msg.mapped, fds=list(msg.fds), cgroup_path=p.cgroup_path, alive=p.alive,
@@ -155,11 +163,62 @@ def holder_into(msg: node_pb2.HolderEvent, rec: HolderRecord) -> None:
 
 # --- node info and allocations ------------------------------------------------------------------
 
+def gpu_to_proto(g: GpuInfo) -> stream_pb2.Gpu:
+    msg = stream_pb2.Gpu(index=g.index, uuid=g.uuid, name=g.name, minor=opt_to_pb(g.minor, -1),
+                         memory_total_bytes=g.memory_total_bytes or 0, pci_bus_id=g.pci_bus_id)
+    for name in _GPU_MEMORY_FIELDS:
+        value = getattr(g, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def gpu_from_proto(m: stream_pb2.Gpu) -> GpuInfo:
+    memory = {name: getattr(m, name) if m.HasField(name) else None for name in _GPU_MEMORY_FIELDS}
+    return GpuInfo(index=m.index, uuid=m.uuid, name=m.name, minor=opt_from_pb(m.minor, -1),
+                   memory_total_bytes=m.memory_total_bytes or None, pci_bus_id=m.pci_bus_id, **memory)
+
+
+_GPU_MEMORY_FIELDS = (
+    "memory_used_bytes", "memory_listed_bytes", "memory_unlisted_bytes", "unaccounted_bytes")
+
+
 def info_to_proto(rec: InfoRecord) -> stream_pb2.NodeInfo:
-    return stream_pb2.NodeInfo(
-        bpf=rec.bpf, nvml=rec.nvml, nvml_error=rec.nvml_error, driver_version=rec.driver_version,
-        gpus=[stream_pb2.Gpu(index=g.index, uuid=g.uuid, name=g.name, minor=opt_to_pb(g.minor, -1),
-                             memory_total_bytes=g.memory_total_bytes or 0) for g in rec.gpus])
+    return stream_pb2.NodeInfo(bpf=rec.bpf, nvml=rec.nvml, nvml_error=rec.nvml_error,
+                               driver_version=rec.driver_version, gpus=[gpu_to_proto(g) for g in rec.gpus])
+
+
+# --- faults ----------------------------------------------------------------------------------------
+
+def fault_to_proto(rec: FaultRecord) -> stream_pb2.Fault:
+    msg = stream_pb2.Fault(
+        ts_ns=rec.ts_ns, gpu=opt_to_pb(rec.gpu, -1), gpu_uuid=rec.gpu_uuid, pci_bus_id=rec.pci_bus_id,
+        xid=opt_to_pb(rec.xid, -1), severity=rec.severity, meaning=rec.meaning, message=rec.message,
+        pid=rec.pid or 0, process_name=rec.process_name, raw=rec.raw, kmsg_seq=rec.kmsg_seq)
+    for a in rec.affected:
+        hit = msg.affected.add(named=a.named, exited=a.exited, gpu=opt_to_pb(a.gpu, -1))
+        _process_into(hit.process, a.pid, a.process or _NO_IDENTITY)
+    return msg
+
+
+def fault_from_proto(m: stream_pb2.Fault, node: str, ts: float) -> FaultRecord:
+    return FaultRecord(
+        ts=ts, node=node, ts_ns=m.ts_ns, xid=opt_from_pb(m.xid, -1), gpu=opt_from_pb(m.gpu, -1),
+        gpu_uuid=m.gpu_uuid, pci_bus_id=m.pci_bus_id, severity=m.severity, meaning=m.meaning,
+        message=m.message, pid=m.pid or None, process_name=m.process_name, raw=m.raw, kmsg_seq=m.kmsg_seq,
+        affected=tuple(_fault_consumer_from_proto(a) for a in m.affected))
+
+
+def _fault_consumer_from_proto(a: stream_pb2.FaultConsumer) -> FaultConsumer:
+    return FaultConsumer(pid=a.process.pid, named=a.named, exited=a.exited, gpu=opt_from_pb(a.gpu, -1),
+                         process=process_identity_from_proto(a.process))
+
+
+def process_identity_from_proto(p: node_pb2.Process) -> ProcessIdentity:
+    return ProcessIdentity(ns_pid=opt_from_pb(p.ns_pid, 0), comm=p.comm, exe=p.exe, cmdline=p.cmdline,
+                           uid=opt_from_pb(p.uid, -1), ppid=opt_from_pb(p.ppid, 0), state=p.state,
+                           container_id=p.container_id, pod_uid=p.pod_uid, runtime=p.runtime,
+                           cgroup_path=p.cgroup_path, alive=p.alive)
 
 
 def allocations_to_proto(rec: AllocationsRecord) -> stream_pb2.Allocations:
@@ -193,9 +252,13 @@ def _allocations_body(ev: stream_pb2.NodeEvent, rec: AllocationsRecord) -> None:
     ev.allocations.CopyFrom(allocations_to_proto(rec))
 
 
+def _fault_body(ev: stream_pb2.NodeEvent, rec: FaultRecord) -> None:
+    ev.fault.CopyFrom(fault_to_proto(rec))
+
+
 _BODY: dict[type, Callable[[stream_pb2.NodeEvent, Any], None]] = {
     HolderRecord: _holder_body, ConsumerRecord: _consumer_body, NoticeRecord: _notice_body,
-    InfoRecord: _info_body, AllocationsRecord: _allocations_body,
+    InfoRecord: _info_body, AllocationsRecord: _allocations_body, FaultRecord: _fault_body,
 }
 
 
