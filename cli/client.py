@@ -170,6 +170,13 @@ class Query:
                                             classes=[class_to_proto(c) for c in classes or []])
         return list(self._call(self.stub.ListFindings, req).findings)
 
+    def faults(self, since_unix_ns: int, node: str = "", namespace: str = "",
+               limit: int = 0) -> list[query_pb2.ClusterFault]:
+        """ListFaults: GPU faults read at or after `since`, the newest `limit`, oldest first."""
+        req = query_pb2.ListFaultsRequest(since_unix_ns=since_unix_ns, node=node or "",
+                                          namespace=namespace or "", limit=max(0, limit))
+        return list(self._call(self.stub.ListFaults, req).faults)
+
     def events(self, node: str, instance_id: str, after_seq: int,
                limit: int = 0) -> list[query_pb2.StoredEvent]:
         req = query_pb2.ListEventsRequest(node=node, instance_id=instance_id, after_seq=after_seq,

@@ -66,9 +66,9 @@ def _add_collector_flags(p: argparse.ArgumentParser) -> None:
     def add(name: str) -> None:
         add_flag(p, CollectorConfig, name)
 
-    for name in ("listen", "db_path", "retention_days", "event_log_max", "cri_endpoint", "cri_ttl_s",
-                 "metrics_listen", "metrics_max_process_series", "alertmanager", "alert_resend_s",
-                 "alert_labels"):
+    for name in ("listen", "db_path", "retention_days", "event_log_max", "faults_max", "cri_endpoint",
+                 "cri_ttl_s", "metrics_listen", "metrics_max_process_series", "alertmanager",
+                 "alert_resend_s", "alert_fault_hold_s", "alert_labels"):
         add(name)
     # Trace sessions (docs/TRACE.md). --trace-max-duration and --trace-max-records are also tracer
     # limits: where the parser has them already (`up`, from its tracer's flags), one value serves both.
@@ -245,6 +245,17 @@ def _add_ps_and_findings_parsers(sub: Any) -> None:
     findings.add_argument("--since", default="1h", help="how far back: 30s, 15m, 1h, 7d (default 1h)")
     findings.add_argument("--limit", type=int, default=1000)
 
+    faults = sub.add_parser("faults", help="GPU faults (Xid) the drivers logged, with the pods each one hit")
+    faults.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
+                        f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
+    faults.add_argument("--since", default="1h", help="how far back: 30s, 15m, 1h, 7d (default 1h)")
+    faults.add_argument("-n", "--namespace", help="only faults that hit a pod of this namespace")
+    faults.add_argument("--node", help="only this node")
+    faults.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
+    faults.add_argument("--limit", type=int, default=1000, help="the newest N at most (default 1000)")
+    add_tls_flags(faults)
+    add_collector_uid_flag(faults)
+
 
 def _add_up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="collector and tracer on this node with a live view of the GPU consumers")
@@ -309,6 +320,13 @@ def cmd_query(args: argparse.Namespace) -> int:
     return {"ps": client.cmd_ps, "findings": client.cmd_findings}[args.command](args)
 
 
+def cmd_faults(args: argparse.Namespace) -> int:
+    """`faults`, defined in cli/faults.py: imported only when it runs (grpc)."""
+    from ghostgpu.cli.faults import cmd_faults as run
+
+    return run(args)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     """`trace` and `trace list|show|stop`, defined in cli/trace.py: imported only when one runs."""
     from ghostgpu.cli.trace import cmd_trace as run
@@ -348,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             # detection latency p50 from 44 to 30 ms on a 2-core VM (bench/bench_detect_latency.py).
             sys.setswitchinterval(0.0005)
         commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector,
-                    "ps": cmd_query, "findings": cmd_query, "up": cmd_up,
+                    "ps": cmd_query, "findings": cmd_query, "faults": cmd_faults, "up": cmd_up,
                     "trace": cmd_trace, "audit": cmd_audit, "certs": cmd_certs}
         return commands[args.command](args)
     except ConfigError as exc:

@@ -1,5 +1,10 @@
-"""What the direct Alertmanager push sends: alert names, labels and texts per finding, and the book
-of alerts (label set -> latest state) with what each Alertmanager has taken.
+"""What the direct Alertmanager push sends: alert names, labels and texts per finding and per GPU
+fault, and the book of alerts (label set -> latest state) with what each Alertmanager has taken.
+
+A GPU fault (Xid, collector/faults.py) is an instant, not a state: its alert (GhostGPUXid, one per
+fault: the fault's ID is a label) is sent with endsAt = startsAt + `fault_hold_s`, re-sent like any
+alert until then, and Alertmanager resolves it at endsAt by itself. Its annotations name the pods the
+fault hit; a fault whose CRI lookups are still running waits up to settle_s for those names.
 
 Labels are an alert's identity in Alertmanager, so a finding whose labels change (CRI names that
 arrive late) resolves its old label set and fires the new one. Empty label values are left out,
@@ -19,7 +24,9 @@ from datetime import UTC, datetime
 from itertools import islice
 
 from ghostgpu.collector.cri import PENDING_ERROR
+from ghostgpu.collector.faults import names_pending as hit_names_pending
 
+from ghostgpu.common.model.display import LISTING_ID_LEN, short_id
 from ghostgpu.common.wire.convert import class_from_proto
 from ghostgpu.v1 import query_pb2
 
@@ -86,8 +93,13 @@ ALERT_ANNOTATIONS: dict[str, dict[str, str]] = {
     },
 }
 PLACEHOLDERS = ("node", "gpu", "gpu_uuid", "namespace", "pod", "container", "pid", "comm")
+# One alert per GPU fault; its severity is the Xid catalogue's (tracer/xid_catalog.py), an Xid the
+# catalogue does not know (or a line that did not parse) a warning: Alertmanager routes by severity.
+FAULT_ALERT = "GhostGPUXid"
+FAULT_SEVERITIES = frozenset({"critical", "warning", "info"})
 BUILTIN_LABELS = ("alertname", "severity", "node", "gpu", "gpu_uuid", "class", "namespace", "pod",
-                  "container", "pid", "comm", "source")
+                  "container", "pid", "comm", "source", "xid", "fault_id")
+MAX_FAULT_ALERTS = 10_000  # fault alerts kept for re-sending; past this the oldest go first
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # the legacy charset every Alertmanager accepts
 MAX_RESOLVED_ALERTS = 10_000  # resolved alerts kept for re-sending; past this the oldest go first
 
@@ -123,6 +135,73 @@ def finding_labels(f: query_pb2.Finding, extra: dict[str, str]) -> dict[str, str
 def alert_annotations(labels: dict[str, str]) -> dict[str, str]:
     values = {k: labels.get(k, "") for k in PLACEHOLDERS}
     return {name: text.format_map(values) for name, text in ALERT_ANNOTATIONS[labels["alertname"]].items()}
+
+
+def fault_labels(cf: query_pb2.ClusterFault, extra: dict[str, str]) -> dict[str, str]:
+    """A fault's alert labels (empty values left out): where, which Xid, how bad, and its ID, so that
+    each fault is an alert of its own (two Xids of one kind on one GPU are two events)."""
+    f = cf.fault
+    severity = f.severity if f.severity in FAULT_SEVERITIES else "warning"
+    labels = {"alertname": FAULT_ALERT, "severity": severity, "node": cf.node,
+              "gpu": "" if f.gpu < 0 else str(f.gpu), "gpu_uuid": f.gpu_uuid,
+              "xid": "" if f.xid < 0 else str(f.xid), "fault_id": str(cf.id), "source": SOURCE, **extra}
+    return {k: v for k, v in labels.items() if v}
+
+
+def hit_name(hit: query_pb2.FaultHit) -> str:
+    """namespace/pod when CRI named it, else the container ID's prefix, else "host"."""
+    k8s, p = hit.k8s, hit.consumer.process
+    if k8s.pod:
+        return f"{k8s.namespace}/{k8s.pod}"
+    if p.container_id:
+        return f"container {short_id(p.container_id, LISTING_ID_LEN)}"
+    return "host"
+
+
+def hit_pods(cf: query_pb2.ClusterFault) -> str:
+    """The pods (or containers, or the host) a fault hit, each once, the named process's first."""
+    return ", ".join(dict.fromkeys(hit_name(h) for h in cf.hits)) or "no process held the GPU"
+
+
+def hit_detail(hit: query_pb2.FaultHit) -> str:
+    """One hit as a phrase: PID (comm) in where, and what became of it."""
+    k8s, c = hit.k8s, hit.consumer
+    p = c.process
+    where = hit_name(hit)
+    if k8s.container:
+        where = f"container {k8s.container} of pod {where}"
+    notes = []
+    if c.named:
+        notes.append("named by the driver")
+    if c.exited:
+        notes.append("had exited")
+    if k8s.resolution == "not_found":
+        notes.append("its container is gone")
+    elif k8s.container_state in ("CONTAINER_EXITED", "CONTAINER_UNKNOWN"):
+        notes.append(f"its container {k8s.container_state.removeprefix('CONTAINER_').lower()}")
+    tail = f" ({', '.join(notes)})" if notes else ""
+    return f"PID {p.pid} ({p.comm or '?'}) in {where}{tail}"
+
+
+def fault_annotations(cf: query_pb2.ClusterFault) -> dict[str, str]:
+    f = cf.fault
+    xid = f"Xid {f.xid}" if f.xid >= 0 else "An Xid line that did not parse"
+    gpu = f"GPU {f.gpu}" if f.gpu >= 0 else "a GPU NVML did not match"
+    ids = ", ".join(x for x in (f.gpu_uuid, f"PCI {f.pci_bus_id}" if f.pci_bus_id else "") if x)
+    where = f"{gpu} ({ids})" if ids else gpu
+    meaning = f.meaning or "not in the Xid catalogue"
+    pods = hit_pods(cf)
+    hits = "; ".join(hit_detail(h) for h in cf.hits) or "no process held the GPU"
+    return {
+        "summary": f"{xid} on node {cf.node} {gpu}: {meaning}; hit {pods}",
+        "description": (
+            f"The NVIDIA driver on node {cf.node} reported {xid} for {where}: {meaning}. Its message: "
+            f"{f.message or f.raw or '(none)'}. It hit {hits}. See NVIDIA's Xid catalogue for what to do; "
+            f"`ghostgpu faults --node {cf.node} -o wide` lists it with the pods."),
+        "pods": pods,
+        "meaning": meaning,
+        "message": f.message or f.raw,
+    }
 
 
 def names_pending(f: query_pb2.Finding) -> bool:
@@ -168,6 +247,9 @@ class AlertBook:
         self._version = 0
         self._now = 0.0
         self._unknown_classes: set[str] = set()
+        self.fault_hold_s = 3600.0  # AlertPusher sets it from --alert-fault-hold
+        self.faults_held: dict[int, tuple[query_pb2.ClusterFault, float]] = {}  # ID -> (fault, until mono)
+        self.fault_ends: dict[Key, float] = {}  # fault alerts -> their endsAt (unix s), oldest first
 
     # ---- findings in ----------------------------------------------------------------------------
 
@@ -185,6 +267,61 @@ class AlertBook:
                               or self._first_resolved_mono() + self.resolved_keep_s <= now_mono):
             self._expire(now_mono)
         return changed
+
+    # ---- GPU faults in ------------------------------------------------------------------------------
+
+    def apply_faults(self, faults: Iterable[query_pb2.ClusterFault], now_mono: float) -> bool:
+        """Take faults (the latest state of each) and due holds; True when an alert changed."""
+        self._now = now_mono
+        changed = False
+        for cf in faults:
+            pending = any(hit_names_pending(h.k8s) for h in cf.hits)
+            held = cf.id in self.faults_held
+            if pending and self.settle_s > 0 and (held or _fault_key(cf, self.extra) not in self.alerts):
+                until = self.faults_held[cf.id][1] if held else now_mono + self.settle_s
+                self.faults_held[cf.id] = (cf, until)
+                continue
+            self.faults_held.pop(cf.id, None)
+            self._put_fault(cf)
+            changed = True
+        for fid in [fid for fid, (_, until) in self.faults_held.items() if until <= now_mono]:
+            self._put_fault(self.faults_held.pop(fid)[0])  # settle_s passed without names: send what is known
+            changed = True
+        if self.fault_ends:
+            self._expire_faults(time.time())
+        return changed
+
+    def _put_fault(self, cf: query_pb2.ClusterFault) -> None:
+        labels = fault_labels(cf, self.extra)
+        key = _key(labels)
+        starts_unix_s = cf.ts_unix_ns / 1e9 or time.time()
+        ends_unix_s = starts_unix_s + self.fault_hold_s
+        self._version += 1
+        body: dict[str, object] = {"labels": labels, "annotations": fault_annotations(cf),
+                                   "startsAt": rfc3339(starts_unix_s), "endsAt": rfc3339(ends_unix_s)}
+        self.alerts[key] = _Alert(body, self._version, 0)
+        self.fault_ends.pop(key, None)
+        self.fault_ends[key] = ends_unix_s
+        for unsent in self.unsent.values():
+            unsent[key] = None
+        while len(self.fault_ends) > MAX_FAULT_ALERTS:
+            self._forget(next(iter(self.fault_ends)))
+
+    def _expire_faults(self, now_unix_s: float) -> None:
+        """Forget fault alerts resolved_keep_s past their endsAt that every Alertmanager took (it
+        resolved them at endsAt by itself); ones not yet taken stay, to be sent as resolved."""
+        for key, ends_unix_s in list(self.fault_ends.items()):
+            if ends_unix_s + self.resolved_keep_s > now_unix_s:
+                break  # oldest first: the rest end later (one hold for all)
+            if self._everywhere(key):
+                self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        self.fault_ends.pop(key, None)
+        self.alerts.pop(key, None)
+        for target in self.unsent:
+            self.unsent[target].pop(key, None)
+            self.taken_by[target].pop(key, None)
 
     def _first_resolved_mono(self) -> float:
         return next(iter(self.resolved.values()))
@@ -297,6 +434,8 @@ class AlertBook:
         next_mono = self.next_cycle_mono[target]
         if self.held:
             next_mono = min(next_mono, min(self.held.values()))
+        if self.faults_held:
+            next_mono = min(next_mono, min(until for _, until in self.faults_held.values()))
         if self.resolved and (expire_mono := self._first_resolved_mono() + self.resolved_keep_s) > now_mono:
             next_mono = min(next_mono, expire_mono)
         return batch, next_mono
@@ -317,8 +456,12 @@ class AlertBook:
 
     def pending(self) -> int:
         """Alerts some Alertmanager has not taken at their latest version, plus findings held to settle."""
-        return len(self.held) + len(set().union(*self.unsent.values()))
+        return len(self.held) + len(self.faults_held) + len(set().union(*self.unsent.values()))
 
 
 def _key(labels: dict[str, str]) -> Key:
     return tuple(sorted(labels.items()))
+
+
+def _fault_key(cf: query_pb2.ClusterFault, extra: dict[str, str]) -> Key:
+    return _key(fault_labels(cf, extra))

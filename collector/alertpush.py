@@ -12,6 +12,10 @@ hangs never delays the other). A sender turns those events into the alert book (
 alert) and posts what its Alertmanager has not yet acknowledged, or everything every `resend_s`:
 firing alerts without endsAt (so Alertmanager's resolve_timeout ends them if the collector dies),
 resolved ones with endsAt for `resolved_keep_s`, as Alertmanager's docs ask of a direct client.
+
+GPU faults (collector/faults.py) come the same way: the fault book calls `offer_fault()` on the loop
+for each new fault and each change of its pod names; it is filed by fault ID (the latest wins) and
+becomes one alert with endsAt `fault_hold_s` after the fault (collector/alertbook.py).
 """
 
 from __future__ import annotations
@@ -113,12 +117,14 @@ class _Target:
 class AlertPusher:
     def __init__(self, urls: list[str], *, resend_s: float, extra_labels: dict[str, str] | None = None,
                  resolved_keep_s: float = 300.0, timeout_s: float = 5.0,
-                 settle_s: float = 1.0, max_batch: int = 500) -> None:
+                 settle_s: float = 1.0, max_batch: int = 500, fault_hold_s: float = 3600.0) -> None:
         endpoints = [Endpoint.parse(u) for u in parse_alertmanager_urls(urls)]
         if not endpoints:
             raise ValueError("--alertmanager: no URL given; use http://HOST:PORT (e.g. http://127.0.0.1:9093)")
         if not resend_s > 0:
             raise ValueError(f"--alertmanager-resend-s {resend_s}: must be above 0 (e.g. 60)")
+        if not fault_hold_s > 0:
+            raise ValueError(f"--alert-fault-hold {fault_hold_s}: must be above 0 (e.g. 1h)")
         if timeout_s <= 0 or resolved_keep_s < 0 or settle_s < 0 or max_batch < 1:
             raise ValueError(f"AlertPusher: timeout_s {timeout_s} must be > 0, resolved_keep_s "
                              f"{resolved_keep_s} and settle_s {settle_s} >= 0, max_batch {max_batch} >= 1")
@@ -129,7 +135,9 @@ class AlertPusher:
         self._targets = [_Target(e, timeout_s) for e in endpoints]
         self._book = AlertBook([t.name for t in self._targets], extra, resend_s=resend_s,
                                resolved_keep_s=resolved_keep_s, settle_s=settle_s)
+        self._book.fault_hold_s = fault_hold_s
         self._inbox: dict[int, query_pb2.FindingEvent] = {}
+        self._fault_inbox: dict[int, query_pb2.ClusterFault] = {}
         self._inbox_lock = threading.Lock()  # held only to file or swap the inbox: push() never waits long
         self._inbox_dropped = 0
         self._lock = threading.Lock()  # the book and the counters below; never held across a POST
@@ -166,6 +174,21 @@ class AlertPusher:
         except Exception:  # a watcher must not break ingest; the next event carries the state again
             log.exception("alertpush: could not queue a finding event")
 
+    def offer_fault(self, fault: query_pb2.ClusterFault) -> None:
+        """A new GPU fault, or new names for its pods: O(1), never blocks, never raises (ingest calls it)."""
+        try:
+            with self._inbox_lock:
+                full = len(self._fault_inbox) >= MAX_INBOX and fault.id not in self._fault_inbox
+                if full:
+                    self._inbox_dropped += 1
+                else:
+                    self._fault_inbox[fault.id] = fault
+            if not full:
+                for t in self._targets:
+                    t.wake.set()
+        except Exception:  # as _offer: the next change carries the fault again
+            log.exception("alertpush: could not queue a GPU fault")
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -201,7 +224,9 @@ class AlertPusher:
         """Move queued events into the book (the caller holds self._lock); wake every sender on a change."""
         with self._inbox_lock:
             events, self._inbox = self._inbox, {}
+            faults, self._fault_inbox = self._fault_inbox, {}
         changed = self._book.apply(events.values(), now_mono)
+        changed |= self._book.apply_faults(faults.values(), now_mono)
         if changed:
             for t in self._targets:
                 t.wake.set()

@@ -54,6 +54,13 @@ def _at_least_0(flag: str, what: str) -> Callable[[Any], None]:
     return check
 
 
+def _at_least_1(flag: str) -> Callable[[Any], None]:
+    def check(value: int) -> None:
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be 1 or more")
+    return check
+
+
 def _check_listen(addresses: Sequence[str]) -> None:
     from ghostgpu.collector.server import check_listen  # grpc: only when a collector is configured
 
@@ -116,6 +123,10 @@ class CollectorConfig:
     retention_days: float = setting(
         7.0, flag="--retention-days", check=_above_0("--retention-days"), type=float,
         help="keep findings resolved within this many days (default {default})")
+    faults_max: int = setting(
+        10_000, flag="--faults-max", check=_at_least_1("--faults-max"), type=int, metavar="N",
+        help="GPU faults (Xid) kept, with the pods each hit; past it the oldest go, counted in "
+        "ghostgpu_faults_dropped_total (default {default})")
     event_log_max: int = setting(
         1_000_000, flag="--event-log-max", check=_at_least_0("--event-log-max", "0 (keep none) or more"),
         type=int, help="events kept in the event log, newest first (default {default}; 0 keeps none)")
@@ -145,6 +156,11 @@ class CollectorConfig:
         60.0, flag="--alertmanager-resend-s", dest="alertmanager_resend_s",
         check=_above_0("--alertmanager-resend-s"), type=float, metavar="S",
         help="re-send open alerts every S seconds (default {default})")
+    alert_fault_hold_s: float = setting(
+        3600.0, flag="--alert-fault-hold", dest="alert_fault_hold", check=_above_0("--alert-fault-hold"),
+        parse=duration_flag("--alert-fault-hold"), show=format_s, metavar="D",
+        help="a GPU fault is an instant: its pushed alert ends this long after the fault (default "
+        "{default})")
     alert_labels: dict[str, str] = field(default_factory=dict, metadata=meta(
         flag="--alert-label", dest="alert_labels", check=_check_alert_labels, parse=_alert_labels,
         action="append", metavar="KEY=VALUE", help="extra label on every pushed alert (repeatable), "

@@ -32,6 +32,7 @@ import grpc
 from ghostgpu.collector.audit import AuditFn
 from ghostgpu.collector.authz import DenialFold, current_principal
 from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.faults import FaultBook
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
 from ghostgpu.collector.relay import CriRelayClient
 from ghostgpu.collector.store import Op, Position, Store
@@ -122,10 +123,12 @@ class Ingest:
 
     def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int, *,
                  sessions: dict[str, IngestSession], traces: TraceSink | None = None,
-                 audit: AuditFn | None = None, local_node: str | None = None) -> None:
+                 audit: AuditFn | None = None, local_node: str | None = None,
+                 faults: FaultBook | None = None) -> None:
         """sessions: the connected streams by node, filled here (the trace book reads the same dict);
         traces: the trace session book; audit: AuditLog.append (collector/audit.py); local_node: the
-        collector's own node (`ghostgpu up`), whose tracer may speak as a local uid."""
+        collector's own node (`ghostgpu up`), whose tracer may speak as a local uid; faults: the GPU
+        faults' book (collector/faults.py), whose rows commit with the batch that carried them."""
         self.nodes = nodes
         self.cluster = cluster
         self.store = store
@@ -134,6 +137,7 @@ class Ingest:
         self.relay = CriRelayClient(self.sessions)
         self.traces = traces
         self.audit = audit
+        self.faults = faults
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once it runs (serve_on)
         self.local_node = local_node
@@ -390,6 +394,10 @@ class Ingest:
                 blob = stream_pb2.TracerMessage(events=part).SerializeToString()
             ops.append(Store.op_events(pos, seqs[start], seqs[-1], n - start, blob))
             size = len(blob)
+        if first_new < n and self.faults is not None and "fault" in bodies:
+            # In the batch's transaction, before the position that acks it: a fault is stored once.
+            ops.extend(self.faults.take(session.node, events[i])
+                       for i in range(first_new, n) if bodies[i] == "fault")
         ops.append(Store.op_position(pos))
         session.inflight += 1
         session.drained.clear()

@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.config import CollectorConfig
+from ghostgpu.collector.faults import FaultBook
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.nodes import NodeView
@@ -165,6 +166,9 @@ class Collector:
         self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
                                     self.store.max_finding_id() + 1, self.store.load_open_findings(),
                                     forget=getattr(self.resolver, "forget", None))
+        # GPU faults (collector/faults.py): their hits named through the same resolver
+        self.faults = FaultBook(self.store, self.resolver.get, self.config.faults_max)
+        self.store.load(self.faults.load)
 
     def _build_traces(self) -> None:
         """Trace sessions: their store (audited) and the book, which reads the connected streams."""
@@ -189,7 +193,7 @@ class Collector:
         # the local node: its uid peers are this node's tracer (docs/SECURITY.md)
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.config.event_log_max,
                              sessions=self.streams, traces=self.traces, audit=self.security.audit,
-                             local_node=self.config.node_name)
+                             local_node=self.config.node_name, faults=self.faults)
         self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
 
     def _build_query(self) -> None:
@@ -213,7 +217,8 @@ class Collector:
             from ghostgpu.collector.alertpush import AlertPusher as factory  # only with --alertmanager
         # ValueError naming --alertmanager or --alert-label on a bad URL or label
         self.pusher = factory(list(cfg.alertmanager), extra_labels=dict(cfg.alert_labels),
-                              resend_s=cfg.alert_resend_s)
+                              resend_s=cfg.alert_resend_s, fault_hold_s=cfg.alert_fault_hold_s)
+        self.faults.listeners.append(self.pusher.offer_fault)  # one alert per GPU fault
 
     def _serve_metrics(self) -> None:
         """/metrics, with metrics_listen only. Bound before the loop runs (a taken port fails start()
@@ -228,7 +233,8 @@ class Collector:
             self.nodes, self.cluster, call=self._call_for_scrape,
             cri_stats=getattr(self.resolver, "stats", None),
             push_stats=self.pusher.stats if self.pusher is not None else None,
-            audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series)
+            audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series,
+            faults=self.faults)
         self._metrics_server = HttpServer(cfg.metrics_listen, {"/metrics": self.metrics.handle},
                                           flag="--metrics-listen", name="metrics",
                                           web_config=cfg.web_config_file,
@@ -377,4 +383,9 @@ class Collector:
         loop = self.loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # stopping: nobody reads the table any more
-                loop.call_soon_threadsafe(self.cluster.on_cri_change, node, container_id)
+                loop.call_soon_threadsafe(self._cri_changed, node, container_id)
+
+    def _cri_changed(self, node: str, container_id: str) -> None:
+        """On the loop: CRI's answer for a container changed; its consumers and faults take it."""
+        self.cluster.on_cri_change(node, container_id)
+        self.faults.on_cri_change(node, container_id)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ALL_ROWS, ClusterTable
 from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriStats
+from ghostgpu.collector.faults import CountKey, FaultBook
 from ghostgpu.collector.metrics_render import (
     ALERTMANAGER_METRICS,
     COLLECTOR_METRICS,
@@ -32,6 +33,7 @@ from ghostgpu.collector.metrics_render import (
     render_consumers,
     render_info,
     render_status,
+    render_xid_errors,
 )
 from ghostgpu.collector.nodes import NodeView
 from prometheus_client import (
@@ -76,6 +78,8 @@ class _Taken:
     status: list[NodeStatus]  # every node, sorted by name
     identity: dict[str, tuple[str | None, stream_pb2.NodeInfo | None]]  # node -> (tracer version, NodeInfo)
     tracers_connected: int
+    xid_errors: list[tuple[CountKey, int]]  # (node, gpu, xid) -> GPU faults stored
+    faults_dropped: int
 
 
 @dataclass
@@ -91,14 +95,17 @@ class CollectorMetrics:
                  cri_stats: Callable[[], CriStats] | None = None,
                  push_stats: Callable[[], AlertPushStats] | None = None,
                  audit_head: Callable[[], tuple[int, int]] | None = None,
-                 max_process_series: int) -> None:
+                 max_process_series: int, faults: FaultBook | None = None) -> None:
         """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head;
-        max_process_series: CollectorConfig.metrics_max_process_series (checked there)."""
+        max_process_series: CollectorConfig.metrics_max_process_series (checked there); faults: the GPU
+        faults' book (collector/faults.py), for ghostgpu_xid_errors_total."""
         self.nodes, self.cluster = nodes, cluster
         self.call = call
         self.cri_stats, self.push_stats = cri_stats, push_stats
         self.audit_head = audit_head
         self.max_process_series = max_process_series
+        self.faults = faults
+        self.faults_dropped = 0
         self._lock = threading.Lock()
         self._consumers: dict[str, NodeConsumers] = {}
         self._info: dict[str, _InfoCache] = {}
@@ -143,7 +150,10 @@ class CollectorMetrics:
             status.append(NodeStatus(name, ns.connected, ns.last_heartbeat_unix_ns, ingested, spool, ringbuf,
                                      duplicates, opened.get(name, ()), resolved.get(name, ())))
             identity[name] = (ns.hello.tracer_version if ns.hello is not None else None, ns.info)
-        return _Taken(rows, fresh, status, identity, connected)
+        faults = self.faults
+        xid_errors = faults.count_rows() if faults is not None else []
+        return _Taken(rows, fresh, status, identity, connected, xid_errors,
+                      faults.dropped_total if faults is not None else 0)
 
     # ---- on the scraping thread --------------------------------------------------------------------
 
@@ -189,7 +199,9 @@ class CollectorMetrics:
             for gone in cache.keys() - alive:
                 del cache[gone]
         text, self.capped = assemble(chunks, self.max_process_series)
+        text.append(render_xid_errors(taken.xid_errors))  # a few series: one per kind of fault seen
         self.tracers_connected = taken.tracers_connected
+        self.faults_dropped = taken.faults_dropped
         return text
 
     def handle(self, request: Request) -> Response:
@@ -227,6 +239,8 @@ class _GlobalCollector:
                                 value=cri.cached)
         yield GaugeMetricFamily("ghostgpu_cri_lookups_pending", _help("ghostgpu_cri_lookups_pending"),
                                 value=cri.pending)
+        yield CounterMetricFamily("ghostgpu_faults_dropped_total", _help("ghostgpu_faults_dropped_total"),
+                                  value=m.faults_dropped)
         yield GaugeMetricFamily("ghostgpu_metrics_process_series_capped",
                                 _help("ghostgpu_metrics_process_series_capped"), value=m.capped)
         if m.audit_head is not None:

@@ -32,8 +32,14 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
         "gauge", "GPU memory NVML reports for a non-visible consumer (only where NVML says); same cap"),
     "ghostgpu_nonvisible_memory_bytes": (
         "gauge", "Summed GPU memory NVML reports for non-visible consumers (never capped)"),
+    "ghostgpu_consumer_gpu_memory_allocated_bytes": (
+        "gauge", "GPU memory a non-visible consumer holds by the driver calls it made (accepted allocations "
+        "less frees; only where the tracer saw them all); same cap as the per-process series"),
     "ghostgpu_gpu_info": ("gauge", "GPUs the node's NVML reports (=1)"),
     "ghostgpu_gpu_memory_total_bytes": ("gauge", "Total memory of each GPU, as NVML reports it"),
+    "ghostgpu_gpu_memory_unaccounted_bytes": (
+        "gauge", "GPU memory NVML reports used that neither NVML's process list nor the driver calls of "
+        "the consumers it does not list account for (absent when unknown)"),
     "ghostgpu_tracer_connected": ("gauge", "1 while the node's tracer stream is open"),
     "ghostgpu_tracer_last_heartbeat_timestamp_seconds": (
         "gauge", "When the collector last heard from the node's tracer (unix seconds)"),
@@ -48,6 +54,9 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
     "ghostgpu_findings_opened_total": ("counter", "Findings opened since the collector started"),
     "ghostgpu_findings_resolved_total": ("counter", "Findings resolved since the collector started"),
     "ghostgpu_cri_resolution_failures_total": ("counter", "CRI calls for the node that did not answer"),
+    "ghostgpu_xid_errors_total": (
+        "counter", "GPU faults (Xid) the node's driver logged, by GPU (\"\": no GPU matched its PCI bus id) "
+        "and Xid (\"\": a line that did not parse), as the collector stored them"),
     # Global, from the Collector's own prometheus_client registry (collector/metrics.py).
     "ghostgpu_build_info": ("gauge", "The collector's ghostgpu version, API version and Python (=1)"),
     "ghostgpu_tracers_connected": ("gauge", "Tracer streams open now"),
@@ -60,6 +69,9 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
     "ghostgpu_cri_call_duration_seconds": ("histogram", "Latency of each CRI call"),
     "ghostgpu_cri_cache_entries": ("gauge", "Containers in the CRI answer cache"),
     "ghostgpu_cri_lookups_pending": ("gauge", "CRI lookups queued or running"),
+    "ghostgpu_faults_dropped_total": (
+        "counter", "GPU faults dropped from the collector's store to keep it within --faults-max, oldest "
+        "first"),
     "ghostgpu_metrics_process_series_capped": (
         "gauge", "Non-visible consumers left out of the per-process families by "
         "--metrics-max-process-series"),
@@ -73,16 +85,19 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
 ALERTMANAGER_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_alertmanager_"))
 
 # Page order of the per-node families; a node's chunk holds one string per family, in this order.
-CONSUMERS, INFO, MEMORY, AGGREGATE_MEMORY = range(4)
+CONSUMERS, INFO, MEMORY, AGGREGATE_MEMORY, ALLOCATED = range(5)
 CONSUMER_FAMILIES = ("ghostgpu_consumers", "ghostgpu_nonvisible_consumer_info",
-                     "ghostgpu_nonvisible_consumer_memory_bytes", "ghostgpu_nonvisible_memory_bytes")
-INFO_FAMILIES = ("ghostgpu_gpu_info", "ghostgpu_gpu_memory_total_bytes", "ghostgpu_tracer_info",
+                     "ghostgpu_nonvisible_consumer_memory_bytes", "ghostgpu_nonvisible_memory_bytes",
+                     "ghostgpu_consumer_gpu_memory_allocated_bytes")
+PROCESS_FAMILIES = (INFO, MEMORY, ALLOCATED)  # the per-process families, under the cap
+INFO_FAMILIES = ("ghostgpu_gpu_info", "ghostgpu_gpu_memory_total_bytes",
+                 "ghostgpu_gpu_memory_unaccounted_bytes", "ghostgpu_tracer_info",
                  "ghostgpu_tracer_bpf_attached", "ghostgpu_tracer_nvml_available")
 STATUS_FAMILIES = ("ghostgpu_tracer_connected", "ghostgpu_tracer_last_heartbeat_timestamp_seconds",
                    "ghostgpu_tracer_events_ingested_total", "ghostgpu_tracer_events_lost_total",
                    "ghostgpu_tracer_events_duplicate_total", "ghostgpu_findings_opened_total",
                    "ghostgpu_findings_resolved_total", "ghostgpu_cri_resolution_failures_total")
-NODE_FAMILIES = CONSUMER_FAMILIES + INFO_FAMILIES + STATUS_FAMILIES
+NODE_FAMILIES = CONSUMER_FAMILIES + INFO_FAMILIES + STATUS_FAMILIES + ("ghostgpu_xid_errors_total",)
 _FINDING_CLASSES = frozenset(FINDING_CLASSES)
 
 
@@ -113,11 +128,14 @@ def node_label(node: str) -> str:
 
 
 # One non-visible consumer's per-process lines, led by what the cap sorts by (oldest first):
-# (since_unix_ns, node, pid, gpu, info line, memory line or "" where NVML does not say). A plain tuple
-# sorts by itself and costs a third of a dataclass to build, 20,000 times in a cold scrape.
-ProcessSeries = tuple[int, str, int, str, str, str]
+# (since_unix_ns, node, pid, gpu, info line, memory line or "" where NVML does not say, allocated line
+# or "" where the driver calls are unknown). A plain tuple sorts by itself and costs a third of a
+# dataclass to build, 20,000 times in a cold scrape.
+ProcessSeries = tuple[int, str, int, str, str, str, str]
 INFO_LINE: Final = 4  # the items of a ProcessSeries that are its lines
 MEMORY_LINE: Final = 5
+ALLOCATED_LINE: Final = 6
+_PROCESS_LINE: dict[int, Literal[4, 5, 6]] = {INFO: INFO_LINE, MEMORY: MEMORY_LINE, ALLOCATED: ALLOCATED_LINE}
 # (the row, its labels, its process, its ghostgpu_consumers line and ghostgpu_nonvisible_memory_bytes line
 # as the only member of its label set)
 LabelEntry = tuple[ClusterConsumer, str, "ProcessSeries | None", str, str]
@@ -138,8 +156,11 @@ def _consumer_labels(node: str, nl: str, cc: ClusterConsumer) -> LabelEntry:
     plabels = f'{labels},pid="{c.pid}",comm="{esc(c.comm)}"'
     info = f"ghostgpu_nonvisible_consumer_info{{{plabels}}} 1\n"
     memory = f"ghostgpu_nonvisible_consumer_memory_bytes{{{plabels}}} {mem}\n" if mem is not None else ""
+    held = c.allocated_bytes
+    allocated = (f"ghostgpu_consumer_gpu_memory_allocated_bytes{{{plabels}}} {held}\n"
+                 if held is not None else "")
     aggregate = f"ghostgpu_nonvisible_memory_bytes{{{labels}}} {mem or 0}\n"
-    return cc, labels, (cc.since_unix_ns, node, c.pid, gpu, info, memory), line, aggregate
+    return cc, labels, (cc.since_unix_ns, node, c.pid, gpu, info, memory, allocated), line, aggregate
 
 
 class NodeConsumers:
@@ -152,7 +173,7 @@ class NodeConsumers:
     def __init__(self, node: str) -> None:
         self.node, self.nl = node, node_label(node)
         self.entries: dict[ConsumerKey, LabelEntry] = {}
-        self.text: tuple[bytes, bytes, bytes, bytes] = (b"", b"", b"", b"")  # CONSUMER_FAMILIES order
+        self.text: tuple[bytes, ...] = (b"", b"", b"", b"", b"")  # CONSUMER_FAMILIES order
         self.processes: list[ProcessSeries] = []  # oldest first
 
     def apply(self, changed: Iterable[tuple[ConsumerKey, ClusterConsumer | None]]) -> NodeConsumers:
@@ -176,7 +197,8 @@ class NodeConsumers:
         else:
             consumers, aggregate = _grouped(values)
         self.text = (_b(consumers), _b("".join([p[INFO_LINE] for p in procs])),
-                     _b("".join([p[MEMORY_LINE] for p in procs])), _b(aggregate))
+                     _b("".join([p[MEMORY_LINE] for p in procs])), _b(aggregate),
+                     _b("".join([p[ALLOCATED_LINE] for p in procs])))
         return self
 
 
@@ -201,20 +223,23 @@ def render_consumers(node: str, rows: Iterable[tuple[ConsumerKey, ClusterConsume
 def render_info(node: str, version: str | None, info: stream_pb2.NodeInfo | None) -> tuple[bytes, ...]:
     """INFO_FAMILIES of a node from its Hello's tracer version and its NodeInfo (either may be None)."""
     nl = node_label(node)
-    gpus = memory = bpf = nvml = ""
+    gpus = memory = unaccounted = bpf = nvml = ""
     if info is not None:
         driver = escape(info.driver_version)
-        gpu_lines, mem_lines = [], []
+        gpu_lines, mem_lines, unaccounted_lines = [], [], []
         for g in info.gpus:
             labels = f'{nl},gpu="{g.index}",gpu_uuid="{escape(g.uuid)}"'
             gpu_lines.append(
                 f'ghostgpu_gpu_info{{{labels},name="{escape(g.name)}",driver_version="{driver}"}} 1\n')
             mem_lines.append(f"ghostgpu_gpu_memory_total_bytes{{{labels}}} {g.memory_total_bytes}\n")
-        gpus, memory = "".join(gpu_lines), "".join(mem_lines)
+            if g.HasField("unaccounted_bytes"):  # unset: not known (no NVML figure), never 0
+                unaccounted_lines.append(
+                    f"ghostgpu_gpu_memory_unaccounted_bytes{{{labels}}} {g.unaccounted_bytes}\n")
+        gpus, memory, unaccounted = "".join(gpu_lines), "".join(mem_lines), "".join(unaccounted_lines)
         bpf = f"ghostgpu_tracer_bpf_attached{{{nl}}} {int(info.bpf)}\n"
         nvml = f"ghostgpu_tracer_nvml_available{{{nl}}} {int(info.nvml)}\n"
     tracer = f'ghostgpu_tracer_info{{{nl},version="{escape(version)}"}} 1\n' if version is not None else ""
-    return (_b(gpus), _b(memory), _b(tracer), _b(bpf), _b(nvml))
+    return (_b(gpus), _b(memory), _b(unaccounted), _b(tracer), _b(bpf), _b(nvml))
 
 
 class NodeStatus(NamedTuple):
@@ -250,6 +275,13 @@ def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[str, ...]:
             f"ghostgpu_cri_resolution_failures_total{{{nl}}} {cri_failures_total}\n")
 
 
+def render_xid_errors(counts: Iterable[tuple[tuple[str, str, str], int]]) -> bytes:
+    """ghostgpu_xid_errors_total from ((node, gpu, xid), count) rows (few: one per kind of fault seen)."""
+    lines = [f'ghostgpu_xid_errors_total{{{node_label(node)},gpu="{escape(gpu)}",xid="{escape(xid)}"}} {n}\n'
+             for (node, gpu, xid), n in counts]
+    return _HEADERS["ghostgpu_xid_errors_total"] + _b("".join(lines))
+
+
 def assemble(chunks: Sequence[tuple[NodeConsumers, tuple[bytes, ...], tuple[str, ...]]],
              max_process_series: int) -> tuple[list[bytes], int]:
     """(the per-node families as parts of the page, to be joined; how many processes the cap left out).
@@ -262,8 +294,8 @@ def assemble(chunks: Sequence[tuple[NodeConsumers, tuple[bytes, ...], tuple[str,
     out: list[bytes] = []
     for f, name in enumerate(CONSUMER_FAMILIES):
         out.append(_HEADERS[name])
-        if capped and f in (INFO, MEMORY):
-            line: Literal[4, 5] = INFO_LINE if f == INFO else MEMORY_LINE
+        if capped and f in PROCESS_FAMILIES:
+            line = _PROCESS_LINE[f]
             out.append(_b("".join([p[line] for p in kept])))
         else:
             out.extend([c[0].text[f] for c in chunks])

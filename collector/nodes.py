@@ -24,7 +24,8 @@ from ghostgpu.common.model.consumers import Consumer, ConsumerKey
 from ghostgpu.common.wire.convert import consumer_from_proto, proto_consumer_key
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
-_PASSIVE_BODIES = ("holder", "notice")  # stored in the event log, never change the consumer table
+# Stored in the event log, never change the consumer table (a fault goes to collector/faults.py).
+_PASSIVE_BODIES = ("holder", "notice", "fault")
 
 
 class BatchError(ValueError):

@@ -52,7 +52,7 @@ _QUERY = "/ghostgpu.v1.Query/"
 METHOD_ROLES: dict[str, tuple[str, ...]] = {
     "/ghostgpu.v1.NodeStream/Connect": (TRACER,),
     **{_QUERY + m: (VIEWER,) for m in ("ListConsumers", "WatchFindings", "ListFindings", "NodeStatus",
-                                       "ListEvents")},
+                                       "ListEvents", "ListFaults")},
     _QUERY + "ListTraces": (VIEWER, TRACE_OPERATOR),
     _QUERY + "WatchTrace": (VIEWER, TRACE_OPERATOR),
     _QUERY + "StartTrace": (TRACE_OPERATOR,),

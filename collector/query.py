@@ -25,6 +25,7 @@ from ghostgpu.collector.aio_handlers import Context
 from ghostgpu.collector.audit import AuditFn, record_from_row, select_audit
 from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable, Watcher
+from ghostgpu.collector.faults import select_faults
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
 from ghostgpu.collector.trace_access import read_refusal, stop_refusal
@@ -187,6 +188,22 @@ class QueryService(query_pb2_grpc.QueryServicer):
                                       opened_unix_ns=r.opened_unix_ns, resolved_unix_ns=r.resolved_unix_ns)
                     for r in rows]
         return query_pb2.ListFindingsResponse(findings=findings)
+
+    async def ListFaults(self, request: query_pb2.ListFaultsRequest,
+                         context: Context) -> query_pb2.ListFaultsResponse:
+        """GPU faults (collector/faults.py) read at or after `since`, of a node, that hit a pod of a
+        namespace; the newest `limit`, oldest first. The store holds every one committed."""
+        read = select_faults(request.since_unix_ns, request.node, request.namespace, _limit(request.limit))
+        faults = await self._read(read, context)
+        # Within what every client receives, as ListEvents: the newest that fit (a fault carries its
+        # kernel log line and every process it hit).
+        size, start = 0, len(faults)
+        while start > 0:
+            size += faults[start - 1].ByteSize() + 8  # the field's tag and length prefix
+            if size > EVENTS_RESPONSE_BYTES and start < len(faults):
+                break
+            start -= 1
+        return query_pb2.ListFaultsResponse(faults=faults[start:])
 
     async def NodeStatus(self, request: query_pb2.NodeStatusRequest,
                          context: Context) -> query_pb2.NodeStatusResponse:

@@ -14,6 +14,10 @@ The trace tables (trace_sessions, trace_records, trace_audit) are written by col
 through `op_call`: a function run on the writer thread inside the group's transaction, so its rows
 commit (or roll back) with everything else of the group, and compression stays off the event loop.
 
+The `faults` table holds the GPU faults (Xid) the tracers sent, each with the pods it hit, the newest
+`--faults-max` of them (collector/faults.py writes it through `op_call`, in the transaction of the
+batch that carried the fault).
+
 The `audit` table holds the security audit trail (collector/audit.py writes it through `op_audit`
 beside its JSON lines file, and reads it): append-only, never pruned.
 """
@@ -73,6 +77,10 @@ CREATE TABLE IF NOT EXISTS audit (
   seq INTEGER PRIMARY KEY, ts_unix_ns INTEGER NOT NULL, action TEXT NOT NULL, subject TEXT NOT NULL,
   result TEXT NOT NULL, detail TEXT NOT NULL, prev_sha256 TEXT NOT NULL, sha256 TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS audit_by_ts ON audit (ts_unix_ns);
+CREATE TABLE IF NOT EXISTS faults (
+  id INTEGER PRIMARY KEY, node TEXT NOT NULL, ts_unix_ns INTEGER NOT NULL, gpu TEXT NOT NULL,
+  xid TEXT NOT NULL, namespaces TEXT NOT NULL, fault BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS faults_by_ts ON faults (ts_unix_ns);
 """
 
 
@@ -193,6 +201,10 @@ class Store:
     def load_open_findings(self) -> list[FindingRow]:
         rows = self._conn.execute("SELECT * FROM findings WHERE resolved_unix_ns = 0 ORDER BY id").fetchall()
         return [FindingRow(*r) for r in rows]
+
+    def load(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """At start, before any write is queued: fn(connection), as the loaders above read."""
+        return fn(self._conn)
 
     def max_finding_id(self) -> int:
         max_id: int = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM findings").fetchone()[0]

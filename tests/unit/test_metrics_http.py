@@ -24,6 +24,7 @@ from ghostgpu.common.model.consumers import ConsumerClass, K8sInfo
 from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpListenError
 from ghostgpu.v1 import query_pb2, stream_pb2
 from tests.helpers.collector_env import running_collector
+from tests.helpers.fault_events import fault_event, fault_record, hit
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer, make_consumer, resolved
 from tests.unit.test_metrics import node_info, samples, typed_families
@@ -49,14 +50,19 @@ class StandInPusher:
     made: list[StandInPusher] = []
 
     def __init__(self, urls: list[str], *, extra_labels: dict[str, str] | None = None,
-                 resend_s: float = 60.0) -> None:
+                 resend_s: float = 60.0, fault_hold_s: float = 3600.0) -> None:
         self.urls, self.extra_labels, self.resend_s = urls, extra_labels, resend_s
+        self.fault_hold_s = fault_hold_s
+        self.faults: list[query_pb2.ClusterFault] = []
         self.watcher = Watcher("", "", ())
         self.calls: list[str] = []
         StandInPusher.made.append(self)
 
     def start(self) -> None:
         self.calls.append("start")
+
+    def offer_fault(self, fault: query_pb2.ClusterFault) -> None:
+        self.faults.append(fault)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self.calls.append("stop")
@@ -84,16 +90,20 @@ def collector(tmp_path: Path) -> Iterator[Collector]:
 
 
 def test_a_planted_consumer_shows_on_a_real_scrape(collector: Collector) -> None:
-    hidden = make_consumer("gpu-node-1", 4242, gpu=1, container_id=CID, gpu_memory_bytes=7 << 30)
+    hidden = make_consumer("gpu-node-1", 4242, gpu=1, container_id=CID, gpu_memory_bytes=7 << 30,
+                           allocated_bytes=5 << 30)
     gone = make_consumer("gpu-node-1", 77, gpu=0, container_id=CID)
+    info = node_info(gpus=2)
+    info.gpus[1].unaccounted_bytes = 2 << 30  # GPU 0's split is unknown: no series, never a 0
     expected = {"node": "gpu-node-1", "gpu": "1", "gpu_uuid": "GPU-00000001-0000-4000-8000-000000000000",
                 "class": "hidden", "namespace": "team-a", "pod": "train-0", "container": "trainer",
                 "pid": "4242", "comm": "python3"}
     with SimTracer(collector.address, "gpu-node-1", tracer_version="0.4.0-sim") as t:
         t.connect()
-        t.send_snapshot([hidden, gone], seq=0, info=node_info(gpus=2),
+        t.send_snapshot([hidden, gone], seq=0, info=info,
                         stats=stream_pb2.TracerStats(spool_dropped_total=3, ringbuf_dropped_total=2))
-        t.wait_acked(t.send_events([resolved(1, gone)]))
+        xid = fault_record(affected=(hit(4242, CID, named=True),))
+        t.wait_acked(t.send_events([resolved(1, gone), fault_event(2, xid), fault_event(3, xid)]))
 
         def planted() -> bool:
             infos = samples(scrape(collector)[0]).get("ghostgpu_nonvisible_consumer_info", [])
@@ -104,6 +114,11 @@ def test_a_planted_consumer_shows_on_a_real_scrape(collector: Collector) -> None
         assert content_type == PROMETHEUS_TEXT
         got = samples(text)
         assert got["ghostgpu_nonvisible_consumer_memory_bytes"] == [(expected, 7 << 30)]
+        assert got["ghostgpu_consumer_gpu_memory_allocated_bytes"] == [(expected, 5 << 30)]
+        assert got["ghostgpu_gpu_memory_unaccounted_bytes"] == [
+            ({"node": "gpu-node-1", "gpu": "1", "gpu_uuid": expected["gpu_uuid"]}, 2 << 30)]
+        assert got["ghostgpu_xid_errors_total"] == [({"node": "gpu-node-1", "gpu": "1", "xid": "79"}, 2)]
+        assert got["ghostgpu_faults_dropped_total"] == [({}, 0)]
         assert got["ghostgpu_tracer_connected"] == [({"node": "gpu-node-1"}, 1)]
         assert got["ghostgpu_tracers_connected"] == [({}, 1)]
         assert got["ghostgpu_tracer_info"] == [({"node": "gpu-node-1", "version": "0.4.0-sim"}, 1)]
