@@ -69,6 +69,7 @@ static __always_inline void gg_set_fd(u32 tgid, u32 tid, s32 fd, u32 dev_id, u32
     struct gg_fd_val *old = fds.lookup(&fk);
     if (old) {
         u32 old_dev = old->dev_id;
+        gg_mem_fd_gone(tgid, tid, fd, old_dev); /* a new file now, even of the same device */
         if (old_dev == dev_id)
             return; /* already counted */
         if (fds.delete(&fk) == 0)
@@ -141,6 +142,7 @@ static __always_inline int gg_close(s32 fd)
      * Counted at enter: close releases the fd even when it returns an error (EINTR, EIO). */
     if (fds.delete(&fk) != 0)
         return 0;
+    gg_mem_fd_gone(tgid, (u32)id, fd, dev_id);
     gg_trace_instant(GG_TK_CLOSE, tgid, (u32)id, fd, dev_id, 0, 0, 0, 0);
     gg_drop_fd(tgid, (u32)id, fd, dev_id);
     return 0;
@@ -149,6 +151,8 @@ static __always_inline int gg_close(s32 fd)
 /* Remember what the exit side must do: newfd = -1 for dup/fcntl (the kernel picks the number). */
 static __always_inline int gg_dup_enter(s32 oldfd, s32 newfd, s32 nr)
 {
+    if (newfd == oldfd)
+        return 0; /* dup2(fd, fd) changes nothing; dup3(fd, fd) fails with EINVAL */
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = (u32)(id >> 32);
     if (newfd >= 0)
@@ -157,7 +161,7 @@ static __always_inline int gg_dup_enter(s32 oldfd, s32 newfd, s32 nr)
     u32 dev_id = fv ? fv->dev_id : 0;
     if (dev_id == 0) {
         /* dup2(other, gpu_fd) closes gpu_fd implicitly: that matters even though oldfd is not ours */
-        if (newfd < 0 || newfd == oldfd || !gg_gpu_fd(tgid, newfd))
+        if (newfd < 0 || !gg_gpu_fd(tgid, newfd))
             return 0;
     }
     struct gg_pending p = {.dev_id = dev_id, .fd = newfd, .op = GG_OP_DUP, .nr = nr};

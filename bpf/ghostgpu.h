@@ -76,6 +76,9 @@ _Static_assert(GG_COMMON_LEN >= 1 && GG_COMMON_LEN <= 7, "common prefix must fit
  * exec and exit touch only those (tracer/kernel_tables.py) instead of walking whole maps. */
 #define GG_EV_FD 7        /* another fd on a device the tgid already holds: fd, dev_id */
 #define GG_EV_IOCTL_KEY 8 /* a new ioctls counter: fd, dev_id, arg = the request word */
+/* A memory call the driver accepted (alloc.bpf.c): a longer record, struct gg_memcall, decoded
+ * into tracer/memcalls.py MemCall; never a SourceEvent. */
+#define GG_EV_MEMCALL 10
 
 #define GG_FLAG_MAPPED 1u      /* CLOSE: the device is still mapped */
 #define GG_FLAG_LEADER_ONLY 2u /* EXIT without group_dead: only the leader is known to be gone */
@@ -102,7 +105,13 @@ _Static_assert(GG_COMMON_LEN >= 1 && GG_COMMON_LEN <= 7, "common prefix must fit
 #define GG_STAT_PENDING_FULL 6
 #define GG_STAT_FORKING_FULL 7
 #define GG_STAT_ALLOCS_FULL 8 /* alloc.bpf.c: a tgid's allocation record could not be kept */
-#define GG_STAT_MAX 9
+/* alloc.bpf.c, memory calls read at the ioctl's exit: */
+#define GG_STAT_MEM_REFUSED 9   /* the ioctl returned 0 but the block's status was not NV_OK */
+#define GG_STAT_MEM_FAILED 10   /* the ioctl returned an error (or its block could not be read back) */
+#define GG_STAT_MEM_LOST 11     /* the exit found no entry stashed (mem_stash full: LRU eviction) */
+#define GG_STAT_MEM_CLIENTS_FULL 12 /* an accepted client's fd could not be kept: its CLOSE is lost */
+#define GG_STAT_MEM_DROPS 13    /* an accepted call had no room in the ring buffer: the accountant is short */
+#define GG_STAT_MAX 14
 
 #define GG_CLONE_THREAD 0x00010000ULL /* include/uapi/linux/sched.h, stable ABI */
 #define GG_MAP_ANONYMOUS 0x20UL       /* x86_64 and arm64 value (asm-generic/mman-common.h) */
@@ -163,6 +172,14 @@ struct gg_ioctl_key {
     u32 dev_id;
     u32 cmd;
 };
+/* pending_bytes values, by tid: what this thread's syscall left for its exit. A thread is in one
+ * syscall at a time, so one byte serves every exit: open/dup (gg_set_pending), and the ioctl exit
+ * (GG_PB_MEM: alloc.bpf.c stashed a memory call; GG_PB_TRACE: a trace session keeps the call in
+ * flight). Only the thread itself writes its byte. */
+#define GG_PB_FD 1u
+#define GG_PB_MEM 2u
+#define GG_PB_TRACE 4u
+
 /* Byte flags per pid (holder_bytes by tgid, pending_bytes by tid): one byte each, so two CPUs
  * flagging neighbouring ids never lose each other's store (a u64 bitmap would need atomic OR,
  * which needs -mcpu=v3 as well). Sized from pid_max at load; an id beyond answers "maybe". */
@@ -286,7 +303,34 @@ static __always_inline void gg_set_pending(u32 tid, struct gg_pending *p)
     u32 slot = tid >> 12;
     struct gg_byte_slot *s = pending_bytes.lookup(&slot);
     if (s)
-        s->b[tid & 4095] = 1;
+        s->b[tid & 4095] = GG_PB_FD;
+}
+
+/* The ioctl entry left work for the exit (GG_PB_MEM, GG_PB_TRACE): set that bit of the byte. */
+static __always_inline void gg_mark_call(u32 tid, u8 bit)
+{
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (s)
+        s->b[tid & 4095] |= bit;
+}
+
+/* The ioctl exit's filter: the bits its entry set, cleared; 0 for every call that left nothing,
+ * after one inlined array load. A tid beyond the array (or no filter, for the bench) answers
+ * "maybe" for both, and the exit looks the maps up. */
+static __always_inline u32 gg_take_call(u32 tid)
+{
+#ifdef GG_NO_HOLDER_FILTER
+    return GG_PB_MEM | GG_PB_TRACE;
+#endif
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (!s)
+        return GG_PB_MEM | GG_PB_TRACE;
+    u32 bits = s->b[tid & 4095];
+    if (bits)
+        s->b[tid & 4095] = 0;
+    return bits;
 }
 
 /* Take this thread's pending entry if it belongs to syscall nr; false when there is none. */

@@ -1,10 +1,12 @@
 /* ioctl.bpf.c: count ioctls on GPU fds (no event) and notice the first mapping of a device; hand
- * both to a trace session when one covers the caller (trace.bpf.c), and the allocation calls to
- * the always-on capture (alloc.bpf.c).
+ * both to a trace session when one covers the caller (trace.bpf.c), and the allocation and memory
+ * calls to the always-on captures (alloc.bpf.c), whose exit half is here too.
  *
  * Hot path: ioctl and mmap are among the busiest syscalls of a node (terminals, sockets, malloc's
  * large blocks). A process that holds no GPU device pays one inlined array load and a byte test
- * (gg_maybe_holder); only a holder pays the fds hash lookup.
+ * (gg_maybe_holder); only a holder pays the fds hash lookup. The ioctl exit is always attached
+ * (one program serves the memory calls and trace sessions): a thread whose entry left nothing
+ * returns after one inlined array load and a byte test (gg_take_call).
  */
 
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
@@ -19,15 +21,16 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     if (!fv) {
         if ((fv = gg_trace_inherited_fd(tgid, fd))) {
             gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
-            gg_alloc_ioctl(tgid, (u32)args->cmd, (u64)args->arg);
+            gg_alloc_ioctl(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
         }
         return 0;
     }
-    gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
+    u32 dev_id = fv->dev_id;
+    gg_trace_ioctl_enter(tgid, (u32)id, fd, dev_id, (u32)args->cmd, (u64)args->arg);
     /* After the GPU-fd check, so a non-GPU call pays nothing for it. */
-    gg_alloc_ioctl(tgid, (u32)args->cmd, (u64)args->arg);
+    gg_alloc_ioctl(tgid, (u32)id, fd, dev_id, (u32)args->cmd, (u64)args->arg);
     /* The request word is 32 bits in the ioctl ABI; the tracepoint widens it to 64. */
-    struct gg_ioctl_key ik = {.tgid = tgid, .fd = fd, .dev_id = fv->dev_id, .cmd = (u32)args->cmd};
+    struct gg_ioctl_key ik = {.tgid = tgid, .fd = fd, .dev_id = dev_id, .cmd = (u32)args->cmd};
     u64 *count = ioctls.lookup(&ik);
     if (count) {
         __sync_fetch_and_add(count, 1);
@@ -44,6 +47,22 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     }
     /* Once per (tgid, fd, device, request): a CUDA process has a few dozen. */
     gg_emit(GG_EV_IOCTL_KEY, tgid, (u32)id, fd, ik.dev_id, ik.cmd, 0);
+    return 0;
+}
+
+/* Every ioctl of the node passes here: the thread's pending byte says whether its entry left a
+ * memory call (alloc.bpf.c) or a traced call (trace.bpf.c) to finish; nearly always neither. */
+TRACEPOINT_PROBE(syscalls, sys_exit_ioctl)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u32 work = gg_take_call(tid);
+    if (!work)
+        return 0;
+    if (work & GG_PB_MEM)
+        gg_mem_exit((u32)(id >> 32), tid, args->ret, work != (GG_PB_MEM | GG_PB_TRACE));
+    if (work & GG_PB_TRACE)
+        gg_trace_exit(GG_TK_IOCTL, args->ret);
     return 0;
 }
 

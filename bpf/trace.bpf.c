@@ -1,8 +1,10 @@
 /* trace.bpf.c: on-demand trace sessions (docs/TRACE.md). A session is data in maps, not a program:
  * user space (tracer/trace_kernel.py) writes which cgroups and tgids are in scope, per slot, and
  * the hooks of the other files call the gg_trace_* helpers below on the GPU calls they already
- * matched. This file's own hooks (the ioctl and mmap exits, munmap) are attached only while a
- * session runs, so with no session nothing on the node pays for them.
+ * matched. This file's own hooks (the mmap exit, munmap) are attached only while a session runs,
+ * so with no session nothing on the node pays for them. The ioctl exit is always attached, for the
+ * memory calls too: it lives in ioctl.bpf.c and calls gg_trace_exit for a call whose entry marked
+ * the thread's pending byte GG_PB_TRACE.
  *
  * Cost with no session: a GPU call pays one more inlined array load (trace_on); a non-GPU call
  * pays nothing (every helper is called after the hot-path filter said "GPU fd").
@@ -298,7 +300,8 @@ static __always_inline void gg_trace_ioctl_enter(u32 tgid, u32 tid, s32 fd, u32 
     asm volatile("%[n] &= 0x3f" : [n] "+r"(n));
     if (n > 0 && bpf_probe_read_user(c->block, n, (const void *)block) == 0)
         c->block_len = n;
-    trace_inflight.update(&tid, c);
+    if (trace_inflight.update(&tid, c) == 0)
+        gg_mark_call(tid, GG_PB_TRACE); /* the ioctl exit (ioctl.bpf.c) takes it */
 }
 
 /* mmap entry on a GPU fd (ioctl.bpf.c): the exit gives the address (for munmap) and the result. */
@@ -435,15 +438,6 @@ static __always_inline void gg_trace_exec(u32 tgid, u32 tid)
         return;
     gg_trace_instant(GG_TK_EXEC, tgid, tid, -1, 0, 0, 0, 0, 0);
     trace_forked.delete(&tgid);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_exit_ioctl)
-{
-    /* Attached only while a session runs; still, every ioctl of the node passes here then: the
-     * holder byte answers for nearly all of them before the hash lookup. */
-    if (!gg_maybe_holder((u32)(bpf_get_current_pid_tgid() >> 32)))
-        return 0;
-    return gg_trace_exit(GG_TK_IOCTL, args->ret);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap)

@@ -11,6 +11,7 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from ghostgpu.tracer import nvabi
 from ghostgpu.tracer.config import TracerConfig
 
 from ghostgpu.common.system.settings import default_of
@@ -74,18 +75,41 @@ def map_sizes(max_fds: int) -> dict[str, int]:
     """Every map is bounded by the one fd budget: a CUDA process holds ~4 devices with ~30 fds."""
     # GG_MAX_ALLOCS: one record per tgid that made an allocation call, kept (like its ioctl
     # counters) until user space forgets it after its EXIT: twice procs, for the dead not yet swept.
+    # GG_MAX_MEM_INFLIGHT: threads inside a memory call at once (an LRU map: never leaks).
+    # GG_MAX_MEM_CLIENTS: (tgid, fd) owning an RM client; a CUDA process has one or two.
     return {"GG_MAX_FDS": max_fds, "GG_MAX_HOLDS": max(256, max_fds // 4),
             "GG_MAX_PROCS": max(128, max_fds // 8), "GG_MAX_IOCTLS": max(1024, max_fds * 2),
-            "GG_MAX_DEVS": 4096, "GG_MAX_PENDING": 4096, "GG_MAX_ALLOCS": max(256, max_fds // 4)}
+            "GG_MAX_DEVS": 4096, "GG_MAX_PENDING": 4096, "GG_MAX_ALLOCS": max(256, max_fds // 4),
+            "GG_MAX_MEM_INFLIGHT": 4096, "GG_MAX_MEM_CLIENTS": max(256, max_fds // 16)}
+
+
+RM_ALLOC_NR = 0x2B  # NV_ESC_RM_ALLOC (nv_escape.h)
+
+
+def rm_alloc_layout(driver_version: str | None) -> dict[str, int]:
+    """Where NV_ESC_RM_ALLOC's status sits for this driver release, as bpf/alloc.bpf.c takes it:
+    NVOS21's status offset (its size is 32 in every release) and NVOS64's size and status offset
+    (docs/reference/nvidia-ioctl-abi.md §3.1, §5.2, from tracer/nvabi.py). A version the tables do
+    not cover (unknown, older than 515, newer than the baseline) gets the baseline 595.45.04 layout;
+    one between two compared tags gets the older tag's."""
+    version = (driver_version or "").strip()
+    tag = nvabi.bracket(nvabi.RM_TAGS, version)[0] if nvabi.covers(version) else nvabi.BASELINE
+    at = {block.struct: nvabi.layout_at(block.history, tag) for block in nvabi.RM_BLOCKS
+          if block.nr == RM_ALLOC_NR}
+    nvos21, nvos64 = at["NVOS21_PARAMETERS"], at["NVOS64_PARAMETERS"]
+    assert nvos21 is not None and nvos64 is not None  # both exist from the oldest tag on
+    return {"GG_NVOS21_STATUS": nvos21.status, "GG_NVOS64_SIZE": nvos64.size,
+            "GG_NVOS64_STATUS": nvos64.status}
 
 
 def build_cflags(
     prefixes: tuple[str, ...], *, max_fds: int = default_of(TracerConfig, "bpf_max_fds"),
     ringbuf_pages: int = default_of(TracerConfig, "bpf_ringbuf_pages"),
     pid_max: int = PID_MAX_LIMIT, have_group_dead: bool = True, syscalls: Iterable[str] = (),
-    bpf_dir: Path = BPF_DIR, holder_filter: bool = True,
+    bpf_dir: Path = BPF_DIR, holder_filter: bool = True, driver_version: str | None = None,
 ) -> list[str]:
-    """The -D/-I flags that configure bpf/*.bpf.c. Constants are never spliced into the text."""
+    """The -D/-I flags that configure bpf/*.bpf.c. Constants are never spliced into the text.
+    driver_version: the node's NVIDIA driver (None: unknown), for RM_ALLOC's status offsets."""
     if not 1 <= len(prefixes) <= MAX_PREFIXES:
         raise ValueError(f"need 1 to {MAX_PREFIXES} device prefixes, got {len(prefixes)}")
     for prefix in prefixes:
@@ -105,6 +129,7 @@ def build_cflags(
               f"-DGG_RINGBUF_PAGES={ringbuf_pages}", f"-DGG_OPEN_SKIP_FLAGS={os.O_DIRECTORY | os.O_PATH:#x}",
               f"-DGG_ID_SLOTS={max(1, -(-min(pid_max, PID_MAX_LIMIT) // 4096))}"]
     flags += [f"-D{name}={size}" for name, size in map_sizes(max_fds).items()]
+    flags += [f"-D{name}={value}" for name, value in rm_alloc_layout(driver_version).items()]
     if have_group_dead:
         flags.append("-DGG_HAVE_GROUP_DEAD=1")
     flags += [f"-DGG_HAVE_SYS_{name.upper()}=1" for name in sorted(set(syscalls))]

@@ -33,6 +33,7 @@ from ghostgpu.tracer.events import EventKind, Holder, ProcView, SourceEvent, boo
 from ghostgpu.tracer.identity import group_dead
 from ghostgpu.tracer.kernel_maps import KernelMap, LibbccOps
 from ghostgpu.tracer.kernel_tables import HolderTables
+from ghostgpu.tracer.memcalls import MemCall, MemCallKind
 from ghostgpu.tracer.rescan import take_marked
 
 from ghostgpu.common.model.consumers import DeviceRef
@@ -42,12 +43,16 @@ EVENT = struct.Struct("=QQIIIiIIII")  # struct gg_event, 48 bytes
 # ghostgpu.h GG_EV_*, GG_FLAG_* and the GG_STAT_* slot order.
 KINDS = {**dict(enumerate((EventKind.OPEN, EventKind.CLOSE, EventKind.MMAP, EventKind.FORK, EventKind.EXEC,
                            EventKind.EXIT), start=1)), 9: EventKind.RENAME}
-EV_OPEN, EV_MMAP, EV_FD, EV_IOCTL_KEY = 1, 3, 7, 8
+EV_OPEN, EV_MMAP, EV_FD, EV_IOCTL_KEY, EV_MEMCALL = 1, 3, 7, 8, 10
 BOOKKEEPING_KINDS = {EV_FD: "FD", EV_IOCTL_KEY: "IOCTL_KEY"}  # keys a tgid owns: never SourceEvents
 FLAG_MAPPED, FLAG_LEADER_ONLY = 1, 2
-TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids", "alloc_work")
+TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids", "alloc_work", "mem_clients")
 STAT_NAMES = ("ringbuf_drops", "fds_full", "holds_full", "procs_full", "ioctls_full", "dev_ids_full",
-              "pending_full", "forking_full", "allocs_full")
+              "pending_full", "forking_full", "allocs_full", "mem_refused", "mem_failed", "mem_lost",
+              "mem_clients_full", "mem_drops")
+# struct gg_memcall (bpf/alloc.bpf.c), 88 bytes: gg_event's first seven fields, then the call.
+MEMCALL = struct.Struct("=QQIIIiIIIIIIQIIIIII")
+MCF_INSTANCE = 1  # GG_MCF_INSTANCE
 SLOW_PATHS = (b"gg_settle", b"gg_open_match")
 KHEADERS = "/sys/kernel/kheaders.tar.xz"
 
@@ -93,6 +98,27 @@ def decode_event(
     )
 
 
+def decode_memcall(data: bytes) -> MemCall | None:
+    """One GG_EV_MEMCALL record -> MemCall; None for a short record, another kind or an unknown
+    call kind (a newer kernel side than this decoder)."""
+    if len(data) < MEMCALL.size:
+        return None
+    (ts_ns, _cgroup_id, kind, tgid, _tid, fd, _dev_id, mkind, h_root, h_parent, h_object, h_class,
+     size, attr, instance, src_client, src_object, flags, _pad) = MEMCALL.unpack_from(data)
+    if kind != EV_MEMCALL or mkind not in MemCallKind._value2member_map_:
+        return None
+    return MemCall(kind=MemCallKind(mkind), ts_ns=ts_ns, pid=tgid, fd=fd, h_root=h_root, h_parent=h_parent,
+                   h_object=h_object, h_class=h_class, size_bytes=size, attr=attr,
+                   instance=instance if flags & MCF_INSTANCE else None, src_client=src_client,
+                   src_object=src_object)
+
+
+def read_module_version(sys_root: str = "/sys") -> str | None:
+    """The loaded nvidia module's version (/sys/module/nvidia/version), None when not loaded."""
+    text = _read(f"{sys_root}/module/nvidia/version").strip()
+    return text or None
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_text()
@@ -107,17 +133,21 @@ class BpfSource:
         self, prefixes: tuple[str, ...], max_fds: int = default_of(TracerConfig, "bpf_max_fds"),
         ringbuf_pages: int = default_of(TracerConfig, "bpf_ringbuf_pages"),
         bpf_dir: Path | None = None, classify: Callable[[str], DeviceRef] = DeviceRef,
-        proc_root: str = "/proc", holder_filter: bool = True,
+        proc_root: str = "/proc", holder_filter: bool = True, driver_version: str | None = None,
     ) -> None:
         self.prefixes, self.max_fds, self.ringbuf_pages = tuple(prefixes), max_fds, ringbuf_pages
         self.bpf_dir, self.classify, self.proc_root = bpf_dir or BPF_DIR, classify, proc_root
         self.holder_filter = holder_filter  # False only to measure the filter (bench)
+        # The NVIDIA driver's version (RM_ALLOC's status offsets depend on it): given (from NVML),
+        # else read at start() from /sys/module/nvidia/version or /proc/driver/nvidia/version.
+        self.driver_version = driver_version
         self.start_s: float | None = None  # how long start() took (compile + load + attach)
         self.programs_attached = 0  # tracepoint programs bcc attached (tail-call targets are not)
         self.have_group_dead = False  # from the exit tracepoint's format, at start()
         self.tables: HolderTables | None = None  # the kernel tables, once started
         self._bpf: Any = None
         self._records: list[bytes] = []
+        self._memcalls: list[MemCall] = []  # decoded by poll(), handed out by take_memcalls()
         self._leader_exits: dict[int, SourceEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
         self._touched_map: mmap.mmap | None = None
@@ -149,12 +179,16 @@ class BpfSource:
         self.have_group_dead = format_has_field(exit_format, "group_dead")
         present = [n for n in OPTIONAL_SYSCALLS if os.path.isdir(f"{tracefs}/events/syscalls/sys_enter_{n}")]
         pid_max = _read("/proc/sys/kernel/pid_max").strip()
+        if self.driver_version is None:
+            from ghostgpu.tracer.call_decode import read_driver_version
+
+            self.driver_version = read_module_version() or read_driver_version(self.proc_root)
         try:
             cflags = build_cflags(
                 self.prefixes, max_fds=self.max_fds, ringbuf_pages=self.ringbuf_pages,
                 pid_max=int(pid_max) if pid_max.isdigit() else PID_MAX_LIMIT,
                 have_group_dead=self.have_group_dead, syscalls=present, bpf_dir=self.bpf_dir,
-                holder_filter=self.holder_filter,
+                holder_filter=self.holder_filter, driver_version=self.driver_version,
             )
             self._bpf = bcc.BPF(text=program_text(self.bpf_dir).encode(), cflags=cflags)
         except ValueError as exc:  # a prefix the kernel matcher cannot take
@@ -247,6 +281,9 @@ class BpfSource:
             raw = unpack_event(data)
             if raw is None:
                 continue
+            if raw.kind == EV_MEMCALL:
+                self._take_memcall(data)
+                continue
             if raw.kind in (EV_OPEN, EV_FD):
                 tables.note_fd(raw.tgid, raw.fd, raw.dev_id)
             elif raw.kind == EV_MMAP:
@@ -265,6 +302,23 @@ class BpfSource:
                 events.append(event)
         events.extend(self._settle_leader_exits())
         return events
+
+    def _take_memcall(self, data: bytes) -> None:
+        call = decode_memcall(data)
+        if call is None:
+            return
+        if call.kind is MemCallKind.ALLOC and self.tables is not None and \
+                gpu_work.class_bits(call.h_class) & gpu_work.ClassBit.CLIENT:
+            self.tables.note_mem_client(call.pid, call.fd)  # the kernel keeps (pid, fd) for the CLOSE
+        elif call.kind is MemCallKind.CLOSE and self.tables is not None:
+            self.tables.drop_mem_client(call.pid, call.fd)
+        self._memcalls.append(call)
+
+    def take_memcalls(self) -> list[MemCall]:
+        """The memory calls the driver accepted that poll() decoded since the last take, in the
+        order the kernel emitted them (tracer/memcalls.py)."""
+        calls, self._memcalls = self._memcalls, []
+        return calls
 
     def _settle_leader_exits(self) -> list[SourceEvent]:
         """Kernels without group_dead: the leader's EXIT becomes EXIT once no live task is left."""

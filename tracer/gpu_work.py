@@ -111,9 +111,40 @@ def category_of(h_class: int) -> Category:
     return Category.UNKNOWN
 
 
+class ClassBit(IntEnum):
+    """bpf/alloc.bpf.c GG_CB_*: bits above the category in a class's byte, saying what the kernel
+    reads from RM_ALLOC's pAllocParms after an accepted call (docs/reference/nvidia-ioctl-abi.md
+    §4.1). The kernel holds no class list: these sets are the only one."""
+
+    MEM_PARAMS = 0x08  # NV_MEMORY_ALLOCATION_PARAMS (nvos.h): attr@24, size@64 (u64), written back
+    INSTANCE = 0x10  # u32 @0: NV0080_ALLOC_PARAMETERS.deviceId, NV2080_ALLOC_PARAMETERS.subDeviceId
+    CLIENT = 0x20  # an RM client: the file it was allocated through owns it (CLOSE frees it)
+
+
+CATEGORY_MASK = 0x07  # GG_CATEGORY_MASK
+CLASS_BITS: dict[ClassBit, tuple[int, ...]] = {
+    # NV01_MEMORY_SYSTEM (cl003e.h), NV01_MEMORY_LOCAL_PRIVILEGED (cl003f.h), NV01_MEMORY_LOCAL_USER
+    # (cl0040.h): their allocation parameters are NV_MEMORY_ALLOCATION_PARAMS.
+    ClassBit.MEM_PARAMS: (0x003E, 0x003F, 0x0040),
+    ClassBit.INSTANCE: (0x0080, 0x2080),  # NV01_DEVICE_0 (cl0080.h), NV20_SUBDEVICE_0 (cl2080.h)
+    # NV01_ROOT, NV01_ROOT_NON_PRIV and NV01_ROOT_CLIENT; RM writes every one back as 0x41 (§3.1).
+    ClassBit.CLIENT: (0x0000, 0x0001, 0x0041),
+}
+
+
+def class_bits(h_class: int) -> int:
+    """The GG_CB_* bits of RM class id `h_class` (0 for most)."""
+    return sum(int(bit) for bit, ids in CLASS_BITS.items() if h_class in ids)
+
+
 def category_table() -> bytes:
-    """The kernel's alloc_classes map: one category byte per class id, 256 pages of 256."""
-    return bytes(category_of(cls) for cls in range(CLASS_IDS))
+    """The kernel's alloc_classes map: one byte per class id, 256 pages of 256: the category in the
+    low bits (CATEGORY_MASK), the ClassBit bits above."""
+    table = bytearray(category_of(cls) for cls in range(CLASS_IDS))
+    for bit, ids in CLASS_BITS.items():
+        for cls in ids:
+            table[cls] |= bit
+    return bytes(table)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,17 @@
 """The user-space half of the kernel side's tables: seed, resync on exec, read and forget holders.
 
 The kernel keeps, per tgid, fd entries (fds), per-device hold counts (holds), a holder count
-(procs, whose presence is what makes the kernel report the tgid's EXIT), ioctl counters (ioctls)
-and what its allocation calls named (alloc_work, bpf/alloc.bpf.c). User space must clean them up
+(procs, whose presence is what makes the kernel report the tgid's EXIT), ioctl counters (ioctls),
+what its allocation calls named (alloc_work, bpf/alloc.bpf.c) and the fds through which it
+allocated an RM client (mem_clients, for the CLOSE of that fd). User space must clean them up
 after an EXIT and resync them after an EXEC. Walking a
 whole map for that (a batch lookup visits every bucket of a 128k-entry map whatever its fill)
 made each exec and exit of a holder cost O(the node); under churn that was most of the tracer.
 
 So user space keeps an index of the keys each tgid owns: the kernel reports every fd entry it
 makes (OPEN for a device's first fd, FD for each further one), every new ioctl counter
-(IOCTL_KEY) and every mapping (MMAP), and seed() records what it writes itself. Resync and
+(IOCTL_KEY), every mapping (MMAP) and every accepted client allocation (a MEMCALL of a client
+class), and seed() records what it writes itself. Resync and
 forget then touch exactly the tgid's own entries. A record lost to a full ring buffer leaves
 entries the index does not know; `sweep()`, run with the periodic full /proc scan, removes the
 entries of tgids that have been dead for two sweeps.
@@ -42,16 +44,19 @@ class Owned:
     fds: set[int] = field(default_factory=set)
     dev_ids: set[int] = field(default_factory=set)  # holds keys (tgid, dev_id)
     ioctl_keys: set[tuple[int, int, int]] = field(default_factory=set)  # (fd, dev_id, cmd)
+    clients: set[int] = field(default_factory=set)  # mem_clients keys (tgid, fd)
 
 
 class HolderTables:
-    """fds, holds, procs, ioctls, dev_ids and alloc_work of a loaded kernel side, plus the holder
-    bytes. alloc_work is optional (None: no allocation records, every gpu_work stays None)."""
+    """fds, holds, procs, ioctls, dev_ids, alloc_work and mem_clients of a loaded kernel side, plus
+    the holder bytes. alloc_work and mem_clients are optional (None: no allocation records, every
+    gpu_work stays None; no memory calls)."""
 
     def __init__(self, maps: Mapping[str, KernelMap], holder_bytes: mmap.mmap | bytearray | None) -> None:
         self.fds, self.holds, self.procs = maps["fds"], maps["holds"], maps["procs"]
         self.ioctls, self.dev_ids = maps["ioctls"], maps["dev_ids"]
         self.alloc_work: KernelMap | None = maps.get("alloc_work")
+        self.mem_clients: KernelMap | None = maps.get("mem_clients")
         self.holder_bytes = holder_bytes
         self.owned: dict[int, Owned] = {}
         self.dev_paths: dict[int, str] = {}  # device id -> path, refreshed from dev_ids on a miss
@@ -70,6 +75,15 @@ class HolderTables:
 
     def note_ioctl_key(self, tgid: int, fd: int, dev_id: int, cmd: int) -> None:
         self.owned.setdefault(tgid, Owned()).ioctl_keys.add((fd, dev_id, cmd))
+
+    def note_mem_client(self, tgid: int, fd: int) -> None:
+        self.owned.setdefault(tgid, Owned()).clients.add(fd)
+
+    def drop_mem_client(self, tgid: int, fd: int) -> None:
+        """The kernel deleted (tgid, fd) from mem_clients itself (its CLOSE came)."""
+        owned = self.owned.get(tgid)
+        if owned is not None:
+            owned.clients.discard(fd)
 
     # --- device ids -----------------------------------------------------------------------
 
@@ -195,6 +209,9 @@ class HolderTables:
         self._drop_fds_and_holds(tgid, owned)
         for fd, dev_id, cmd in owned.ioctl_keys:
             self.ioctls.delete(self.ioctls.Key(tgid, fd, dev_id, cmd))
+        if self.mem_clients is not None:  # its clients went with its files: no CLOSE will come
+            for fd in owned.clients:
+                self.mem_clients.delete(self.mem_clients.Key(tgid, fd))
 
     # --- ioctl counters -------------------------------------------------------------------
 
@@ -231,7 +248,8 @@ class HolderTables:
         was lost, or came before a seed re-created them). O(the maps): periodic only. Two sweeps,
         because an EXIT still in the ring buffer must find its counters to report them."""
         # Each map walked once: the keys seen here are the ones deleted below.
-        keyed = [(table, [key for key, _ in table.items()]) for table in (self.fds, self.holds, self.ioctls)]
+        tables = [self.fds, self.holds, self.ioctls, *([self.mem_clients] if self.mem_clients else [])]
+        keyed = [(table, [key for key, _ in table.items()]) for table in tables]
         tgids = set(self.owned) | {int(key.value) for key, _ in self.procs.items()}
         if self.alloc_work is not None:  # forget() below drops these
             tgids |= {int(key.value) for key, _ in self.alloc_work.items()}

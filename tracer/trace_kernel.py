@@ -26,9 +26,9 @@ TRACE_KINDS = {1: "ioctl", 2: "open", 3: "close", 4: "mmap", 5: "munmap", 6: "fo
 TF_XFER, TF_STATUS = 1, 2  # gg_trec.flags
 SLOTS = TRACE_SLOTS  # GG_TRACE_SLOTS
 NO_STATUS = 0xFFFF  # GG_TRACE_NO_STATUS
-# Attached only while a session runs (bpf/trace.bpf.c): with none, no process pays for them.
+# Attached only while a session runs (bpf/trace.bpf.c): with none, no process pays for them. The
+# ioctl exit is always attached: it also finishes the memory calls (bpf/ioctl.bpf.c).
 LAZY_HOOKS = (
-    (b"syscalls:sys_exit_ioctl", b"tracepoint__syscalls__sys_exit_ioctl"),
     (b"syscalls:sys_exit_mmap", b"tracepoint__syscalls__sys_exit_mmap"),
     (b"syscalls:sys_enter_munmap", b"tracepoint__syscalls__sys_enter_munmap"),
 )

@@ -27,6 +27,7 @@ from ghostgpu.tracer.bpf_build import (
 )
 from ghostgpu.tracer.bpf_source import (
     BOOKKEEPING_KINDS,
+    EV_MEMCALL,
     EVENT,
     KINDS,
     STAT_NAMES,
@@ -102,8 +103,8 @@ def test_decode_event(
 
 @pytest.mark.parametrize(
     "data",
-    [b"", record(1)[:47], record(0), record(7), record(0xFFFFFFFF)],
-    ids=["empty", "short", "kind-0", "kind-7", "kind-max"],
+    [b"", record(1)[:47], record(0), record(7), record(10), record(0xFFFFFFFF)],
+    ids=["empty", "short", "kind-0", "kind-7", "kind-memcall", "kind-max"],
 )
 def test_decode_rejects_bad_records(data: bytes) -> None:
     assert decode_event(data, DEV_PATHS) is None
@@ -323,7 +324,8 @@ def test_program_text_concatenates_with_line_markers() -> None:
 def test_python_mirrors_the_header() -> None:
     header = (BPF_DIR / "ghostgpu.h").read_text()
     kinds = {int(v): n for n, v in re.findall(r"#define GG_EV_(\w+) (\d+)", header)}
-    assert {**{k: v.value.upper() for k, v in KINDS.items()}, **BOOKKEEPING_KINDS} == kinds
+    named = {**{k: v.value.upper() for k, v in KINDS.items()}, **BOOKKEEPING_KINDS, EV_MEMCALL: "MEMCALL"}
+    assert named == kinds
     stats = {int(v): n.lower() for n, v in re.findall(r"#define GG_STAT_(\w+) (\d+)", header) if n != "MAX"}
     assert [stats[i] for i in range(len(stats))] == list(STAT_NAMES)
     body = re.search(r"struct gg_event \{(.*?)\};", header, re.S)
