@@ -14,6 +14,7 @@ from dataclasses import replace
 from datetime import datetime
 
 import pytest
+from ghostgpu.collector.alertbook import fault_annotations, fault_labels
 from ghostgpu.collector.alertpush import (
     ALERT_ANNOTATIONS,
     FINDING_ALERTS,
@@ -408,3 +409,104 @@ def test_every_finding_class_has_an_alert_and_texts_with_label_placeholders_only
             assert used <= fields, used
         summary_fields = {f for _, f, _, _ in string.Formatter().parse(texts["summary"]) if f}
         assert {"node", "gpu", "pod", "pid"} <= summary_fields
+
+
+# ---- GPU faults: one alert per fault, held for --alert-fault-hold -----------------------------------------
+
+
+def _cluster_fault(fid: int = 1, *, xid: int = 79, severity: str = "critical",
+                   pods: tuple[str, ...] = ("train-0",), pending: bool = False,
+                   ts_unix_ns: int = 0) -> query_pb2.ClusterFault:
+    cf = query_pb2.ClusterFault(id=fid, node="n1", ts_unix_ns=ts_unix_ns or time.time_ns())
+    f = cf.fault
+    f.xid, f.gpu, f.gpu_uuid, f.pci_bus_id, f.severity = xid, 0, "GPU-0", "0000:3b:00", severity
+    f.meaning = "GPU has fallen off the bus" if xid == 79 else ""
+    f.message = "pid=4242, name=python3, GPU has fallen off the bus."
+    for i, pod in enumerate(pods):
+        h = cf.hits.add()
+        h.consumer.process.pid, h.consumer.process.comm = 4242 + i, "python3"
+        h.consumer.process.container_id = CID_A
+        h.consumer.named = i == 0
+        if pending:
+            h.k8s.resolution, h.k8s.error = "unresolved", "CRI lookup pending"
+        else:
+            h.k8s.resolution, h.k8s.namespace = "resolved", "team-a"
+            h.k8s.pod, h.k8s.container = pod, "trainer"
+    return cf
+
+
+@pytest.mark.parametrize(("fault", "labels"), [
+    (_cluster_fault(), {"alertname": "GhostGPUXid", "severity": "critical", "node": "n1", "gpu": "0",
+                        "gpu_uuid": "GPU-0", "xid": "79", "fault_id": "1", "source": "ghostgpu-collector"}),
+    (_cluster_fault(2, xid=13, severity="unknown"), {"severity": "warning", "xid": "13", "fault_id": "2"}),
+    (_cluster_fault(3, xid=-1, severity="unknown"), {"severity": "warning", "fault_id": "3"}),  # no xid label
+])
+def test_fault_labels(fault: query_pb2.ClusterFault, labels: dict[str, str]) -> None:
+    got = fault_labels(fault, {"cluster": "eu"})
+    assert labels.items() <= got.items() and got["cluster"] == "eu"
+    assert ("xid" in got) == (fault.fault.xid >= 0)
+
+
+def test_fault_annotations_name_the_pods_the_meaning_and_the_message() -> None:
+    a = fault_annotations(_cluster_fault(pods=("train-0", "eval-1")))
+    assert a["pods"] == "team-a/train-0, team-a/eval-1"
+    assert a["meaning"] == "GPU has fallen off the bus"
+    assert a["message"] == "pid=4242, name=python3, GPU has fallen off the bus."
+    assert a["summary"] == ("Xid 79 on node n1 GPU 0: GPU has fallen off the bus; hit team-a/train-0, "
+                            "team-a/eval-1")
+    named = "PID 4242 (python3) in container trainer of pod team-a/train-0 (named by the driver)"
+    assert named in a["description"]
+    assert fault_annotations(_cluster_fault(pods=()))["pods"] == "no process held the GPU"
+
+
+def test_a_fault_is_one_alert_ending_fault_hold_s_after_it(am: FakeAlertmanager, table: FindingTable) -> None:
+    pusher = _pusher(table, [am.url], fault_hold_s=7200.0)
+    try:
+        first, second = _cluster_fault(1), _cluster_fault(2)
+        pusher.offer_fault(first)
+        pusher.offer_fault(second)  # the same Xid on the same GPU again: an alert of its own
+        am.wait("both faults' alerts", lambda: len(am.alerts(alertname="GhostGPUXid")) == 2)
+        alert = am.alerts(fault_id="1")[0]
+        starts = _unix(alert["startsAt"])
+        assert abs(starts - first.ts_unix_ns / 1e9) < 0.002
+        assert abs(_unix(alert["endsAt"]) - starts - 7200.0) < 0.002
+        assert alert["annotations"]["pods"] == "team-a/train-0"
+    finally:
+        pusher.stop()
+
+
+def test_a_fault_waits_for_its_pod_names_then_settle_s(am: FakeAlertmanager, table: FindingTable) -> None:
+    pusher = _pusher(table, [am.url], settle_s=30.0)
+    try:
+        pusher.offer_fault(_cluster_fault(1, pending=True))
+        wait_until(lambda: pusher.stats().pending == 1, "the fault held for its names")
+        assert am.alerts(alertname="GhostGPUXid") == []
+        pusher.offer_fault(_cluster_fault(1))  # CRI answered: the fault book offers it again
+        am.wait("the fault with its pods", lambda: am.alerts(fault_id="1"))
+        assert am.alerts(fault_id="1")[0]["annotations"]["pods"] == "team-a/train-0"
+    finally:
+        pusher.stop()
+    quick = _pusher(table, [am.url], settle_s=0.2)
+    try:
+        quick.offer_fault(_cluster_fault(5, pending=True))
+        am.wait("the fault sent without names after settle_s", lambda: am.alerts(fault_id="5"))
+        assert am.alerts(fault_id="5")[0]["annotations"]["pods"] == "container aaaaaaaaaaaaa"
+    finally:
+        quick.stop()
+
+
+def test_a_fault_alert_is_forgotten_after_it_ended_and_was_taken(am: FakeAlertmanager,
+                                                                 table: FindingTable) -> None:
+    pusher = _pusher(table, [am.url], resend_s=0.1, fault_hold_s=0.3, resolved_keep_s=0.2)
+    try:
+        pusher.offer_fault(_cluster_fault(1))
+        am.wait("the fault's alert", lambda: am.alerts(fault_id="1"))
+        wait_until(lambda: not pusher._book.alerts and pusher.stats().pending == 0,
+                   "the pusher to forget the ended fault alert", 5)
+    finally:
+        pusher.stop()
+
+
+def test_a_fault_hold_of_0_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"^--alert-fault-hold 0: must be above 0"):
+        AlertPusher(["http://127.0.0.1:9093"], resend_s=60.0, fault_hold_s=0)

@@ -111,7 +111,8 @@ def busy_world() -> World:
     w = World()
     w.cri.answers["aa" * 32] = K8sInfo("resolved", "ml", "train-0", container="trainer")
     w.cri.answers["bb" * 32] = K8sInfo("resolved", "ml", "infer-0", container="server")
-    w.put(make_consumer("n1", 10, gpu=0, cls=C.HIDDEN, container_id="aa" * 32, gpu_memory_bytes=3 << 30))
+    w.put(make_consumer("n1", 10, gpu=0, cls=C.HIDDEN, container_id="aa" * 32, gpu_memory_bytes=3 << 30,
+                        allocated_bytes=2 << 30))
     w.put(make_consumer("n1", 11, gpu=1, cls=C.VISIBLE, container_id="bb" * 32, gpu_memory_bytes=1 << 30))
     w.put(make_consumer("n1", 12, gpu=1, cls=C.UNATTRIBUTED))
     w.put(make_consumer("n1", 13, gpu=1, cls=C.UNATTRIBUTED))  # same label set as pid 12: counted 2
@@ -119,6 +120,7 @@ def busy_world() -> World:
     w.put(gone)
     w.drop(gone)  # opened and resolved on n2
     w.node("n3").info = None  # connected, no NodeInfo yet
+    w.nodes["n1"].info.gpus[0].unaccounted_bytes = 1 << 30  # n1's GPU 1 and n2's: not known
     return w
 
 
@@ -265,7 +267,8 @@ def test_only_changed_rows_are_written_again(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_cap_keeps_the_oldest_findings_and_counts_the_rest() -> None:
     w = World()
     for pid in range(1, 6):  # opened one after another: pid 1 is the oldest
-        w.put(make_consumer(f"n{pid % 2}", pid, cls=C.HIDDEN, gpu_memory_bytes=pid << 20))
+        w.put(make_consumer(f"n{pid % 2}", pid, cls=C.HIDDEN, gpu_memory_bytes=pid << 20,
+                            allocated_bytes=pid << 21))
         wait_until(lambda: time.time_ns() > max(r.since_unix_ns for rows in w.table.rows.values()
                                                 for r in rows.values()), "the clock to move on")
     w.put(make_consumer("n0", 9, cls=C.VISIBLE))
@@ -273,6 +276,8 @@ def test_the_cap_keeps_the_oldest_findings_and_counts_the_rest() -> None:
     got = samples(m.page().decode())
     assert sorted(int(s["pid"]) for s, _ in got["ghostgpu_nonvisible_consumer_info"]) == [1, 2, 3]
     assert sorted(int(s["pid"]) for s, _ in got["ghostgpu_nonvisible_consumer_memory_bytes"]) == [1, 2, 3]
+    allocated = {int(s["pid"]): v for s, v in got["ghostgpu_consumer_gpu_memory_allocated_bytes"]}
+    assert allocated == {1: 1 << 21, 2: 2 << 21, 3: 3 << 21}  # under the same cap
     assert got["ghostgpu_metrics_process_series_capped"] == [({}, 2)]
     assert sum(v for _, v in got["ghostgpu_consumers"]) == 6  # the aggregates stay complete
     assert sum(v for _, v in got["ghostgpu_nonvisible_memory_bytes"]) == sum(p << 20 for p in range(1, 6))
@@ -282,6 +287,7 @@ def test_the_cap_keeps_the_oldest_findings_and_counts_the_rest() -> None:
     assert got["ghostgpu_metrics_process_series_capped"] == [({}, 1)]
     none = samples(w.metrics(max_process_series=0).page().decode())
     assert "ghostgpu_nonvisible_consumer_info" not in none
+    assert "ghostgpu_consumer_gpu_memory_allocated_bytes" not in none
     assert none["ghostgpu_metrics_process_series_capped"] == [({}, 4)]
     with pytest.raises(ValueError, match="--metrics-max-process-series -1: must be 0 or more"):
         CollectorConfig(metrics_max_process_series=-1)
@@ -410,3 +416,31 @@ def test_node_wide_holders_and_monitors() -> None:
     [(info, _)] = got["ghostgpu_nonvisible_consumer_info"]
     assert (info["pid"], info["gpu"], info["gpu_uuid"], info["class"]) == ("10", "", "", "hidden")
     assert {s["class"] for s, _ in got["ghostgpu_nonvisible_memory_bytes"]} == {"hidden"}
+
+
+# ---- GPU memory and faults -----------------------------------------------------------------------------
+
+def test_unaccounted_memory_is_written_only_where_known_and_allocated_only_for_known_figures() -> None:
+    w = busy_world()
+    w.put(make_consumer("n1", 14, gpu=0, cls=C.HIDDEN))  # allocated_bytes unknown: no series, never 0
+    got = samples(w.metrics().page().decode())
+    assert got["ghostgpu_gpu_memory_unaccounted_bytes"] == [
+        ({"node": "n1", "gpu": "0", "gpu_uuid": "GPU-00000000-0000-4000-8000-000000000000"}, 1 << 30)]
+    allocated = got["ghostgpu_consumer_gpu_memory_allocated_bytes"]
+    assert [(s["pid"], v) for s, v in allocated] == [("10", 2 << 30)]
+
+
+def test_xid_errors_are_counted_per_node_gpu_and_xid_from_the_fault_book() -> None:
+    from ghostgpu.collector.faults import FaultBook
+
+    w = busy_world()
+    book = FaultBook(None, None, 10)
+    book.counts = {("n1", "0", "79"): 2, ("n1", "", ""): 1, ('n"2', "1", "48"): 1}
+    m = w.metrics(faults=book)
+    got = samples(m.page().decode())
+    assert sorted((s["node"], s["gpu"], s["xid"], v) for s, v in got["ghostgpu_xid_errors_total"]) == [
+        ('n"2', "1", "48", 1), ("n1", "", "", 1), ("n1", "0", "79", 2)]
+    book.counts[("n1", "0", "79")] = 3  # a new fault: the next scrape has it
+    again = samples(m.page().decode())["ghostgpu_xid_errors_total"]
+    assert ({"node": "n1", "gpu": "0", "xid": "79"}, 3) in again
+    assert typed_families(m.page().decode())["ghostgpu_xid_errors_total"] == "counter"
