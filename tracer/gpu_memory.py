@@ -22,7 +22,7 @@ and a change of a memory's references, O(the processes sharing that memory).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -475,16 +475,6 @@ def _add(table: dict[int, dict[int | None, int]], pid: int, inst: int | None, de
             del table[pid]
 
 
-def sum_known(values: Iterable[int | None]) -> int | None:
-    """The sum, or None when any part is unknown (an unknown part is not zero)."""
-    total = 0
-    for v in values:
-        if v is None:
-            return None
-        total += v
-    return total
-
-
 def memory_split(used_bytes: int | None, listed_bytes: int | None, unlisted_bytes: int | None,
                  ) -> tuple[int | None, int | None, int | None]:
     """One GPU's used memory split three ways: (listed, unlisted, unaccounted).
@@ -492,7 +482,7 @@ def memory_split(used_bytes: int | None, listed_bytes: int | None, unlisted_byte
     listed: what NVML attributes to the processes it lists on the GPU; unlisted: the driver-call
     figures (`held`) of the consumers NVML does not list there; unaccounted: the rest of NVML's
     used memory, max(0, used - listed - unlisted). Any unknown part makes unaccounted unknown
-    (None), since the unknown part could be the missing memory.
+    (None): unknown is not zero, and the unknown part could be the missing memory.
 
     Floored at 0 because the parts can add up to more than used: NVML's used memory (v2) leaves
     out the memory the driver reserves for itself, while a process's figures can include some of

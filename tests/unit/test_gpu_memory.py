@@ -25,7 +25,6 @@ from ghostgpu.tracer.gpu_memory import (
     attr_location,
     counts,
     memory_split,
-    sum_known,
 )
 from ghostgpu.tracer.memcalls import MemCall, MemCallKind
 
@@ -416,13 +415,6 @@ def test_counts(call: MemCall, counted: bool) -> None:
 def test_memory_split(used: int | None, listed: int | None, unlisted: int | None,
                       split: tuple[int | None, int | None, int | None]) -> None:
     assert memory_split(used, listed, unlisted) == split
-
-
-@pytest.mark.parametrize(("values", "total"), [
-    ([], 0), ([1, 2, 3], 6), ([1, None, 3], None), ([None], None), ([0], 0),
-])
-def test_sum_known(values: list[int | None], total: int | None) -> None:
-    assert sum_known(values) == total
 
 
 # --- the table, in code and in docs/MEMORY.md -----------------------------------------------------------
