@@ -24,9 +24,10 @@ logfile="${GHOSTGPU_BOOTSTRAP_LOG:-/var/log/ghostgpu-bootstrap.log}"
 # demo's namespaces.
 RUNTIME_PACKAGES=(python3-bpfcc python3-venv gcc libc6-dev util-linux)
 # What only the tests and benchmarks need: real containerd/runc/busybox for the CRI tests, Prometheus
-# and Alertmanager, chromium for the trace viewer, strace, fuser/lsof and iproute2 references.
+# and Alertmanager, chromium for the trace viewer, strace, fuser/lsof and iproute2 references,
+# fuse3 + libfuse3-dev + pkg-config for the fake NVIDIA driver (tests/helpers/fakedriver/).
 TEST_PACKAGES=(python3-dev make psmisc lsof iproute2 strace containerd runc busybox-static
-  prometheus prometheus-alertmanager chromium)
+  prometheus prometheus-alertmanager chromium fuse3 libfuse3-dev pkg-config)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 

@@ -5,7 +5,8 @@ v2, found in /proc/self/mountinfo), named exactly as kubelet + the runtime would
 `run(steps)` starts gpuwork in its `--shim` mode: a host process with the comm of a runtime
 shim forks the container init into a new PID and mount namespace; the init joins the
 container's cgroups, mounts a private tmpfs on /dev with the requested character nodes (mknod)
-and a /proc of its own, and execs gpuwork with the script, so the script runs as PID 1.
+or bound files (`bind_devices`: a fake driver's FUSE files) and a /proc of its own, and execs
+gpuwork (or `run(program=...)`, e.g. rmplan) with the script, so the script runs as PID 1.
 
 Orphans: when the shim dies (`kill_shim`) the kernel hands the init to the nearest
 PR_SET_CHILD_SUBREAPER ancestor of the shim, else to the PID 1 of the shim's PID namespace
@@ -174,12 +175,17 @@ def cgroup_registry() -> Iterator[set[str]]:
 class ContainerProcess(Workload):
     """gpuwork as the init of a fake container; `.pid` is its host PID like `.host_pid`."""
 
-    def __init__(self, container: FakeContainer, steps: list[str], shim_comm: str) -> None:
+    def __init__(self, container: FakeContainer, steps: list[str], shim_comm: str,
+                 program: Path | None = None) -> None:
         argv = ["--shim", "--comm", shim_comm]
         for directory in container.cgroup_paths.values():
             argv += ["--cgroup", os.path.join(directory, "cgroup.procs")]
         for name, (major, minor) in container.devices.items():
             argv += ["--dev", f"{name}:{major}:{minor}"]
+        for name, host_path in container.bind_devices.items():
+            argv += ["--bind", f"{name}:{host_path}"]
+        if program is not None:
+            argv += ["--exec", str(program)]
         super().__init__(popen_gpuwork([*argv, "--", *steps]))
         self.container = container
         self._init_pid: int | None = None
@@ -262,9 +268,14 @@ class FakeContainer:
         devices: dict[str, tuple[int, int]] | None = None,
         container_id: str | None = None,
         pod_uid: str | None = None,
+        bind_devices: dict[str, str] | None = None,
     ) -> None:
         self.runtime, self.qos, self.cgroup_driver = runtime, qos, cgroup_driver
-        self.devices = dict(DEFAULT_DEVICES if devices is None else devices)
+        # Files bound on /dev/NAME (a fake driver's FUSE files, FakeDriver.devices()) take the
+        # place of the default character nodes of the same name.
+        self.bind_devices = dict(bind_devices or {})
+        default = {n: d for n, d in DEFAULT_DEVICES.items() if n not in self.bind_devices}
+        self.devices = dict(default if devices is None else devices)
         self.container_id = container_id or secrets.token_hex(32)
         self.pod_uid = pod_uid or str(uuid.uuid4())
         self.cgroup_path = kube_cgroup_path(runtime, qos, cgroup_driver, self.container_id, self.pod_uid)
@@ -315,15 +326,17 @@ class FakeContainer:
                 f"cannot create cgroup {directory}: {e}; needs root and a writable cgroupfs"
             ) from e
 
-    def run(self, steps: list[str], shim_comm: str = "containerd-shim") -> ContainerProcess:
+    def run(self, steps: list[str], shim_comm: str = "containerd-shim",
+            program: Path | None = None) -> ContainerProcess:
         """Starts a new init (own PID + mount namespace) running `steps` in this container.
 
         Each run gets its own namespaces (so its own PID 1) but shares the container's cgroups.
-        `shim_comm` is cut to 15 bytes by the kernel (TASK_COMM_LEN).
+        `shim_comm` is cut to 15 bytes by the kernel (TASK_COMM_LEN). `program`: the init execs
+        it (e.g. rmplan, tests/helpers/rmplan.py) with `steps` as its arguments instead of gpuwork.
         """
         if not self._created:
             self.create()
-        proc = ContainerProcess(self, steps, shim_comm)
+        proc = ContainerProcess(self, steps, shim_comm, program)
         self.processes.append(proc)
         return proc
 

@@ -310,10 +310,10 @@ static void shim_die(const char *what) {
 }
 
 /* Container init, still on the host side of the mount namespace: joins the container's
- * cgroups, gets a private /dev with the requested nodes and a /proc of its PID namespace, then
- * execs gpuwork with the script so that gpuwork is PID 1 there. */
+ * cgroups, gets a private /dev with the requested nodes (and bound files) and a /proc of its PID
+ * namespace, then execs gpuwork (or --exec's program) with the script so that it is PID 1 there. */
 static void container_init(int go_fd, const char *self, char **cgroups, int ncg, char **devs,
-                           int ndev, char **script) {
+                           int ndev, char **binds, int nbind, const char *exec_path, char **script) {
     char go;
     if (read(go_fd, &go, 1) != 1) shim_die("sync"); /* the shim has announced our PID */
     close(go_fd);
@@ -325,8 +325,28 @@ static void container_init(int go_fd, const char *self, char **cgroups, int ncg,
     if (unshare(CLONE_NEWNS) < 0) shim_die("unshare-mnt");
     /* Without this a shared / (systemd hosts) would propagate our /dev tmpfs to the host. */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) shim_die("make-private");
+    /* --bind sources are reached by their host path, which the /dev tmpfs may cover: pin them
+     * first (O_PATH), bind them through /proc/self/fd after. */
+    int bind_fds[64];
+    for (int k = 0; k < nbind; k++) {
+        char *colon = strchr(binds[k], ':'); /* NAME:HOST_PATH */
+        if (colon == NULL) { errno = EINVAL; shim_die(binds[k]); }
+        *colon = '\0';
+        bind_fds[k] = open(colon + 1, O_PATH | O_CLOEXEC);
+        if (bind_fds[k] < 0) shim_die(colon + 1);
+    }
     if (mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k") < 0)
         shim_die("mount-dev");
+    for (int k = 0; k < nbind; k++) {
+        char path[512], src[64];
+        snprintf(path, sizeof(path), "/dev/%s", binds[k]);
+        int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0666); /* the mount point */
+        if (fd < 0) shim_die(path);
+        close(fd);
+        snprintf(src, sizeof(src), "/proc/self/fd/%d", bind_fds[k]);
+        if (mount(src, path, NULL, MS_BIND, NULL) < 0) shim_die(path);
+        close(bind_fds[k]);
+    }
     for (int k = 0; k < ndev; k++) {
         char path[512];
         unsigned maj, min;
@@ -349,29 +369,40 @@ static void container_init(int go_fd, const char *self, char **cgroups, int ncg,
     }
     if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
         shim_die("mount-proc");
+    if (exec_path != NULL) { /* another program as the init, e.g. rmplan, with the script as its argv */
+        const char *base = strrchr(exec_path, '/');
+        script[-1] = (char *)(base ? base + 1 : exec_path);
+        execv(exec_path, script - 1);
+        shim_die(exec_path);
+    }
     script[-1] = (char *)"gpuwork";
     execv(self, script - 1);
     shim_die("exec");
 }
 
-/* --shim [--comm NAME] [--cgroup PROCS_FILE]... [--dev NAME:MAJ:MIN]... -- STEP...
+/* --shim [--comm NAME] [--cgroup PROCS_FILE]... [--dev NAME:MAJ:MIN]... [--bind NAME:HOST_PATH]...
+ *        [--exec PROGRAM] -- STEP...
+ * --bind mounts HOST_PATH (e.g. a fake driver's FUSE file) on /dev/NAME; --exec makes PROGRAM
+ * the init instead of gpuwork, with the STEPs as its arguments.
  * The shim stays on the host (its cgroups, its namespaces), like containerd-shim: it only
  * forks the container init into a new PID namespace, prints "shim-init <host pid>", and
  * waits for it, exiting with its status. Setup failures print "shim-error <what> <errno>"
  * on stderr and exit 3. */
 static int shim_main(int argc, char **argv) {
-    char *cgroups[64], *devs[64];
-    int ncg = 0, ndev = 0, i = 2;
-    const char *comm = "containerd-shim";
+    char *cgroups[64], *devs[64], *binds[64];
+    int ncg = 0, ndev = 0, nbind = 0, i = 2;
+    const char *comm = "containerd-shim", *exec_path = NULL;
     for (; i < argc && strcmp(argv[i], "--") != 0; i += 2) {
         if (i + 1 >= argc) { errno = EINVAL; shim_die(argv[i]); }
         if (strcmp(argv[i], "--comm") == 0) comm = argv[i + 1];
         else if (strcmp(argv[i], "--cgroup") == 0 && ncg < 64) cgroups[ncg++] = argv[i + 1];
         else if (strcmp(argv[i], "--dev") == 0 && ndev < 64) devs[ndev++] = argv[i + 1];
+        else if (strcmp(argv[i], "--bind") == 0 && nbind < 64) binds[nbind++] = argv[i + 1];
+        else if (strcmp(argv[i], "--exec") == 0) exec_path = argv[i + 1];
         else { errno = EINVAL; shim_die(argv[i]); }
     }
     if (i >= argc) { errno = EINVAL; shim_die("missing --"); }
-    check_script(argc - i - 1, argv + i + 1);
+    if (exec_path == NULL) check_script(argc - i - 1, argv + i + 1);
     char self[4096];
     ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n < 0) shim_die("readlink-exe");
@@ -384,7 +415,7 @@ static int shim_main(int argc, char **argv) {
     if (child < 0) shim_die("fork");
     if (child == 0) {
         close(sync[1]);
-        container_init(sync[0], self, cgroups, ncg, devs, ndev, argv + i + 1);
+        container_init(sync[0], self, cgroups, ncg, devs, ndev, binds, nbind, exec_path, argv + i + 1);
     }
     /* First line on stdout, before the init may print anything: the init's host PID, which
      * nothing inside the container can tell (getpid() there is 1). */
