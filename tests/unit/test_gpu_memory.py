@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 import tracemalloc
 from pathlib import Path
@@ -437,3 +438,115 @@ def test_docs_memory_has_every_row() -> None:
         assert ("| yes |" in line) is row.counts, line
         assert row.header in line, line
     assert f"{DEFAULT_MAX_OBJECTS:,}" in text or str(DEFAULT_MAX_OBJECTS) in text
+
+
+# --- against a naive model, on random call sequences ---------------------------------------------------
+
+class Naive:
+    """The same rules, recomputed from scratch after every call: every live object with its parent,
+    every allocation with the age of each reference to it."""
+
+    def __init__(self) -> None:
+        self.objs: dict[tuple[int, int], dict[str, int | None]] = {}  # (root, handle) -> fields
+        self.seq = 0
+
+    def add(self, root: int, h: int, parent: int, pid: int, fd: int, kind: str, instance: int | None,
+            alloc: int | None = None, size: int = 0) -> None:
+        self.seq += 1
+        self.objs[(root, h)] = {"parent": parent, "pid": pid, "fd": fd, "instance": instance, "alloc": alloc,
+                                "size": size, "seq": self.seq, "client": int(kind == "client")}
+
+    def free(self, root: int, h: int) -> None:
+        doomed = {(root, h)} & self.objs.keys()
+        grew = True
+        while grew:
+            more = {k for k, o in self.objs.items() if k[0] == root and (root, o["parent"]) in doomed
+                    and k not in doomed and not o["client"]}
+            grew = bool(more)
+            doomed |= more
+        for k in doomed:
+            del self.objs[k]
+
+    def held_shared(self) -> tuple[Held, Held]:
+        by_alloc: dict[int, list[dict[str, int | None]]] = {}
+        for o in self.objs.values():
+            if o["alloc"] is not None:
+                by_alloc.setdefault(o["alloc"], []).append(o)
+        held: Held = {}
+        shared: Held = {}
+        for refs in by_alloc.values():
+            refs.sort(key=lambda o: o["seq"] or 0)
+            owner = refs[0]["pid"]
+            size = refs[0]["size"] or 0
+            assert owner is not None
+            inst = refs[0]["instance"]
+            held.setdefault(owner, {})[inst] = held.get(owner, {}).get(inst, 0) + size
+            for pid in {r["pid"] for r in refs[1:]} - {owner}:
+                assert pid is not None
+                shared.setdefault(pid, {})[inst] = shared.get(pid, {}).get(inst, 0) + size
+        return held, shared
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_sequences_agree_with_the_naive_model(seed: int) -> None:
+    rnd = random.Random(seed)
+    acc = MemoryAccountant()
+    naive = Naive()
+    pids = (A, B, C)
+    fds = (FD, FD + 1)
+    next_alloc = 0
+    for _ in range(400):
+        pid = rnd.choice(pids)
+        fd = rnd.choice(fds)
+        root = CLIENT_OF[pid] + (fd - FD) * 0x100  # one client per (pid, fd)
+        live = [k for k in naive.objs if k[0] == root]
+        op = rnd.random()
+        if not live or op < 0.05:
+            if (root, root) in naive.objs:
+                continue
+            acc.apply(MemCall(K.ALLOC, 0, pid, fd, root, root, root, 0x41))
+            naive.add(root, root, root, pid, fd, "client", None)
+            for h, inst in ((DEV0, 0), (DEV1, 1)):
+                acc.apply(MemCall(K.ALLOC, 0, pid, fd, root, root, h, 0x80, instance=inst))
+                naive.add(root, h, root, pid, fd, "device", inst)
+        elif op < 0.45:
+            parent = rnd.choice((DEV0, DEV1))
+            if (root, parent) not in naive.objs:
+                continue
+            h = rnd.randrange(0x1000, 0x1040)
+            naive.free(root, h)  # a reused handle: the stale object goes first
+            size = rnd.choice((MiB, 2 * MiB, GiB))
+            acc.apply(MemCall(K.ALLOC, 0, pid, fd, root, parent, h, 0x40, size_bytes=size))
+            naive.add(root, h, parent, pid, fd, "memory", naive.objs[(root, parent)]["instance"],
+                      alloc=next_alloc, size=size)
+            next_alloc += 1
+        elif op < 0.65:
+            sources = [k for k, o in naive.objs.items() if o["alloc"] is not None]
+            parent = rnd.choice((DEV0, DEV1))
+            if not sources or (root, parent) not in naive.objs:
+                continue
+            src = rnd.choice(sources)
+            h = rnd.randrange(0x2000, 0x2040)
+            if src == (root, h):
+                continue  # RM refuses a copy into the handle it copies
+            naive.free(root, h)
+            acc.apply(MemCall(K.DUP, 0, pid, fd, root, parent, h, src_client=src[0], src_object=src[1]))
+            o = naive.objs[src]
+            naive.add(root, h, parent, pid, fd, "memory", o["instance"], alloc=o["alloc"],
+                      size=o["size"] or 0)
+        elif op < 0.9:
+            h = rnd.choice([k[1] for k in live] + [0xDEAD])
+            acc.apply(MemCall(K.FREE, 0, pid, fd, root, 0, h))
+            naive.free(root, h)
+        elif op < 0.95:
+            acc.apply(MemCall(K.CLOSE, 0, pid, fd, 0, 0, 0))
+            naive.free(root, root)
+        else:
+            acc.process_exit(pid)
+            for f in fds:
+                naive.free(CLIENT_OF[pid] + (f - FD) * 0x100, CLIENT_OF[pid] + (f - FD) * 0x100)
+        held, shared = naive.held_shared()
+        for p in pids:
+            assert acc.held(p) == held.get(p, {}), (seed, p)
+            assert acc.shared(p) == shared.get(p, {}), (seed, p)
+        assert acc.objects == len(naive.objs)
