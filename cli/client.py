@@ -283,10 +283,11 @@ def _filters(args: argparse.Namespace) -> Filters:
 
 def render_ps(query: Query, args: argparse.Namespace, filters: Filters) -> str:
     consumers = query.consumers(**filters)
+    nodes = query.nodes(filters["node"])
     if args.output == "json":
-        return json.dumps(view.consumers_json(consumers), indent=2, default=str)
+        return json.dumps(view.consumers_json(consumers, nodes), indent=2, default=str)
     now_s = time.time()
-    headers = [view.node_header(n, now_s) for n in query.nodes(filters["node"])]
+    headers = [line for n in nodes for line in view.node_lines(n, now_s)]
     table = view.consumer_table(consumers, wide=args.output == "wide", now_s=now_s)
     return "\n".join([*headers, "", table] if headers else [table])
 

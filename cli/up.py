@@ -406,7 +406,8 @@ class LiveView:
     def _node_line(self, status: query_pb2.TracerStatus | None) -> str:
         self.tracer_connected = self.tracer_connected or bool(status is not None and status.connected)
         if status is not None and self.tracer_connected:
-            line = view.node_header(status, demo_gpu=bool(self.demo and self.demo.fake_nvml))
+            # The header and its GPU memory lines, as `ps` shows them.
+            line = "\n".join(view.node_lines(status, demo_gpu=bool(self.demo and self.demo.fake_nvml)))
         else:
             # Before this run's tracer first connects, a status can only come from the store (a run
             # that ended, which node_header would call DISCONNECTED): say what is known instead.

@@ -12,12 +12,25 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, consumer_order
-from ghostgpu.common.model.display import LISTING_ID_LEN, mib, short_id
-from ghostgpu.common.wire.convert import class_from_proto, cluster_consumer_from_proto, holder_kind
+from ghostgpu.common.model.display import (
+    DRIVER_CALLS_FOOTNOTE,
+    DRIVER_CALLS_MARK,
+    LISTING_ID_LEN,
+    memory_cell,
+    mib,
+    short_id,
+)
+from ghostgpu.common.wire.convert import (
+    class_from_proto,
+    cluster_consumer_from_proto,
+    gpu_from_proto,
+    holder_kind,
+)
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
 Row = TypeVar("Row")
 Column = tuple[str, Callable[[Row], str]]  # header, cell of one row
+MEMORY_HEADER = "GPU-MEM"  # NVML's figure, else the driver calls' (marked: the table adds the footnote)
 
 
 def age(seconds: float) -> str:
@@ -58,7 +71,7 @@ def _columns(now_s: float, wide: bool) -> list[Column[ClusterConsumer]]:
         ("CPID", lambda c: "-" if c.consumer.ns_pid is None else str(c.consumer.ns_pid)),
         ("NAMESPACE/POD/CONTAINER", who),
         ("CLASS", lambda c: str(c.consumer.cls)),
-        ("GPU-MEM", lambda c: mib(c.consumer.gpu_memory_bytes)),
+        (MEMORY_HEADER, lambda c: memory_cell(c.consumer.gpu_memory_bytes, c.consumer.allocated_bytes)),
         ("SINCE", lambda c: age(now_s - c.since_unix_ns / 1e9) if c.since_unix_ns else "-"),
     ]
     if wide:
@@ -80,9 +93,13 @@ def grid(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def table(columns: Sequence[Column[Row]], items: Iterable[Row], empty: str) -> str:
-    """A header and one line per item, laid out by grid(); `empty` on a line of its own when no item."""
+    """A header and one line per item, laid out by grid(); `empty` on a line of its own when no item.
+    A memory cell from the driver calls (DRIVER_CALLS_MARK) gets the footnote that says so."""
     rows = [[cell(item) for _, cell in columns] for item in items]
     text = grid([name for name, _ in columns], rows)
+    if any(name == MEMORY_HEADER and row[i].endswith(DRIVER_CALLS_MARK)
+           for i, (name, _) in enumerate(columns) for row in rows):
+        text += "\n" + DRIVER_CALLS_FOOTNOTE
     return text + "\n" + empty if not rows else text
 
 
@@ -100,7 +117,7 @@ SNAPSHOT_COLUMNS: tuple[Column[Consumer], ...] = (
     ("CPID", lambda c: "-" if c.ns_pid is None else str(c.ns_pid)),
     ("COMM", lambda c: c.comm or "?"),
     ("CLASS", lambda c: str(c.cls)),
-    ("GPU-MEM", lambda c: mib(c.gpu_memory_bytes)),
+    (MEMORY_HEADER, lambda c: memory_cell(c.gpu_memory_bytes, c.allocated_bytes)),
     ("CONTAINER", lambda c: short_id(c.container_id, LISTING_ID_LEN) or "-"),
     ("POD-UID", lambda c: c.pod_uid or "-"),
     ("DEVICES", lambda c: ",".join(d.removeprefix("/dev/") for d in c.devices)),
@@ -113,8 +130,21 @@ def snapshot_table(consumers: Sequence[Consumer], wide: bool = True) -> str:
                  "(no process holds a GPU device file)")
 
 
-def consumers_json(consumers: Sequence[ClusterConsumer]) -> list[dict[str, Any]]:
-    return [c.to_json() for c in sorted(consumers, key=lambda c: consumer_order(c.consumer))]
+def consumers_json(consumers: Sequence[ClusterConsumer],
+                   nodes: Sequence[query_pb2.TracerStatus] = ()) -> list[dict[str, Any]]:
+    """`ps -o json`: one object per consumer (a list, as it has always been), each with `gpu_info`:
+    its GPU as its node's last snapshot told it (the `gpus` entry of the node's info: PCI bus id and
+    NVML's used memory split into listed, unlisted and unaccounted), null when not known."""
+    gpus: dict[tuple[str, str], dict[str, Any]] = {}
+    for status in nodes:
+        for g in status.info.gpus:
+            gpus[(status.node, g.uuid)] = gpu_from_proto(g).to_json()
+    rows = []
+    for c in sorted(consumers, key=lambda c: consumer_order(c.consumer)):
+        row = c.to_json()
+        row["gpu_info"] = gpus.get((c.consumer.node, c.consumer.gpu_uuid)) if c.consumer.gpu_uuid else None
+        rows.append(row)
+    return rows
 
 
 def nvml_text(info: stream_pb2.NodeInfo, demo_gpu: bool = False) -> str:
@@ -124,6 +154,24 @@ def nvml_text(info: stream_pb2.NodeInfo, demo_gpu: bool = False) -> str:
     gpus = ", ".join(f"{g.index}:{g.name or g.uuid}" for g in info.gpus) or "no GPUs"
     label = "DEMO GPU (fake NVML planted by --demo, no real device)" if demo_gpu else "NVML"
     return f"{label} driver {info.driver_version or '?'}: {gpus}"
+
+
+def gpu_memory_line(g: stream_pb2.Gpu) -> str:
+    """One GPU's used memory as the node's last snapshot split it: used = listed + unlisted + unaccounted
+    (tracer/gpu_memory.py memory_split; `-` for a figure not known)."""
+    info = gpu_from_proto(g)
+    name = f"GPU {info.index}" + (f" ({info.pci_bus_id})" if info.pci_bus_id else "")
+    if info.memory_used_bytes is None:
+        return f"  {name}: used memory unknown (NVML did not say)"
+    return (f"  {name}: {mib(info.memory_used_bytes)} used = {mib(info.memory_listed_bytes)} by processes "
+            f"NVML lists + {mib(info.memory_unlisted_bytes)} by holders it does not list + "
+            f"{mib(info.unaccounted_bytes)} unaccounted")
+
+
+def node_lines(status: query_pb2.TracerStatus, now_s: float | None = None, demo_gpu: bool = False,
+               ) -> list[str]:
+    """The node's header line (node_header) and, under it, one line per GPU with its memory split."""
+    return [node_header(status, now_s, demo_gpu), *(gpu_memory_line(g) for g in status.info.gpus)]
 
 
 def node_header(status: query_pb2.TracerStatus, now_s: float | None = None, demo_gpu: bool = False) -> str:

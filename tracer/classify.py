@@ -14,13 +14,18 @@ so it goes through the same rules, and NVML, which lists processes per GPU, neve
 Reasons are one human line naming the evidence; numbers that move between refreshes (ages, MiB,
 fds) appear only in the text, and diff_consumers() (tracer/consumer_diff.py) compares the reason
 with its numbers masked, so an age ticking up is not a change.
+
+Memory: `gpu_memory_bytes` is NVML's figure; `allocated_bytes` what the driver accepted from the
+process's own memory calls, less what it freed (tracer/gpu_memory.py, fed by the kernel side), or
+None with `allocated_reason` saying why it is unknown (unknown is never 0). Both are set, and the
+reason names the memory a consumer holds, in one place: _with_memory().
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.consumer_diff import diff_consumers as diff_consumers  # where the agent imports it
@@ -28,12 +33,17 @@ from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, Nvm
 
 from ghostgpu.common.model import classes
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, consumer_order
-from ghostgpu.common.model.display import mib_phrase, short_id
+from ghostgpu.common.model.display import mib_phrase, short_id, size_phrase
 
 COMM_LEN = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to 15 bytes
 # The MPS server holds the GPU for its clients; NVML lists the clients' PIDs (CUDA 11+, Volta+).
 MPS_SERVER = "nvidia-cuda-mps-server"
 Holds = Sequence[tuple[str, DeviceHold]]
+
+# Why a consumer's allocated_bytes is unknown (its allocated_reason).
+BEFORE_START = "allocated before the tracer started"
+NO_KERNEL_SIDE = "BPF is off, so no driver call is seen"
+NO_HOLDER = "no process the tracer saw holds this GPU's device file, so none of its driver calls"
 
 
 def _ticks_to_ns(ticks: int) -> int:
@@ -319,7 +329,8 @@ def _holder_consumer(holder: Holder, holds: Holds, control: Sequence[str], scope
     )
 
 
-def _listed_consumer(gpu: NvmlGpu, listed: NvmlProcess, holder: Holder | None, ctx: _Ctx) -> Consumer:
+def _listed_consumer(gpu: NvmlGpu, listed: NvmlProcess, holder: Holder | None, ctx: _Ctx,
+                     ) -> tuple[Consumer, Holder | None]:
     """A (GPU, pid) NVML lists but no holder of that GPU covers: a ghost (the PID is gone, or reused:
     it holds no GPU device file, and a CUDA process keeps its own open for life), an MPS client, or
     a holder of another GPU."""
@@ -361,7 +372,7 @@ def _listed_consumer(gpu: NvmlGpu, listed: NvmlProcess, holder: Holder | None, c
         exe=info.exe, cmdline=info.cmdline, uid=info.uid, ppid=info.ppid, state=info.state,
         start_time_ns=cfg.boot_ns_of_ticks(start_ticks) if start_ticks is not None else None,
         first_seen_ns=listed_ns, cgroup_path=info.cgroup_path, alive=info.alive and ghost is None,
-    )
+    ), known
 
 
 def classify(holders: Sequence[Holder], nvml: NvmlView, now_ns: int, cfg: ClassifyConfig, node: str,
@@ -373,7 +384,7 @@ def classify(holders: Sequence[Holder], nvml: NvmlView, now_ns: int, cfg: Classi
     """
     listed_by_uuid = {gpu.uuid: _merge_listed(gpu) for gpu in nvml.gpus} if nvml.available else {}
     ctx = _Ctx(nvml, now_ns, cfg, node, pid_exists, listed_by_uuid, _mps_servers(holders))
-    out: list[Consumer] = []
+    out: list[tuple[Consumer, Holder | None]] = []  # each consumer and the holder it is of (None: none)
     node_wide: list[tuple[Holder, list[tuple[str, DeviceHold]]]] = []
     for holder in sorted(holders, key=lambda h: h.pid):
         held = sorted((path, hold) for path, hold in holder.holds.items() if hold.held)
@@ -385,18 +396,90 @@ def classify(holders: Sequence[Holder], nvml: NvmlView, now_ns: int, cfg: Classi
         if not per_gpu and control:
             node_wide.append((holder, control))
         for minor, holds in sorted(per_gpu.items()):
-            out.append(_holder_consumer(holder, holds, [p for p, _ in control], _scope(minor, nvml), ctx))
+            out.append((_holder_consumer(holder, holds, [p for p, _ in control], _scope(minor, nvml), ctx),
+                        holder))
     if nvml.available:
-        covered = {(c.gpu_uuid, c.pid) for c in out if c.gpu_uuid}
+        covered = {(c.gpu_uuid, c.pid) for c, _ in out if c.gpu_uuid}
         by_pid = {h.pid: h for h in holders}
         for gpu in nvml.gpus:
             for pid, listed in sorted(listed_by_uuid[gpu.uuid].items()):
                 if (gpu.uuid, pid) not in covered:
                     out.append(_listed_consumer(gpu, listed, by_pid.get(pid), ctx))
     # A holder NVML lists (an MPS client) is reported on that GPU, with its control devices.
-    reported = {c.pid for c in out if c.cls is not ConsumerClass.GHOST and c.devices}
+    reported = {c.pid for c, _ in out if c.cls is not ConsumerClass.GHOST and c.devices}
     for holder, control in node_wide:
         if holder.pid not in reported:
-            out.append(_holder_consumer(holder, control, [], _scope(None, nvml), ctx))
-    out.sort(key=consumer_order)
+            out.append((_holder_consumer(holder, control, [], _scope(None, nvml), ctx), holder))
+    consumers = _with_memory(out)
+    consumers.sort(key=consumer_order)
+    return consumers
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+def _held_memory(holder: Holder | None) -> tuple[Mapping[int | None, int] | None, str]:
+    """(bytes per RM device instance, "") of what a holder's driver calls hold, or (None, why that is
+    unknown). Only a holder whose every hold the kernel saw opened (source "bpf", as gpu_work.judge
+    asks for a whole call history) has a figure: one found by a /proc scan opened its device before
+    the tracer watched, and whatever it allocated then is not in the accountant."""
+    if holder is None:
+        return None, NO_HOLDER
+    if holder.memory is None:
+        return None, NO_KERNEL_SIDE
+    if any(hold.source != "bpf" for hold in holder.holds.values()):
+        return None, BEFORE_START
+    if holder.memory.incomplete:
+        return None, holder.memory.incomplete
+    return holder.memory.by_instance, ""
+
+
+def _spread(minors: Sequence[int | None], by_instance: Mapping[int | None, int]) -> list[int]:
+    """A process's bytes over its consumers (their GPUs' device minors; None: node-wide).
+
+    RM device instance N is taken to be the GPU of /dev/nvidiaN (device minor N): the driver numbers
+    both in its probe order (docs/reference/nvidia-ioctl-abi.md §10 names the identity chain), an
+    assumption bench/gpu_real_check.sh checks on a real driver. What no consumer of the process is
+    on (memory under no device object the tracer saw, or on a GPU whose device file it does not
+    hold) goes to its first consumer, so that the process's total is never shown low."""
+    out = [by_instance.get(minor, 0) if minor is not None else 0 for minor in minors]
+    stray = sum(n for instance, n in by_instance.items() if instance is None or instance not in minors)
+    if out:
+        out[0] += stray
+    return out
+
+
+def _memory_note(c: Consumer) -> str:
+    """What the reason says of the memory a consumer holds ("" for none): NVML's figure where NVML
+    gives one, else the driver calls'. A visible or ghost reason is NVML's listing, which names it."""
+    on = f"on GPU {c.gpu}" if c.gpu is not None else "of GPU memory"
+    if c.gpu_memory_bytes is not None:
+        if not c.gpu_memory_bytes or c.cls in (ConsumerClass.VISIBLE, ConsumerClass.GHOST):
+            return ""
+        return f"it holds {size_phrase(c.gpu_memory_bytes)} {on} (NVML's figure)"
+    if c.allocated_bytes:
+        return f"it holds {size_phrase(c.allocated_bytes)} {on} (from the driver calls ghostgpu saw)"
+    return ""
+
+
+def _with_memory(pairs: Sequence[tuple[Consumer, Holder | None]]) -> list[Consumer]:
+    """Each consumer with its allocated_bytes (or why unknown) and the memory its reason names."""
+    of_holder: dict[int, list[int]] = {}  # holder pid -> its consumers' positions, in GPU order
+    for i, (_, holder) in sorted(enumerate(pairs), key=lambda p: consumer_order(p[1][0])):
+        if holder is not None:
+            of_holder.setdefault(holder.pid, []).append(i)
+    allocated: dict[int, tuple[int | None, str]] = {}
+    for positions in of_holder.values():
+        by_instance, why = _held_memory(pairs[positions[0]][1])
+        if by_instance is None:
+            allocated.update(dict.fromkeys(positions, (None, why)))
+            continue
+        shares = _spread([pairs[i][0].gpu_minor for i in positions], by_instance)
+        allocated.update((i, (n, "")) for i, n in zip(positions, shares, strict=True))
+    out: list[Consumer] = []
+    for i, (consumer, _) in enumerate(pairs):
+        n, why = allocated.get(i, (None, NO_HOLDER))
+        c = replace(consumer, allocated_bytes=n, allocated_reason=why)
+        if note := _memory_note(c):
+            c.reason = f"{c.reason}; {note}"
+        out.append(c)
     return out

@@ -21,8 +21,8 @@ def _signature(c: Consumer) -> tuple[object, ...]:
     # one: a holder that renames itself (busybox applets, worker pools) is shown, and alerted on,
     # by its current name.
     reason_shape = _NUMBERS.sub("#", c.reason)
-    return (c.cls, reason_shape, tuple(c.devices), c.gpu_memory_bytes, c.container_id, c.mapped, c.alive,
-            c.comm)
+    return (c.cls, reason_shape, tuple(c.devices), c.gpu_memory_bytes, c.allocated_bytes, c.allocated_reason,
+            c.container_id, c.mapped, c.alive, c.comm)
 
 
 def diff_consumers(old: Mapping[ConsumerKey, Consumer], new: list[Consumer],

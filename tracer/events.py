@@ -9,6 +9,7 @@ and of /proc/PID/stat start times, so kernel events, scans and process ages comp
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -102,6 +103,7 @@ class Holder:
     holds: dict[str, DeviceHold] = field(default_factory=dict)  # by device path
     ioctl_counts: dict[int, int] = field(default_factory=dict)  # ioctl request word -> count
     gpu_work: GpuWork | None = None  # what it asked the driver for; None: no call history at all
+    memory: HeldMemory | None = None  # what the driver accepted from its memory calls; None: BPF off
 
     @property
     def pid(self) -> int:
@@ -122,6 +124,16 @@ class GpuWork:
 
 
 @dataclass(frozen=True)
+class HeldMemory:
+    """The GPU memory a process holds by its own driver calls (tracer/gpu_memory.py), as the agent
+    hands it to the classifier: bytes per RM device instance, None for memory under no device object
+    the tracer saw. `incomplete` says why the figure cannot be exact ("" when it is)."""
+
+    by_instance: Mapping[int | None, int] = field(default_factory=dict)
+    incomplete: str = ""
+
+
+@dataclass(frozen=True)
 class NvmlProcess:
     pid: int
     used_gpu_memory_bytes: int | None  # None: NVML said "not available" (e.g. no permission, MIG)
@@ -137,6 +149,7 @@ class NvmlGpu:
     memory_total_bytes: int | None = None
     memory_used_bytes: int | None = None
     mig_mode: bool | None = None
+    pci_bus_id: str = ""  # NVML's busId ("00000000:3B:00.0"); "" when NVML did not say
     processes: tuple[NvmlProcess, ...] = ()
     # False: NVML failed to list this GPU's processes (GPU lost, ...): absence is not evidence.
     processes_known: bool = True

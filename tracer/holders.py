@@ -46,7 +46,7 @@ def copy_holder(holder: Holder) -> Holder:
         path: replace(hold, fds=set(hold.fds)) for path, hold in holder.holds.items()
     }
     return Holder(process=replace(holder.process), holds=holds, ioctl_counts=dict(holder.ioctl_counts),
-                  gpu_work=holder.gpu_work)
+                  gpu_work=holder.gpu_work, memory=holder.memory)
 
 
 def _proc_exists(pid: int) -> bool:

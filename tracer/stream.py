@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ghostgpu.tracer.cri_relay import CommandRunner, CriRelay
@@ -42,6 +42,8 @@ log = logging.getLogger("ghostgpu.stream")
 
 TRACE_QUEUE_MAX = 256  # trace batches waiting for the stream (~512 records each): then they are counted lost
 _STATE_KINDS = frozenset(("finding", "resolved", "info", "allocations"))  # what a Snapshot is made of
+# TracerStats fields the agent counts itself (StreamSink.counters)
+_AGENT_COUNTERS = frozenset(("memory_objects_dropped_total", "kmsg_unparsed_total"))
 
 
 class StreamSink:
@@ -49,13 +51,17 @@ class StreamSink:
 
     def __init__(self, target: str, node: str, *, relay: CriRelay | None = None,
                  capabilities: Iterable[str] = (), options: StreamOptions | None = None,
-                 boot_id: str | None = None, ringbuf_dropped: Callable[[], int] | None = None) -> None:
+                 boot_id: str | None = None, ringbuf_dropped: Callable[[], int] | None = None,
+                 counters: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.target = target
         self.node = node
         self.options = opts = options or StreamOptions()
         self.instance_id = uuid.uuid4().hex
         self.boot_id = read_boot_id() if boot_id is None else boot_id
         self.ringbuf_dropped = ringbuf_dropped  # BPF ring-buffer drops for TracerStats; settable later
+        # The agent's own counters for TracerStats, by field name (memory_objects_dropped_total, ...);
+        # settable later. A name TracerStats does not have is ignored.
+        self.counters = counters
         self._out = Outbox(opts.spool_events)
         self._wake = threading.Event()  # the sender's: set once per batch by emit, by acks and by close()
         self._commands = CommandRunner(relay, node)
@@ -168,12 +174,17 @@ class StreamSink:
             ringbuf = int(self.ringbuf_dropped()) if self.ringbuf_dropped is not None else 0
         except Exception:  # a stats read must never break the stream
             ringbuf = 0
+        try:
+            counters = {name: int(value) for name, value in (self.counters() if self.counters else {}).items()
+                        if name in _AGENT_COUNTERS}
+        except Exception:  # likewise
+            counters = {}
         out = self._out
         with out.lock:
             return stream_pb2.TracerStats(spool_events=len(out.spool),
                                           spool_dropped_total=out.spool.dropped_total,
                                           ringbuf_dropped_total=ringbuf,
-                                          reconnects_total=max(0, out.welcomes - 1))
+                                          reconnects_total=max(0, out.welcomes - 1), **counters)
 
 
 def _track(out: Outbox, kind: str, record: Record) -> None:

@@ -435,3 +435,21 @@ def test_trace_batches_wait_in_a_bounded_queue_while_the_collector_is_away(sinks
     batch = stream_pb2.TracerMessage(trace=trace_pb2.TraceBatch(session="t-1"))
     queued = [sink.emit_trace(batch) for _ in range(stream_module.TRACE_QUEUE_MAX + 3)]
     assert queued == [True] * stream_module.TRACE_QUEUE_MAX + [False] * 3  # the caller counts the loss
+
+
+def test_the_snapshot_carries_the_agents_counters(collector: FakeCollector, sinks: Sinks) -> None:
+    """TracerStats has the agent's own counters (RM objects the memory accountant could not keep,
+    kernel log lines that did not parse) beside the stream's; a counter read that fails is 0, never a
+    broken stream."""
+    sink = sinks(collector.target, StreamOptions(info_wait_s=0.0))
+    sink.counters = lambda: {"memory_objects_dropped_total": 7, "kmsg_unparsed_total": 2, "not_a_field": 1}
+    sink.emit(INFO)
+    wait_until(lambda: collector.messages("snapshot"), "a snapshot")
+    stats = collector.messages("snapshot")[0].msg.snapshot.stats
+    assert (stats.memory_objects_dropped_total, stats.kmsg_unparsed_total) == (7, 2)
+
+    def broken() -> dict[str, int]:
+        raise RuntimeError("the agent is gone")
+
+    sink.counters = broken
+    assert sink._tracer_stats().memory_objects_dropped_total == 0

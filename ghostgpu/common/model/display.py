@@ -1,4 +1,5 @@
-"""How model values are written for people, one definition each: GPU memory in MiB, short container IDs.
+"""How model values are written for people, one definition each: GPU memory in MiB (NVML's figures in
+tables), sizes in binary units (a consumer's memory in a reason), short container IDs.
 
 The tracer writes them into reasons (sentences that travel to the collector and into findings);
 the commands write them into table cells and event lines.
@@ -29,3 +30,30 @@ def mib(nbytes: int | None) -> str:
 def mib_phrase(nbytes: int | None) -> str:
     """Within a sentence: "512 MiB", or "an unknown amount of memory" when NVML does not say."""
     return "an unknown amount of memory" if nbytes is None else f"{nbytes / _MIB:.0f} MiB"
+
+
+# Binary units, largest first: a size is written in the largest unit it reaches.
+_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+# Marks a memory cell that comes from the driver calls ghostgpu saw, not from NVML; the footnote
+# says so under any table that shows one.
+DRIVER_CALLS_MARK = "*"
+DRIVER_CALLS_FOOTNOTE = f"{DRIVER_CALLS_MARK} from the driver calls ghostgpu saw"
+
+
+def size_phrase(nbytes: int) -> str:
+    """Within a sentence: "3.2 GiB", "512.0 MiB", "4.0 KiB", "100 bytes" (one decimal in any unit,
+    so 3.2 GiB is not read as 3 GiB)."""
+    for size, unit in _UNITS:
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def memory_cell(nvml_bytes: int | None, allocated_bytes: int | None) -> str:
+    """A consumer's memory in a table: NVML's figure where NVML gives one ("512MiB"), else the figure
+    from its driver calls, marked ("512MiB*"), else "-" (unknown)."""
+    if nvml_bytes is not None:
+        return mib(nvml_bytes)
+    if allocated_bytes is not None:
+        return mib(allocated_bytes) + DRIVER_CALLS_MARK
+    return "-"
