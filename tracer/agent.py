@@ -22,6 +22,7 @@ from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.containment import Containment, HealthReport
 from ghostgpu.tracer.devices import DeviceCatalog
 from ghostgpu.tracer.events import EventKind, Holder, NvmlView, SourceEvent, boot_ns
+from ghostgpu.tracer.faults import FaultWatch
 from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
 from ghostgpu.tracer.nvml import NvmlSource
@@ -30,6 +31,7 @@ from ghostgpu.tracer.rescan import RescanPlanner
 from ghostgpu.tracer.sinks import Sink
 
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, ConsumerKey
+from ghostgpu.common.model.records import ProcessIdentity
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.bpf_source import BpfSource  # imports bcc: only where BPF runs
@@ -57,6 +59,8 @@ class Tracer:
         self.nvml_source = NvmlSource()
         self.nvml = NvmlView(available=False, error="NVML not read yet")
         self.state = HolderTable(self.identities.identify, exists=self.identities.alive)
+        # GPU faults (Xid) from the kernel log, joined to the holders on this loop (tracer/faults.py).
+        self.faults = FaultWatch(cfg.node_name)
         self.bpf: BpfSource | None = None  # when the kernel side runs
         self.consumers: dict[ConsumerKey, Consumer] = {}
         self.nvml_first_listed: dict[tuple[str, int], int] = {}
@@ -83,6 +87,10 @@ class Tracer:
         self._read_nvml()
         if not self.nvml.available:
             self._notice("nvml", f"{self.nvml.error}; classes that need NVML are reported as unknown")
+        # Read from now on (no replay): an Xid logged during the first scan is joined once it is done.
+        kmsg_off = self.faults.start()
+        if kmsg_off:
+            self._notice("kmsg", kmsg_off)
         # BPF is attached before the first scan, so nothing opened in between slips through;
         # what both see is merged by the holder table.
         self.errors.run("scan", self._scan, True)
@@ -118,6 +126,7 @@ class Tracer:
         if self.bpf is not None:
             self.bpf.close()
             self.bpf = None
+        self.faults.close()
         self.nvml_source.close()
 
     def run(self) -> None:
@@ -161,6 +170,8 @@ class Tracer:
             self.stop_event.wait(timeout_ms / 1000)
         if self._exit_due:
             run("scan", self._settle_overdue)
+        if self.faults.pending:  # Xid lines from the kernel log: joined to the holders as they are now
+            run("fault", self._emit_faults)
         if self._is_due("nvml", self.cfg.nvml_interval_s):
             run("nvml", self._read_nvml)
         if self._is_due("scan", self.cfg.scan_interval_s):
@@ -242,6 +253,8 @@ class Tracer:
         if ev.kind is EventKind.EXIT:
             self._exit(ev, before)
             return
+        if ev.kind is EventKind.CLOSE and before is not None and ev.device is not None:
+            self.faults.note_close(before, ev.device.path, ev.ts_ns)  # a job that closed its GPU after an Xid
         changes = self.state.apply(ev)
         after = self.state.holders.get(ev.pid)
         if ev.kind in (EventKind.FORK, EventKind.EXEC):
@@ -279,6 +292,7 @@ class Tracer:
         counts: IoctlCounts | None = None
         if self.bpf is not None:
             counts = self.scans.read_ioctls_of(ev.pid)
+        self.faults.note_exit(before, ev.ts_ns)  # an Xid read after its exit still names it
         self.state.apply(ev)
         self._emit_event(ev, before, counts=counts)
         self._forget(ev.pid)
@@ -361,6 +375,16 @@ class Tracer:
             if (holder.process.state in ("Z", "X") and pid not in self._exit_due
                     and not self.identities.alive(pid)):
                 self._exit_due[pid] = now_s + EXIT_WAIT_S
+
+    def _emit_faults(self) -> None:
+        """The queued Xid lines, each joined to the holders (tracer/faults.py) and emitted; the driver's
+        named process read from /proc when it holds nothing the tracer saw."""
+        def lookup(pid: int) -> ProcessIdentity | None:
+            info = self.identities.identify(pid, 0)
+            return records.identity(info) if info is not None and info.alive else None
+
+        for fault in self.faults.take(self.nvml, self.state.holders, lookup):
+            self.sink.emit(fault)
 
     def _notice(self, what: str, message: str) -> None:
         if what != "nvml":  # the NVML source logs its own one line

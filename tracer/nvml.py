@@ -78,6 +78,19 @@ def merge_processes(compute: Iterable[Any], graphics: Iterable[Any]) -> tuple[Nv
     return tuple(out)
 
 
+def pci_bus_id(info: Any) -> str:
+    """NVML's bus id from an nvmlPciInfo_t: `busId` ("00000000:3B:00.0", NVML 9.0 on), else the
+    older `busIdLegacy` ("0000:3B:00.0"); "" when neither says. The Xid join (tracer/faults.py)
+    compares addresses by number, so either spelling matches the driver's "PCI:0000:3b:00"."""
+    for field in ("busId", "busIdLegacy"):
+        value = getattr(info, field, None)
+        if isinstance(value, bytes):
+            value = value.decode("ascii", errors="replace")
+        if isinstance(value, str) and value.strip("\x00 "):
+            return value.strip("\x00 ")
+    return ""
+
+
 def describe_failure(call: str, exc: BaseException, retry_interval_s: float = INIT_RETRY_S) -> str:
     """One line naming what failed and what to do about it."""
     code = getattr(exc, "value", None)
@@ -231,6 +244,7 @@ class NvmlSource:
         total_bytes, used_bytes = self._memory(nvml, gpu, handle)
         # MIG mode is [current, pending]; GPUs before Ampere answer NOT_SUPPORTED, which is None.
         mig = self._query(nvml.nvmlDeviceGetMigMode, gpu, "MIG mode", handle, quiet=True)
+        pci = self._query(nvml.nvmlDeviceGetPciInfo, gpu, "PCI info", handle, quiet=True)
         compute = self._processes(nvml, gpu, handle, "Compute")
         graphics = self._processes(nvml, gpu, handle, "Graphics")
         return NvmlGpu(
@@ -241,6 +255,7 @@ class NvmlSource:
             memory_total_bytes=total_bytes,
             memory_used_bytes=used_bytes,
             mig_mode=None if mig is None else int(mig[0]) == 1,
+            pci_bus_id=pci_bus_id(pci),
             processes=merge_processes(compute or [], graphics or []),
             processes_known=compute is not None and graphics is not None,
         )

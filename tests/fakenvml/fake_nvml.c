@@ -316,12 +316,17 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *current, unsig
     return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, pci_info_t *pci) {
+/* nvmlPciInfo_t has one layout from v2 on (busId replaced the reserved fields in NVML 9.0);
+ * pynvml 13 calls _v3, older bindings and drivers the plain and _v2 names. A GPU without pci=
+ * answers empty bus ids (a real one always has one: tests that join by bus id configure it). */
+static nvmlReturn_t pci_info(nvmlDevice_t dev, pci_info_t *pci) {
     struct fake_state st;
     const struct fake_gpu *g;
     nvmlReturn_t ret = begin(&st, dev, "pci", &g);
     if (ret) return ret;
+    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
     memset(pci, 0, sizeof(*pci));
+    if (!g->pci[0]) return NVML_SUCCESS;
     snprintf(pci->busId, sizeof(pci->busId), "%s", g->pci);
     sscanf(g->pci, "%x:%x:%x", &pci->domain, &pci->bus, &pci->device);
     /* The legacy field keeps the old 4-digit domain format. */
@@ -329,6 +334,10 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, pci_info_t *pci) {
              pci->bus & 0xFFU, pci->device & 0xFFU);
     return NVML_SUCCESS;
 }
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci); }
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci); }
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci); }
 
 /* NVML's two-call protocol: too small a count gets INSUFFICIENT_SIZE and the count needed. */
 static nvmlReturn_t list_procs(nvmlDevice_t dev, unsigned int *count, void *infos, int graphics,

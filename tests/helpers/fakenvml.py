@@ -77,7 +77,7 @@ class FakeGpu:
     mem_used_bytes: int = 0
     mem_reserved_bytes: int = 0  # v1 memory info counts it as used, v2 reports it apart
     mig: bool | None = None  # None: NVML says MIG is not supported on this GPU
-    pci_bus_id: str = ""
+    pci_bus_id: str = ""  # what nvmlDeviceGetPciInfo answers as busId, e.g. "00000000:3B:00.0"; "": empty
     fail: tuple[str, ...] = ()  # queries that fail: handle uuid name minor index memory mig compute ...
     fail_code: str = "GPU_IS_LOST"
 

@@ -16,6 +16,7 @@ from ghostgpu.tracer.nvml import (
     NvmlSource,
     describe_failure,
     merge_processes,
+    pci_bus_id,
     used_memory_bytes,
 )
 
@@ -173,6 +174,11 @@ class FakeBindings:
         self._call("mig", handle)
         return self.mig.get(handle, [0, 0])
 
+    def nvmlDeviceGetPciInfo(self, handle: int) -> SimpleNamespace:
+        self._call("pci", handle)
+        # pynvml decodes the char arrays to str; busIdLegacy keeps the 4-digit domain
+        return SimpleNamespace(busId=f"00000000:{0x3B + handle:02X}:00.0", busIdLegacy="0000:3B:00.0")
+
     def _procs(self, query: str, handle: int) -> list[Any]:
         self._call(query, handle)
         return [proc(100 + handle, 64)]
@@ -201,7 +207,8 @@ class Clock:
 def healthy_gpu(index: int, used: int = 100) -> NvmlGpu:
     return NvmlGpu(
         index=index, uuid=f"GPU-{index}", minor=index + 10, name="NVIDIA H200", memory_total_bytes=1000,
-        memory_used_bytes=used, mig_mode=False, processes=(NvmlProcess(100 + index, 64, "compute+graphics"),),
+        memory_used_bytes=used, mig_mode=False, pci_bus_id=f"00000000:{0x3B + index:02X}:00.0",
+        processes=(NvmlProcess(100 + index, 64, "compute+graphics"),),
     )
 
 
@@ -270,7 +277,7 @@ def test_lost_gpu_keeps_the_others_and_logs_once(caplog: pytest.LogCaptureFixtur
     assert first.gpus[0] == healthy_gpu(0)
     assert first.gpus[1] == NvmlGpu(index=1, uuid="", minor=None, processes_known=False)
     assert first.gpus[2] == NvmlGpu(
-        index=2, uuid="GPU-2", minor=12, name="NVIDIA H200", mig_mode=False,
+        index=2, uuid="GPU-2", minor=12, name="NVIDIA H200", mig_mode=False, pci_bus_id="00000000:3D:00.0",
         processes=(NvmlProcess(102, 64, "graphics"),), processes_known=False,
     )
     logged = warnings_of(caplog)
@@ -348,3 +355,22 @@ def test_close_shuts_down_once_and_read_reinitializes() -> None:
     source.close()
     assert fake.calls["shutdown"] == 1
     assert source.read().available and fake.calls["init"] == 2
+
+
+@pytest.mark.parametrize(("info", "expected"), [
+    (SimpleNamespace(busId="00000000:3B:00.0", busIdLegacy="0000:3B:00.0"), "00000000:3B:00.0"),
+    (SimpleNamespace(busId=b"00000000:17:00.0\x00", busIdLegacy=b""), "00000000:17:00.0"),  # an older binding
+    (SimpleNamespace(busId="", busIdLegacy="0000:3B:00.0"), "0000:3B:00.0"),  # before NVML 9.0
+    (SimpleNamespace(), ""),
+    (None, ""),  # the query failed
+])
+def test_pci_bus_id(info: Any, expected: str) -> None:
+    assert pci_bus_id(info) == expected
+
+
+def test_pci_info_not_supported_is_quiet_and_empty(caplog: pytest.LogCaptureFixture) -> None:
+    bindings = FakeBindings()
+    bindings.errors[("pci", None)] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    view = NvmlSource(bindings=bindings, clock=Clock()).read()
+    assert view.gpus[0].pci_bus_id == "" and view.gpus[0].uuid == "GPU-0"
+    assert warnings_of(caplog) == []

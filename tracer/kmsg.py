@@ -1,0 +1,200 @@
+"""Read the kernel log (/dev/kmsg) from the tracer's start, one record at a time, on one thread.
+
+/dev/kmsg hands out one record per read(): `PRI,SEQ,TS_US,FLAGS[,...];TEXT\n`, then continuation
+lines ` KEY=VALUE\n` (Documentation/ABI/testing/dev-kmsg; kernel/printk/printk.c devkmsg_read).
+PRI is facility << 3 | level. TEXT escapes bytes below 0x20, from 0x7f, and the backslash as
+`\\xNN`. The reader opens the device, seeks to its end (devkmsg_llseek SEEK_END: the next record to
+be written; nothing older is replayed) and waits in poll(). A reader that falls behind the ring
+buffer gets EPIPE once and then the oldest record still there: the records it missed are counted
+(from the sequence numbers), and reading goes on.
+
+Opening needs CAP_SYSLOG when kernel.dmesg_restrict is 1, the default on Debian and many others
+(kernel/printk/printk.c check_syslog_permissions; CAP_SYS_ADMIN is accepted too, with a warning).
+Without it open() fails with EPERM: start() says so in one line and the tracer goes on without
+faults.
+
+TS_US is the printk clock (local_clock(), as CLOCK_MONOTONIC runs: it stops in suspend).
+printk_to_boot_ns() moves it to CLOCK_BOOTTIME, the holder timeline's clock, by the offset
+boottime - monotonic read at conversion. local_clock is not slewed by NTP as CLOCK_MONOTONIC is, so
+the two can drift apart over a long uptime: the caller also caps a record's time at the moment it
+was read.
+
+Lines that user space wrote to /dev/kmsg (facility != 0: the kernel forces LOG_USER on a write
+without one, devkmsg_write) are passed on like the kernel's; KmsgRecord.from_kernel tells them apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("ghostgpu.kmsg")
+
+KMSG_PATH = "/dev/kmsg"
+READ_BUFFER_BYTES = 16384  # a record is at most ~1 KiB of text plus its dictionary; a short buffer is EINVAL
+_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
+
+
+@dataclass(frozen=True, slots=True)
+class KmsgRecord:
+    facility: int  # 0: the kernel itself; anything else was written by user space
+    level: int  # 0 (emerg) .. 7 (debug)
+    seq: int
+    ts_us: int  # printk clock, microseconds
+    text: str
+    continuation: bool = False  # FLAGS '+' / 'c': a fragment of a longer line
+
+    @property
+    def from_kernel(self) -> bool:
+        return self.facility == 0
+
+
+def parse_record(data: bytes) -> KmsgRecord | None:
+    """One read() of /dev/kmsg -> KmsgRecord; None when the prefix is not `PRI,SEQ,TS,FLAGS;`.
+    Continuation lines (` KEY=VALUE`) are dropped: the text is the first line."""
+    head, sep, body = data.partition(b";")
+    if not sep:
+        return None
+    fields = head.split(b",")
+    if len(fields) < 3:
+        return None
+    try:
+        pri, seq, ts_us = int(fields[0]), int(fields[1]), int(fields[2])
+    except ValueError:
+        return None
+    flags = fields[3] if len(fields) > 3 else b"-"
+    text = body.split(b"\n", 1)[0]
+    text = _ESCAPE.sub(lambda m: bytes([int(m[1], 16)]), text)
+    return KmsgRecord(facility=pri >> 3, level=pri & 7, seq=seq, ts_us=ts_us,
+                      text=text.decode("utf-8", errors="replace"), continuation=flags in (b"c", b"+"))
+
+
+def boot_offset_ns() -> int:
+    """CLOCK_BOOTTIME - CLOCK_MONOTONIC now: the time the machine spent suspended."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def printk_to_boot_ns(ts_us: int, offset_ns: int) -> int:
+    """A kmsg timestamp on the holder timeline's clock (CLOCK_BOOTTIME)."""
+    return ts_us * 1000 + offset_ns
+
+
+def open_failure(path: str, exc: OSError) -> str:
+    """One line: why the kernel log cannot be read, what is lost, what to do."""
+    lost = "Xid faults are not read from the kernel log"
+    if exc.errno in (errno.EPERM, errno.EACCES):
+        return (f"{path}: permission denied ({lost}); kernel.dmesg_restrict=1 needs CAP_SYSLOG: add it "
+                f"to the tracer's capabilities")
+    return f"{path}: cannot open ({exc.strerror or exc}; {lost})"
+
+
+def open_at_end(path: str) -> int:
+    """/dev/kmsg opened for reading, positioned after the last record written: nothing is replayed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class KmsgReader:
+    """Calls on_record(record, read_boot_ns) for each record, on its own thread, from start() on.
+    `opener` stands in for open_at_end (tests hand over a record-preserving socket)."""
+
+    def __init__(self, on_record: Callable[[KmsgRecord, int], None], path: str = KMSG_PATH,
+                 opener: Callable[[str], int] = open_at_end) -> None:
+        self.path = path
+        self._on_record = on_record
+        self._opener = opener
+        self._fd: int | None = None
+        self._wake_r = self._wake_w = -1
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._next_seq: int | None = None
+        self.records_read_total = 0
+        self.records_lost_total = 0  # overwritten in the ring buffer before this reader got them
+        self.unreadable_total = 0  # a read that did not hold a record (never seen from the kernel)
+
+    def start(self) -> str:
+        """Open, seek to the end, start the thread: "" when reading, else the one line saying why not."""
+        try:
+            self._fd = self._opener(self.path)
+        except OSError as exc:
+            return open_failure(self.path, exc)
+        os.set_blocking(self._fd, False)  # the thread reads until EAGAIN, then waits in poll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name="ghostgpu-kmsg", daemon=True)
+        self._thread.start()
+        return ""
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        for fd in (self._fd, self._wake_r, self._wake_w):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd, self._wake_r, self._wake_w = None, -1, -1
+
+    def _run(self) -> None:
+        assert self._fd is not None
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = poller.poll()
+            except InterruptedError:
+                continue
+            if any(fd == self._wake_r for fd, _ in ready):
+                return
+            self._read_available()
+
+    def _read_available(self) -> None:
+        assert self._fd is not None
+        while not self._stop.is_set():
+            try:
+                data = os.read(self._fd, READ_BUFFER_BYTES)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:  # overwritten under us: the next read is the oldest left
+                    continue
+                log.warning("%s: read failed (%s); Xid faults are no longer read", self.path, exc)
+                self._stop.set()
+                return
+            if not data:
+                return
+            record = parse_record(data)
+            if record is None:
+                self.unreadable_total += 1
+                continue
+            if self._next_seq is not None and record.seq > self._next_seq:
+                self.records_lost_total += record.seq - self._next_seq
+            self._next_seq = record.seq + 1
+            self.records_read_total += 1
+            try:
+                self._on_record(record, time.clock_gettime_ns(time.CLOCK_BOOTTIME))
+            except Exception:  # one bad record must not stop the reader
+                log.exception("%s: handling record %d failed", self.path, record.seq)
