@@ -829,7 +829,10 @@ static int op_open(const char *path, struct fuse_file_info *fi) {
     *f = (struct open_file){.id = g_next_file_id++, .kind = kind, .gpu = gpu, .pid = caller_pid(), .live = 1};
     if (kind == N_STATE) f->text = render_state(&f->text_len);
     fi->fh = f->id;
-    fi->direct_io = 1;   /* reads always come here: the state has no fixed size */
+    /* The state and control files: every read and write comes here (the state has no fixed
+     * size). The device files stay page-cached so that mmap works on them as on the real nodes
+     * (FUSE refuses a shared mmap of a direct-I/O file). */
+    fi->direct_io = kind == N_STATE || kind == N_CTLFILE;
     fi->nonseekable = kind != N_STATE;
     return 0;
 }
@@ -911,7 +914,6 @@ static int op_ioctl(const char *path, unsigned int cmd, void *arg, struct fuse_f
 
 static void *op_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
     (void)conn;
-    cfg->direct_io = 1;
     cfg->attr_timeout = 0, cfg->entry_timeout = 0, cfg->negative_timeout = 0;
     return NULL;
 }
