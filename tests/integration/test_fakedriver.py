@@ -9,7 +9,9 @@ which the tracer's figures are compared with elsewhere.
 from __future__ import annotations
 
 import array
+import ctypes
 import fcntl
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -247,6 +249,23 @@ def test_unknown_escape_or_wrong_size_is_einval_and_writes_nothing(driver: FakeD
     finally:
         os.close(fd)
     assert driver.state().counters["einval"] == 4
+
+
+def test_device_files_can_be_mapped(driver: FakeDriver) -> None:
+    """CUDA maps nvidiactl and nvidiaN: a shared mapping of the FUSE files succeeds."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    for path in (driver.ctl_path, driver.gpu_path(0), driver.gpu_path(1)):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            addr = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+            assert addr not in (None, ctypes.c_void_p(-1).value), f"mmap {path}: errno {ctypes.get_errno()}"
+            libc.munmap(addr, mmap.PAGESIZE)
+        finally:
+            os.close(fd)
 
 
 def test_uvm_answers_rm_status(driver: FakeDriver) -> None:
