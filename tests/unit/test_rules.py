@@ -25,7 +25,8 @@ SEVERITIES = {
     "GhostGPUUnattributedConsumer": "warning", "GhostGPUTracerDown": "critical",
     "GhostGPUTracerSilent": "warning", "GhostGPUEventsLost": "warning",
     "GhostGPUCriResolutionFailing": "warning", "GhostGPUMetricsCapped": "warning",
-    "GhostGPUAuditRewound": "critical",
+    "GhostGPUAuditRewound": "critical", "GhostGPUXidCritical": "critical",
+    "GhostGPUUnaccountedMemory": "warning",
 }
 FINDING_CLASS = {"GhostGPUHiddenConsumer": "hidden", "GhostGPUOrphanedConsumer": "orphaned",
                  "GhostGPUGhostMemory": "ghost", "GhostGPUUnallocatedAccess": "unallocated",
@@ -43,9 +44,10 @@ def _rules() -> dict[str, dict[str, Any]]:
 
 def test_groups_and_alerts_are_the_spec_s() -> None:
     groups = {g["name"]: [r["alert"] for r in g["rules"]] for g in _load(RULES)["groups"]}
-    assert set(groups) == {"ghostgpu-findings", "ghostgpu-health"}
+    assert set(groups) == {"ghostgpu-findings", "ghostgpu-health", "ghostgpu-gpu"}
     assert set(groups["ghostgpu-findings"]) == set(FINDING_CLASS)
-    assert set(groups["ghostgpu-findings"]) | set(groups["ghostgpu-health"]) == set(SEVERITIES)
+    assert set(groups["ghostgpu-gpu"]) == {"GhostGPUXidCritical", "GhostGPUUnaccountedMemory"}
+    assert {a for alerts in groups.values() for a in alerts} == set(SEVERITIES)
 
 
 @pytest.mark.parametrize("alert", sorted(SEVERITIES))
@@ -152,6 +154,17 @@ def test_finding_alerts_and_texts_match_the_direct_push() -> None:
             assert _TEMPLATE.sub(r"{\1}", rule["annotations"][key]) == pushed, f"{alertname} {key}"
             assert "{{" not in _TEMPLATE.sub("", rule["annotations"][key]), "only $labels templates"
         assert set(ALERT_ANNOTATIONS[alertname]) == set(rule["annotations"])
+
+
+def test_the_critical_xid_rule_names_the_catalogue_s_critical_xids() -> None:
+    from ghostgpu.tracer.xid_catalog import CRITICAL_XIDS
+
+    expr = _rules()["GhostGPUXidCritical"]["expr"]
+    lists = set(re.findall(r'xid=~"([0-9|]+)"', expr))
+    assert len(lists) == 1, f"every arm reads the same Xids: {lists}"
+    # 154 is critical or not by its message (the recovery action it states): left to the direct push.
+    assert {int(x) for x in lists.pop().split("|")} == CRITICAL_XIDS - {154}
+    assert {48, 63, 64, 74, 79, 92, 93, 94, 95, 119} <= CRITICAL_XIDS
 
 
 def test_metric_name_lexer_finds_names_only() -> None:
