@@ -127,9 +127,10 @@ def decode_recording(path: Path, driver: str | None, max_objects: int) -> dict[s
             instances.add(call.instance)
         accountant.apply(call)
     return {"driver": driver, "accountant": accountant, "kinds": dict(sorted(kinds.items())),
-            "errors": errors, "lines": len(objects), "ioctls": ioctls, "cards": sorted(cards.values(),
-            key=lambda c: c["minor"]), "id_info": id_info, "instances": sorted(instances),
-            "opened": sorted(opened), "pids": sorted({int(o["pid"]) for o in starts if "pid" in o})}
+            "errors": errors, "lines": len(objects), "ioctls": ioctls,
+            "cards": sorted(cards.values(), key=lambda c: c["minor"]), "id_info": id_info,
+            "instances": sorted(instances), "opened": sorted(opened), "params_unread": decoder.params_unread,
+            "pids": sorted({int(o["pid"]) for o in starts if "pid" in o})}
 
 
 # --- the driver's own figures ----------------------------------------------------------------
@@ -301,6 +302,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         "recording": {"file": str(recording), "lines": found["lines"], "ioctls": found["ioctls"],
                       "memcalls": found["kinds"], "decode_errors": found["errors"][:20],
                       "decode_errors_total": len(found["errors"]),
+                      "alloc_params_unread": found["params_unread"],
                       "objects_tracked": accountant.objects,
                       "objects_dropped": accountant.dropped_objects_total},
         "instances_vs_minors": {

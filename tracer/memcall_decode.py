@@ -15,7 +15,9 @@ tracer/bpf_source.py), so that a recording made on a real driver checks them and
   moved without its size changing), the block size from the request word or the XFER `size`;
 - handles, classes and sizes are read from the blocks AFTER the call: RM picks hObjectNew when 0
   was passed, a client's hClass comes back as 0x41 (§3.1), and RM writes back the size it really
-  allocated (NV_MEMORY_ALLOCATION_PARAMS.size, NVOS32 AllocSize.size).
+  allocated (NV_MEMORY_ALLOCATION_PARAMS.size, NVOS32 AllocSize.size);
+- which classes have their pAllocParms read, and which are clients, is tracer/gpu_work.py
+  CLASS_BITS: the same table the kernel side is given.
 
 `RecordingDecoder` adds the one rule that needs memory across calls: a close of an fd through
 which a client was accepted is a CLOSE (RM frees the clients of the file when it is released).
@@ -29,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ghostgpu.tracer.gpu_work import ClassBit, class_bits
 from ghostgpu.tracer.memcalls import MemCall, MemCallKind
 from ghostgpu.tracer.nvabi import (
     BASELINE,
@@ -66,16 +69,13 @@ HEAP_HMEMORY_AT = 44
 HEAP_ATTR_AT = 56
 HEAP_SIZE_AT = 88
 
-# hClass values of an RM client (§3.1, §8): the kernel writes 0x41 back for all three.
-CLIENT_CLASSES = frozenset({0x0, 0x1, 0x41})
-# NV_MEMORY_ALLOCATION_PARAMS (nvos.h, §4.1): attr@24, size@64 (u64), for these classes (§8:
-# NV01_MEMORY_SYSTEM, NV01_MEMORY_LOCAL_PRIVILEGED, NV01_MEMORY_LOCAL_USER).
-MEMORY_PARAMS_CLASSES = frozenset({0x3E, 0x3F, 0x40})
+# Which RM_ALLOC classes have what read from pAllocParms after the call, and which are clients:
+# tracer/gpu_work.py CLASS_BITS, the one list the kernel side is given too. ClassBit.MEM_PARAMS:
+# NV_MEMORY_ALLOCATION_PARAMS (nvos.h, §4.1) attr@24, size@64 (u64); ClassBit.INSTANCE: u32 @0,
+# NV0080_ALLOC_PARAMETERS.deviceId (class/cl0080.h) or NV2080_ALLOC_PARAMETERS.subDeviceId
+# (class/cl2080.h); ClassBit.CLIENT: NV01_ROOT, NV01_ROOT_NON_PRIV, NV01_ROOT_CLIENT (§3.1).
 MEMORY_PARAMS_ATTR_AT = 24
 MEMORY_PARAMS_SIZE_AT = 64
-# NV0080_ALLOC_PARAMETERS.deviceId@0 (class/cl0080.h), NV2080_ALLOC_PARAMETERS.subDeviceId@0
-# (class/cl2080.h): the device and subdevice instance (§4.1).
-INSTANCE_CLASSES = frozenset({0x80, 0x2080})
 
 # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 (ctrl/ctrl0000/ctrl0000gpu.h, §7): gpuId@0 in,
 # deviceInstance@8 out: the RM GPU id a device instance names.
@@ -184,9 +184,9 @@ def decode_ioctl(rec: RecordedIoctl, offsets: StatusOffsets) -> MemCall | None:
     base = {"ts_ns": rec.ts_ns, "pid": rec.pid, "fd": rec.fd, "h_root": h_root, "h_parent": h_parent}
     if nr in (ESC_RM_ALLOC, ESC_RM_ALLOC_OBJECT):
         return _alloc(rec, nr, block, base)
-    if nr == ESC_RM_ALLOC_MEMORY:  # NVOS02: limit@32 is the last byte's offset
+    if nr == ESC_RM_ALLOC_MEMORY:  # NVOS02: flags@16 (as the kernel side passes them), limit@32
         return MemCall(MemCallKind.ALLOC_MEMORY, h_object=h_object, h_class=_u32(block, 12),
-                       size_bytes=_u64(block, 32) + 1, **base)
+                       attr=_u32(block, 16), size_bytes=_u64(block, 32) + 1, **base)
     if nr == ESC_RM_FREE:  # NVOS00: hObjectOld@8
         return MemCall(MemCallKind.FREE, h_object=h_object, **base)
     if nr == ESC_RM_DUP_OBJECT:  # NVOS55: hObject@8 (new), hClientSrc@12, hObjectSrc@16
@@ -203,24 +203,31 @@ def decode_ioctl(rec: RecordedIoctl, offsets: StatusOffsets) -> MemCall | None:
 
 def _alloc(rec: RecordedIoctl, nr: int, block: bytes, base: dict[str, int]) -> MemCall:
     """RM_ALLOC (NVOS21/NVOS64) or RM_ALLOC_OBJECT (NVOS05): hObjectNew@8 and hClass@12 as the
-    driver wrote them back; for RM_ALLOC, what the class's allocation parameters say after it."""
+    driver wrote them back; for RM_ALLOC, what the class's allocation parameters say after it. A
+    pAllocParms the recording could not read leaves the size 0 and the instance unknown, as a
+    failed user read does in the kernel side (the accountant says the figure is incomplete)."""
     h_class = _u32(block, 12)
     size_bytes = attr = 0
     instance: int | None = None
-    if nr == ESC_RM_ALLOC and (h_class in MEMORY_PARAMS_CLASSES or h_class in INSTANCE_CLASSES):
-        params = rec.params_after
-        need = MEMORY_PARAMS_SIZE_AT + 8 if h_class in MEMORY_PARAMS_CLASSES else 4
-        if params is None or len(params) < need:
-            raise RecordError(f"RM_ALLOC of class 0x{h_class:X} at {rec.ts_ns}: the recording holds "
-                              f"{0 if params is None else len(params)} of the {need} bytes of "
-                              "pAllocParms it needs after the call")
-        if h_class in MEMORY_PARAMS_CLASSES:
-            size_bytes = _u64(params, MEMORY_PARAMS_SIZE_AT)
-            attr = _u32(params, MEMORY_PARAMS_ATTR_AT)
-        else:
-            instance = _u32(params, 0)
+    bits = class_bits(h_class) if nr == ESC_RM_ALLOC else 0
+    params = rec.params_after or b""
+    if bits & ClassBit.MEM_PARAMS and len(params) >= MEMORY_PARAMS_SIZE_AT + 8:
+        size_bytes = _u64(params, MEMORY_PARAMS_SIZE_AT)
+        attr = _u32(params, MEMORY_PARAMS_ATTR_AT)
+    if bits & ClassBit.INSTANCE and len(params) >= 4:
+        instance = _u32(params, 0)
     return MemCall(MemCallKind.ALLOC, h_object=_u32(block, 8), h_class=h_class, size_bytes=size_bytes,
                    attr=attr, instance=instance, **base)
+
+
+def params_unread(rec: RecordedIoctl, call: MemCall) -> bool:
+    """Whether an accepted RM_ALLOC needed pAllocParms that the recording does not hold."""
+    found = carried(rec)
+    if found is None or found[0] != ESC_RM_ALLOC:
+        return False
+    bits = class_bits(call.h_class)
+    need = MEMORY_PARAMS_SIZE_AT + 8 if bits & ClassBit.MEM_PARAMS else 4 if bits & ClassBit.INSTANCE else 0
+    return len(rec.params_after or b"") < need
 
 
 class RecordingDecoder:
@@ -233,6 +240,7 @@ class RecordingDecoder:
     def __init__(self, driver_version: str | None) -> None:
         self.offsets = status_offsets(driver_version)
         self._client_fds: set[tuple[int, int]] = set()
+        self.params_unread = 0  # accepted RM_ALLOCs whose pAllocParms the recording lacks
 
     def feed(self, rec: RecordedIoctl | RecordedClose) -> MemCall | None:
         if isinstance(rec, RecordedClose):
@@ -242,7 +250,12 @@ class RecordingDecoder:
             return MemCall(MemCallKind.CLOSE, ts_ns=rec.ts_ns, pid=rec.pid, fd=rec.fd, h_root=0, h_parent=0,
                            h_object=0)
         call = decode_ioctl(rec, self.offsets)
-        if call is not None and call.kind == MemCallKind.ALLOC and call.h_class in CLIENT_CLASSES:
+        if call is None:
+            return None
+        if params_unread(rec, call):
+            self.params_unread += 1
+        found = carried(rec)
+        if found is not None and found[0] == ESC_RM_ALLOC and class_bits(call.h_class) & ClassBit.CLIENT:
             self._client_fds.add((call.pid, call.fd))
         return call
 

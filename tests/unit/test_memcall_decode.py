@@ -3,7 +3,13 @@ at the offsets of docs/reference/nvidia-ioctl-abi.md (§2 to §5) by hand, not f
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -115,9 +121,18 @@ ACCEPTED: list[tuple[str, str, RecordedIoctl, MemCall]] = [
     ("RM_ALLOC_OBJECT (NVOS05): status @16", V595,
      rec(iowr(0x28, 20), struct.pack("<IIIII", HC, HD, 0x99, 0xC6C0, 0)),
      call(MemCallKind.ALLOC, h_object=0x99, h_class=0xC6C0)),
-    ("RM_ALLOC_MEMORY (NVOS02 + fd): size = limit + 1", V595,
-     rec(iowr(0x27, 56), struct.pack("<IIIII4xQQI4xi4x", HC, HD, HM, 0x3E, 0, 0, (1 << 20) - 1, 0, 9)),
-     call(MemCallKind.ALLOC_MEMORY, h_object=HM, h_class=0x3E, size_bytes=1 << 20)),
+    ("RM_ALLOC_MEMORY (NVOS02 + fd): size = limit + 1, its flags passed on as attr", V595,
+     rec(iowr(0x27, 56), struct.pack("<IIIII4xQQI4xi4x", HC, HD, HM, 0x3E, 0x31, 0, (1 << 20) - 1, 0, 9)),
+     call(MemCallKind.ALLOC_MEMORY, h_object=HM, h_class=0x3E, attr=0x31, size_bytes=1 << 20)),
+    ("memory class whose pAllocParms the recording lacks: size 0, as a failed kernel read", V595,
+     rec(iowr(0x2B, 32), nvos21(0x40, HM, parent=HD)),
+     call(MemCallKind.ALLOC, h_object=HM, h_class=0x40)),
+    ("device with an empty pAllocParms: instance unknown", V595,
+     rec(iowr(0x2B, 32), nvos21(0x80, HD), params_after=b""),
+     call(MemCallKind.ALLOC, h_parent=HC, h_object=HD, h_class=0x80)),
+    ("RM_ALLOC_OBJECT reads no allocation parameters, whatever the class", V595,
+     rec(iowr(0x28, 20), struct.pack("<IIIII", HC, HD, HM, 0x40, 0), params_after=mem_params(GIB)),
+     call(MemCallKind.ALLOC, h_object=HM, h_class=0x40)),
     ("RM_FREE (NVOS00): hObjectOld", V595,
      rec(iowr(0x29, 16), struct.pack("<IIII", HC, HD, HM, 0)),
      call(MemCallKind.FREE, h_object=HM)),
@@ -178,9 +193,6 @@ def test_refused_or_other_calls_count_nothing(version: str, record: RecordedIoct
 
 
 BAD: list[tuple[str, RecordedIoctl, str]] = [
-    ("memory class without pAllocParms", rec(iowr(0x2B, 32), nvos21(0x40, HM)), "pAllocParms"),
-    ("device with an empty pAllocParms", rec(iowr(0x2B, 32), nvos21(0x80, HD), params_after=b""),
-     "pAllocParms"),
     ("XFER without its inner block", xfer(0x2B, None, size=32), "of its 32 bytes"),
     ("a short XFER header", rec(iowr(0xD3, 16), bytes(8)), "nv_ioctl_xfer_t"),
     ("a short block", rec(iowr(0x29, 16), bytes(8)), "of its 16 bytes"),
@@ -227,6 +239,21 @@ def test_close_of_a_client_fd_once() -> None:
     assert dec.feed(RecordedClose(TS + 1, PID, 5)) == MemCall(MemCallKind.CLOSE, ts_ns=TS + 1, pid=PID, fd=5,
                                                                h_root=0, h_parent=0, h_object=0)
     assert dec.feed(RecordedClose(TS + 2, PID, 5)) is None  # already closed
+
+
+def test_params_unread_are_counted() -> None:
+    dec = RecordingDecoder(V595)
+    dec.feed(rec(iowr(0x2B, 32), nvos21(0x40, HM, parent=HD)))
+    dec.feed(rec(iowr(0x2B, 32), nvos21(0x80, HD), params_after=struct.pack("<I", 0)))
+    dec.feed(rec(iowr(0x2B, 32), nvos21(0xC86F, 0x77, parent=HD)))  # reads none
+    dec.feed(rec(iowr(0x2B, 32), nvos21(0x40, HM, status=NO_MEMORY)))  # refused: nothing to read
+    assert dec.params_unread == 1
+
+
+def test_a_client_through_alloc_object_makes_no_close() -> None:
+    dec = RecordingDecoder(V595)  # the kernel side marks client fds at RM_ALLOC only
+    assert dec.feed(rec(iowr(0x28, 20), struct.pack("<IIIII", HC, HC, HC, 0x41, 0), fd=5)) is not None
+    assert dec.feed(RecordedClose(TS, PID, 5)) is None
 
 
 def test_a_refused_client_makes_no_close() -> None:
@@ -295,3 +322,114 @@ def test_gpu_id_instance() -> None:
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x205, 0x1F), params_after=params), offsets) is None
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x201), params_after=params), offsets) is None
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x205)), offsets) is None
+
+
+# --- the recording path: bench/nvrecord.c's lines, bench/gpu_real_decode.py on a recording ---
+
+REPO = Path(__file__).resolve().parents[2]
+ENOTTY = 25
+
+
+def build_nvrecord(out_dir: Path) -> Path:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler (gcc or cc) to build bench/nvrecord.c")
+    lib = out_dir / "nvrecord.so"
+    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib),
+                    str(REPO / "bench" / "nvrecord.c"), "-ldl", "-lpthread"], check=True, capture_output=True)
+    return lib
+
+
+# Under nvrecord, with /dev/null standing in for a device file: every ioctl fails with ENOTTY, so
+# the blocks before and after are the caller's, and nothing of it may count.
+CALLER = """
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open("/dev/null", os.O_RDWR)
+params = ctypes.create_string_buffer(bytes(range(128)), 128)
+head = struct.pack("<IIIIQII", 1, 2, 3, 0x40, ctypes.addressof(params), 128, 0)
+block = ctypes.create_string_buffer(head, 32)
+libc.ioctl(fd, ctypes.c_ulong(0xC020462B), block)
+xfer = ctypes.create_string_buffer(struct.pack("<IIQ", 0x2B, 32, ctypes.addressof(block)), 16)
+libc.ioctl(fd, ctypes.c_ulong(0xC01046D3), xfer)
+libc.ioctl(fd, ctypes.c_ulong(0x30000001), ctypes.create_string_buffer(16))  # a UVM number: no blocks
+os.dup2(fd, 40)
+os.close(40)
+os.close(fd)
+print(fd, ctypes.addressof(params))
+"""
+
+
+def test_nvrecord_lines_are_what_parse_record_reads(tmp_path: Path) -> None:
+    lib = build_nvrecord(tmp_path)
+    out = tmp_path / "rec.jsonl"
+    env = {**os.environ, "LD_PRELOAD": str(lib), "NVRECORD_OUT": str(out), "NVRECORD_MATCH": "/dev/null"}
+    proc = subprocess.run([sys.executable, "-c", CALLER], env=env, capture_output=True, text=True, check=True,
+                          timeout=60)
+    fd, params_at = (int(x) for x in proc.stdout.split())
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["ev"] == "start" and lines[0]["pid"] == lines[-1]["pid"]
+    records = [r for r in (parse_record(line) for line in lines) if r is not None]
+    ioctls = [r for r in records if isinstance(r, RecordedIoctl)]
+    assert [(r.fd, r.request, r.ret) for r in ioctls] == [(fd, 0xC020462B, -1), (fd, 0xC01046D3, -1),
+                                                          (fd, 0x30000001, -1)]
+    assert all(line["errno"] == ENOTTY for line in lines if line["ev"] == "ioctl")
+    alloc, xfer_call, uvm = ioctls
+    assert alloc.before == alloc.after and len(alloc.before) == 32 and alloc.before[12] == 0x40
+    assert alloc.params_before == alloc.params_after == bytes(range(128))  # paramsSize@24 bytes
+    assert xfer_call.inner_before == alloc.before and xfer_call.params_before == bytes(range(128))
+    assert uvm.before == b"" and uvm.inner_before is None and uvm.params_before is None
+    assert next(line for line in lines if line.get("ptr_at"))["ptr_at"] == hex(params_at)
+    closes = [(r.fd) for r in records if isinstance(r, RecordedClose)]
+    assert closes == [40, fd]
+    assert [line["dev"] for line in lines if line["ev"] == "open"] == ["/dev/null", "/dev/null"]
+    dec = RecordingDecoder(V595)
+    assert [dec.feed(r) for r in records] == [None] * len(records)  # refused: nothing counts
+
+
+def recording_lines() -> list[dict[str, Any]]:
+    """What nvrecord writes for cudaMalloc 1, 4 and 16 GiB and a free of the 4 GiB one (one refused
+    32 GiB attempt between), as bench/gpu_real_check.sh --fake plants through the fake driver."""
+    steps = [
+        rec(iowr(0x2B, 32), nvos21(0x41, HC), fd=3),
+        rec(iowr(0x2B, 32), nvos21(0x80, HD, parent=HC), fd=3, params_after=struct.pack("<I52x", 0)),
+        rec(iowr(0x2B, 32), nvos21(0x2080, HS, parent=HD), fd=3, params_after=struct.pack("<I", 0)),
+        rec(iowr(0x2B, 32), nvos21(0x40, HM, parent=HD), fd=3, params_after=mem_params(GIB)),
+        xfer(0x2B, nvos21(0x40, HM + 1, parent=HD), fd=3, params_after=mem_params(4 * GIB)),
+        rec(iowr(0x2B, 32), nvos21(0x40, HM + 2, parent=HD, status=NO_MEMORY), fd=3,
+            params_after=mem_params(32 * GIB)),
+        rec(iowr(0x2B, 48), nvos64(0x40, HM + 3), fd=3, params_after=mem_params(16 * GIB)),
+        rec(iowr(0x29, 16), struct.pack("<IIII", HC, HD, HM + 1, 0), fd=3),
+    ]
+    lines: list[dict[str, Any]] = [{"ev": "start", "ts_ns": 1, "pid": PID, "ppid": 1, "exe": "x"}]
+    for r in steps:
+        line: dict[str, Any] = {"ev": "ioctl", "ts_ns": r.ts_ns, "pid": r.pid, "fd": r.fd,
+                                "req": hex(r.request), "ret": r.ret, "errno": 0, "before": r.before.hex(),
+                                "after": r.after.hex()}
+        for key, value in (("xfer_before", r.inner_before), ("xfer_after", r.inner_after),
+                           ("ptr_before", r.params_before), ("ptr_after", r.params_after)):
+            if value is not None:
+                line[key] = value.hex()
+        lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize(("truth_bytes", "rc"), [(17 * GIB, 0), (18 * GIB, 1)])
+def test_gpu_real_decode_on_a_recording(tmp_path: Path, truth_bytes: int, rc: int) -> None:
+    recording, truth, out = tmp_path / "rec.jsonl", tmp_path / "truth.json", tmp_path / "out.json"
+    recording.write_text("".join(json.dumps(line) + "\n" for line in recording_lines()) + '{"ev": "ioc')
+    clients = [{"handle": HC, "pid": PID, "gpus": {"0": truth_bytes}},
+               {"handle": 9, "pid": PID + 1, "gpus": {"0": GIB}}]  # another process's: not compared
+    truth.write_text(json.dumps({"driver": V595, "clients": clients}))
+    argv = [sys.executable, str(REPO / "bench" / "gpu_real_decode.py"), "decode", "--recording",
+            str(recording), "--truth", str(truth), "--driver-label", "fake (FUSE)", "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == rc, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["driver"] == "fake (FUSE)" and result["pid"] == PID
+    assert result["per_gpu"] == [{"gpu": 0, "decoded_bytes": 17 * GIB, "reference_bytes": truth_bytes,
+                                  "diff_pct": round(100 * (17 * GIB - truth_bytes) / truth_bytes, 3),
+                                  "within_goal": rc == 0}]
+    assert result["recording"]["memcalls"] == {"ALLOC": 6, "FREE": 1}  # the refused one is not there
+    assert result["recording"]["decode_errors_total"] == 0 and result["incomplete"] == ""
+    assert result["instances_vs_minors"]["device_instances_allocated"] == [0]
