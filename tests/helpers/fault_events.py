@@ -2,17 +2,23 @@
 
 `fault_record()` builds the model's FaultRecord (ghostgpu/common/model/records.py) and `fault_event()`
 turns it into the NodeEvent through the one converter the tracer uses (ghostgpu.common.wire.convert).
+`Names` is a collector resolver_factory whose CRI answers a test decides: TRAIN is ml/train-7, GONE a
+container CRI no longer knows, any other pending until `answer()`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
+from ghostgpu.common.model.consumers import K8sInfo
 from ghostgpu.common.model.records import FaultConsumer, FaultRecord, ProcessIdentity
 from ghostgpu.common.wire.convert import record_to_event
 from ghostgpu.v1 import stream_pb2
 
+TRAIN, EVAL, GONE = "1a" * 32, "2b" * 32, "3c" * 32
+PENDING = K8sInfo("unresolved", error="CRI lookup pending")
 XID_LINE = ("NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python3, GPU has fallen off the bus.")
 
 
@@ -45,3 +51,28 @@ def fault_event(seq: int, rec: FaultRecord, ts_unix_ns: int = 0) -> stream_pb2.N
     if ts_unix_ns:
         ev.ts_unix_ns = ts_unix_ns
     return ev
+
+
+def k8s(namespace: str, pod: str, container: str, state: str = "CONTAINER_RUNNING") -> K8sInfo:
+    return K8sInfo("resolved", namespace, pod, f"uid-{pod}", container, "img:1", state, "SANDBOX_READY",
+                   runtime="containerd 1.6.20")
+
+
+class Names:
+    """The collector's resolver_factory: CRI answers by container ID, pending until `answer()`."""
+
+    made: list[Names] = []
+
+    def __init__(self, transport_for: Any, on_change: Callable[[str, str], None]) -> None:
+        self.on_change = on_change
+        self.names: dict[str, K8sInfo] = {TRAIN: k8s("ml", "train-7", "trainer"),
+                                          GONE: K8sInfo("not_found", container_state="NOT_FOUND")}
+        Names.made.append(self)
+
+    def get(self, node: str, container_id: str) -> K8sInfo:
+        return self.names.get(container_id, PENDING)
+
+    def answer(self, node: str, container_id: str, info: K8sInfo) -> None:
+        """CRI answered (call it on the collector's loop, as the real resolver's callback lands there)."""
+        self.names[container_id] = info
+        self.on_change(node, container_id)

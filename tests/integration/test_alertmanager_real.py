@@ -1,7 +1,8 @@
 """The direct push against Debian's real Alertmanager 0.25 on a loopback port (no root needed):
 an opened finding appears in GET /api/v2/alerts with the rule's labels, and leaves the active
 alerts when it resolves; names that arrive late replace the alert's label set; an HA pair of two
-real Alertmanagers both get it."""
+real Alertmanagers both get it; a GPU fault a real collector stored fires naming its pods, and ends at
+its endsAt."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from ghostgpu.collector.alertpush import AlertPusher
 
 from ghostgpu.common.model.consumers import ConsumerClass
 from tests.helpers.alertpush_env import FindingTable, k8s
+from tests.helpers.collector_env import running_collector
+from tests.helpers.fault_events import TRAIN, Names, fault_event, fault_record, hit
 from tests.helpers.polling import wait_until
 from tests.helpers.promstack import Alertmanager, alertmanager  # noqa: F401  (fixture)
-from tests.helpers.sim_tracer import make_consumer
+from tests.helpers.sim_tracer import SimTracer, make_consumer
 
 pytestmark = pytest.mark.prometheus
 
@@ -96,3 +99,25 @@ def test_both_alertmanagers_of_an_ha_pair_get_the_alert(alertmanager: Alertmanag
         for am in (alertmanager, second):
             alert = am.wait_alert("GhostGPUOrphanedConsumer", timeout_s=10, pid="4711")
             assert alert["labels"]["severity"] == "critical" and alert["labels"]["pod"] == "train-3"
+
+
+def test_a_fault_the_collector_stores_fires_in_alertmanager_naming_its_pods(
+        alertmanager: Alertmanager, tmp_path: Path) -> None:  # noqa: F811
+    """The whole path: a tracer's fault event, stored by a real collector, its hits named through CRI,
+    pushed as one GhostGPUXid alert; it ends at endsAt (--alert-fault-hold) on Alertmanager's own clock."""
+    with running_collector(tmp_path, resolver_factory=Names, alertmanager=[alertmanager.url],
+                           alert_fault_hold_s=4.0) as c, SimTracer(c.address, "gpu-node-7") as t:
+        t.connect()
+        xid = fault_record(node="gpu-node-7", affected=(hit(4242, TRAIN, named=True), hit(77)))
+        t.wait_acked(t.send_events([fault_event(1, xid)]))
+        alert = alertmanager.wait_alert("GhostGPUXid", timeout_s=10, node="gpu-node-7", xid="79")
+        assert alert["labels"] == {"alertname": "GhostGPUXid", "severity": "critical", "node": "gpu-node-7",
+                                   "gpu": "1", "gpu_uuid": "GPU-00000001-0000-4000-8000-000000000000",
+                                   "xid": "79", "fault_id": "1", "source": "ghostgpu-collector"}
+        annotations = alert["annotations"]
+        assert annotations["pods"] == "ml/train-7, host"
+        assert annotations["meaning"] == "GPU has fallen off the bus"
+        assert annotations["message"] == "pid=4242, name=python3, GPU has fallen off the bus."
+        assert "PID 4242 (python3) in container trainer of pod ml/train-7" in annotations["description"]
+        assert alert["status"]["state"] == "active"
+        alertmanager.wait_gone("GhostGPUXid", timeout_s=15, node="gpu-node-7")  # past endsAt: resolved

@@ -5,7 +5,6 @@ so), bounded with the drops counted, listed by ListFaults with its filters, and 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,40 +13,12 @@ from ghostgpu.collector.faults import FaultBook, fault_row, select_faults
 from ghostgpu.collector.policy import Policy
 from ghostgpu.collector.store import Store
 
-from ghostgpu.common.model.consumers import K8sInfo
 from ghostgpu.common.transport.principal import Principal
 from ghostgpu.v1 import query_pb2
 from tests.helpers.collector_env import QueryClient, running_collector
-from tests.helpers.fault_events import fault_event, fault_record, hit
+from tests.helpers.fault_events import EVAL, GONE, PENDING, TRAIN, Names, fault_event, fault_record, hit, k8s
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer
-
-TRAIN, EVAL, GONE = "1a" * 32, "2b" * 32, "3c" * 32
-PENDING = K8sInfo("unresolved", error="CRI lookup pending")
-
-
-def k8s(namespace: str, pod: str, container: str, state: str = "CONTAINER_RUNNING") -> K8sInfo:
-    return K8sInfo("resolved", namespace, pod, f"uid-{pod}", container, "img:1", state, "SANDBOX_READY",
-                   runtime="containerd 1.6.20")
-
-
-class Names:
-    """The collector's resolver_factory: CRI answers by container ID, pending until `answer()`."""
-
-    made: list[Names] = []
-
-    def __init__(self, transport_for: Any, on_change: Callable[[str, str], None]) -> None:
-        self.on_change = on_change
-        self.names: dict[str, K8sInfo] = {TRAIN: k8s("ml", "train-7", "trainer"),
-                                          GONE: K8sInfo("not_found", container_state="NOT_FOUND")}
-        Names.made.append(self)
-
-    def get(self, node: str, container_id: str) -> K8sInfo:
-        return self.names.get(container_id, PENDING)
-
-    def answer(self, node: str, container_id: str, info: K8sInfo) -> None:
-        self.names[container_id] = info
-        self.on_change(node, container_id)
 
 
 def _list(q: QueryClient, **filters: Any) -> list[query_pb2.ClusterFault]:

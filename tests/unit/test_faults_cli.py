@@ -13,9 +13,8 @@ from ghostgpu.cli.main import main
 
 from ghostgpu.v1 import query_pb2
 from tests.helpers.collector_env import running_collector
-from tests.helpers.fault_events import fault_event, fault_record, hit
+from tests.helpers.fault_events import TRAIN, Names, fault_event, fault_record, hit
 from tests.helpers.sim_tracer import SimTracer
-from tests.unit.test_collector_faults import TRAIN, Names
 
 JSON_KEYS = ["id", "time", "node", "gpu", "gpu_uuid", "pci_bus_id", "xid", "severity", "meaning", "message",
              "pid", "process_name", "pods", "hits", "raw", "kmsg_seq"]
