@@ -11,6 +11,7 @@
 # python3, gcc or cc. Run from anywhere; about a minute (the deadline for the program is 5 min).
 #
 #   bash bench/gpu_real_check.sh [--cuda-c] [--gib 1,4,16] [--free 4] [--device N] [--out FILE]
+#        [--keep DIR]   # DIR gets the recording (gzip), nvidia-smi's CSVs, the snapshot, the program's output
 #   bash bench/gpu_real_check.sh --recording REC.jsonl (--truth STATE.json | --nvml-apps CSV)
 #        [--driver VERSION] [--driver-label TEXT] [--pid PID]     # decode only, no GPU needed
 #   bash bench/gpu_real_check.sh --fake          # record through the FUSE fake driver (root, venv)
@@ -27,7 +28,7 @@ FREE_LIST="4"
 DEVICE=0
 MODE=gpu
 FORCE_C=0
-RECORDING="" TRUTH="" NVML_APPS="" DRIVER="" DRIVER_LABEL="" PID_ARG=""
+RECORDING="" TRUTH="" NVML_APPS="" DRIVER="" DRIVER_LABEL="" PID_ARG="" KEEP=""
 PROGRAM_DEADLINE_S=240
 
 die() { echo "gpu_real_check: $*" >&2; exit 2; }
@@ -47,6 +48,7 @@ while [ $# -gt 0 ]; do
         --free) FREE_LIST="$2"; shift 2 ;;
         --device) DEVICE="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
+        --keep) KEEP="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
@@ -187,6 +189,13 @@ fi
 if ! env "${snap_env[@]}" timeout 120 "${snap[@]}" >"$WORK/snapshot.json" 2>"$WORK/snapshot.err"; then
     SNAP_ERR="$(grep -v '^ghostgpu: .*notice' "$WORK/snapshot.err" | tail -1)"
     SNAP_ERR="${SNAP_ERR:-ghostgpu snapshot failed}"
+fi
+
+if [ -n "$KEEP" ]; then
+    mkdir -p "$KEEP"
+    gzip -c "$WORK/recording.hold.jsonl" >"$KEEP/gpu_real_recording.jsonl.gz"
+    cp "$WORK/apps.csv" "$WORK/gpus.csv" "$WORK/snapshot.json" "$WORK/snapshot.err" "$PROGRAM_OUT" \
+        "$WORK/program.err" "$KEEP/" 2>/dev/null || true
 fi
 
 echo >&3  # let the program go: it frees the rest and exits

@@ -72,9 +72,10 @@ def read_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg}): record it again") from None
 
 
-def decode_recording(path: Path, driver: str | None, max_objects: int) -> dict[str, Any]:
+def decode_recording(path: Path, driver: str | None, max_objects: int,
+                     fallback: str | None = None) -> dict[str, Any]:
     """Everything the recording says: the MemCalls (decoded as the kernel side would), the
-    accountant fed with them, CARD_INFO's GPUs, GET_ID_INFO_V2's device instances, the device
+    accountant fed with them, CARD_INFO's GPUs, GET_ID_INFO(_V2)'s device instances, the device
     instances the process allocated, and the device files it opened."""
     map_repository()
     from ghostgpu.tracer.gpu_memory import MemoryAccountant
@@ -90,8 +91,8 @@ def decode_recording(path: Path, driver: str | None, max_objects: int) -> dict[s
 
     objects = list(read_lines(path))
     starts = [o for _, o in objects if o.get("ev") == "start"]
-    if driver is None:
-        driver = next((str(o["driver"]) for o in starts if o.get("driver")), None)
+    if driver is None:  # the recording's (nvrecord reads /sys/module/nvidia/version), else NVML's
+        driver = next((str(o["driver"]) for o in starts if o.get("driver")), fallback)
     decoder = RecordingDecoder(driver)
     accountant = MemoryAccountant(max_objects)
     kinds: Counter[str] = Counter()
@@ -144,16 +145,30 @@ def bus_key(bus_id: str) -> str:
     return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
 
 
-def nvml_apps(csv_path: Path, pid: int) -> dict[str, int]:
-    """nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory (MiB) -> {bus key: bytes} of pid."""
-    out: dict[str, int] = {}
+def nvml_apps(csv_path: Path) -> dict[int, dict[str, int]]:
+    """nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory (MiB) -> {pid: {bus key: bytes}}."""
+    out: dict[int, dict[str, int]] = {}
     for line in csv_path.read_text().splitlines():
         fields = [f.strip() for f in line.split(",")]
-        if len(fields) < 3 or not fields[0].isdigit() or int(fields[0]) != pid:
+        if len(fields) < 3 or not fields[0].isdigit() or not fields[2].isdigit():
             continue
-        if fields[2].isdigit():
-            out[bus_key(fields[1])] = out.get(bus_key(fields[1]), 0) + int(fields[2]) * MIB
+        per_bus = out.setdefault(int(fields[0]), {})
+        per_bus[bus_key(fields[1])] = per_bus.get(bus_key(fields[1]), 0) + int(fields[2]) * MIB
     return out
+
+
+def nvml_of(listed: dict[int, dict[str, int]], pid: int) -> tuple[int, dict[str, int], str]:
+    """The PID NVML knows the process by, NVML's figures for it, and a note when they had to be
+    found another way: NVML reports PIDs as the driver's (host) PID namespace sees them, so a check
+    run in a container of its own sees another number; then the only process NVML lists stands
+    for it."""
+    if pid in listed:
+        return pid, listed[pid], ""
+    if len(listed) == 1:
+        (other, apps), = listed.items()
+        return other, apps, (f"NVML lists no PID {pid} but one process, PID {other} (another PID "
+                             "namespace): compared with that one")
+    return pid, {}, f"NVML lists no PID {pid} among {sorted(listed)}: nothing to compare with"
 
 
 def nvml_gpus(csv_path: Path) -> list[dict[str, Any]]:
@@ -217,8 +232,11 @@ def snapshot_check(snapshot_path: Path | None, error: str, pid: int, apps: dict[
                      and abs(int(c["gpu_memory_bytes"]) - nvml) < MIB})
     seen_uuids = sorted({str(c.get("gpu_uuid")) for c in consumers if c.get("gpu_uuid")})
     listed = sorted(g["uuid"] for g in gpus)
-    return {"ok": bool(rows) and all(r["nvml_figure_through"] for r in rows)
-            and set(seen_uuids) <= set(listed),
+    lost = any(not r["nvml_figure_through"] for r in rows)
+    problems = [f"no consumer with PID {pid} in the snapshot" if not rows else "",
+                "NVML's figure did not come through" if lost else "",
+                "GPUs NVML does not list" if not set(seen_uuids) <= set(listed) else ""]
+    return {"ok": not any(problems), "error": "; ".join(p for p in problems if p),
             "consumers_total": len(consumers), "process_rows": rows, "gpu_uuids_seen": seen_uuids,
             "gpu_uuids_nvml": listed}
 
@@ -234,8 +252,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
     recording = Path(args.recording)
     if not recording.is_file():
         return fail(f"no recording at {recording}: record one with bench/gpu_real_check.sh, or give its path")
+    gpus = nvml_gpus(Path(args.nvml_gpus)) if args.nvml_gpus else []
     try:
-        found = decode_recording(recording, args.driver, args.max_objects)
+        found = decode_recording(recording, args.driver, args.max_objects,
+                                 next((g["driver_version"] for g in gpus), None))
     except (OSError, ValueError) as exc:
         return fail(str(exc))
     pid = args.pid if args.pid is not None else (found["pids"][0] if found["pids"] else None)
@@ -243,18 +263,18 @@ def cmd_decode(args: argparse.Namespace) -> int:
         return fail(f"{recording} has no start line naming the process: pass --pid PID")
     accountant = found["accountant"]
     held: dict[int | None, int] = accountant.held(pid)
-    gpus = nvml_gpus(Path(args.nvml_gpus)) if args.nvml_gpus else []
     bus_of_minor = {c["minor"]: bus_key(c["pci_bus_id"]) for c in found["cards"]}
     for g in gpus:  # without CARD_INFO in the recording, NVML's index stands for the minor
         bus_of_minor.setdefault(g["index"], g["pci_bus_id"])
     if args.truth:
         reference_name = "fake driver's state file"
+        nvml_pid, nvml_note = pid, ""
         reference = truth_held(Path(args.truth), pid)
         fake_version = json.loads(Path(args.truth).read_text()).get("driver", "?")
         apps: dict[str, int] = {}
     elif args.nvml_apps:
         reference_name = "NVML per-process used memory (nvidia-smi --query-compute-apps, MiB)"
-        apps = nvml_apps(Path(args.nvml_apps), pid)
+        nvml_pid, apps, nvml_note = nvml_of(nvml_apps(Path(args.nvml_apps)), pid)
         minor_of_bus = {bus: minor for minor, bus in bus_of_minor.items()}
         reference = {minor_of_bus.get(bus, -1): b for bus, b in apps.items()}
     else:
@@ -275,7 +295,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     pairs = [{"gpu_id": gid, "device_instance": inst, "minor": minors.get(gid)}
              for gid, inst in sorted(found["id_info"].items())]
     checked = [p for p in pairs if p["minor"] is not None]
-    # Without GET_ID_INFO_V2 in the recording, the weaker check: the GPU files the process opened
+    # Without GET_ID_INFO(_V2) in the recording, the weaker check: the GPU files the process opened
     # (/dev/nvidiaN: minor N) are the device instances it allocated.
     opened_minors = sorted({int(name[len("nvidia"):]) for name in (Path(d).name for d in found["opened"])
                             if name.startswith("nvidia") and name[len("nvidia"):].isdigit()})
@@ -292,6 +312,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         "requested": json.loads(args.requested) if args.requested else None,
         "pid": pid,
         "reference": reference_name,
+        "reference_note": nvml_note,
         "goal": f"decoded within {GOAL_PCT:g}% of the reference",
         "per_gpu": per_gpu,
         "total": {"decoded_bytes": decoded_total, "reference_bytes": reference_total, "diff_pct": total_pct,
@@ -317,7 +338,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                               if found["cards"] and found["instances"] else None),
         },
         "snapshot": snapshot_check(Path(args.snapshot) if args.snapshot else None, args.snapshot_error or "",
-                                   pid, apps, gpus, bus_of_minor) if not args.truth else
+                                   nvml_pid, apps, gpus, bus_of_minor) if not args.truth else
         {"ok": None, "error": "not run: the fake driver has no NVML (tests/fakenvml is another fake)"},
     }
     out = Path(args.out)
@@ -339,7 +360,7 @@ def print_table(result: dict[str, Any]) -> None:
               f"{'ok' if row['within_goal'] else 'MISSED'}")
     check = result["instances_vs_minors"]
     print(f"reference: {result['reference']}; memcalls {result['recording']['memcalls']}; "
-          f"instance == minor (GET_ID_INFO_V2): {check['instance_equals_minor']}; opened /dev/nvidiaN == "
+          f"instance == minor (GET_ID_INFO(_V2)): {check['instance_equals_minor']}; opened /dev/nvidiaN == "
           f"instances: {check['opened_minors_are_instances']}; snapshot ok: {result['snapshot'].get('ok')}")
 
 

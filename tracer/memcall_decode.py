@@ -77,9 +77,10 @@ HEAP_SIZE_AT = 88
 MEMORY_PARAMS_ATTR_AT = 24
 MEMORY_PARAMS_SIZE_AT = 64
 
-# NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 (ctrl/ctrl0000/ctrl0000gpu.h, §7): gpuId@0 in,
-# deviceInstance@8 out: the RM GPU id a device instance names.
-CTRL_GPU_GET_ID_INFO_V2 = 0x205
+# NV0000_CTRL_CMD_GPU_GET_ID_INFO (0x202, 40 bytes) and _V2 (0x205, 32 bytes), both in
+# ctrl/ctrl0000/ctrl0000gpu.h (§7): gpuId@0 in, gpuFlags@4, deviceInstance@8 out in both structs:
+# the device instance of an RM GPU id.
+CTRL_GPU_GET_ID_INFO = frozenset({0x202, 0x205})
 CARD_INFO_BYTES = 72  # nv_ioctl_card_info_t (kernel-open/common/inc/nv-ioctl.h, §4)
 
 StatusOffsets = Mapping[tuple[int, int], int]  # (escape nr, block bytes) -> NV_STATUS offset
@@ -321,14 +322,14 @@ def card_infos(rec: RecordedIoctl) -> list[CardInfo]:
 
 
 def gpu_id_instance(rec: RecordedIoctl, offsets: StatusOffsets) -> tuple[int, int] | None:
-    """(RM GPU id, device instance) from an accepted NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 control
+    """(RM GPU id, device instance) from an accepted NV0000_CTRL_CMD_GPU_GET_ID_INFO(_V2) control
     (NVOS54: cmd@8, status@28; the params gpuId@0, deviceInstance@8); None for any other call."""
     found = carried(rec)
     if rec.ret != 0 or found is None or found[0] != ESC_RM_CONTROL or found[2] is None:
         return None
     nr, size, block = found
     status_at = offsets.get((nr, size))
-    if status_at is None or block is None or len(block) < size or _u32(block, 8) != CTRL_GPU_GET_ID_INFO_V2:
+    if status_at is None or block is None or len(block) < size or _u32(block, 8) not in CTRL_GPU_GET_ID_INFO:
         return None
     params = rec.params_after
     if _u32(block, status_at) != NV_OK or params is None or len(params) < 12:

@@ -320,6 +320,8 @@ def test_gpu_id_instance() -> None:
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x205), params_after=params), offsets) == (0x3B00, 1)
     assert gpu_id_instance(xfer(0x2A, control(0x205), params_after=params), offsets) == (0x3B00, 1)
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x205, 0x1F), params_after=params), offsets) is None
+    assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x202), params_after=params + bytes(8)),
+                           offsets) == (0x3B00, 1)  # GET_ID_INFO (v1): deviceInstance@8 too
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x201), params_after=params), offsets) is None
     assert gpu_id_instance(rec(iowr(0x2A, 32), control(0x205)), offsets) is None
 
