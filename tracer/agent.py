@@ -21,8 +21,9 @@ from ghostgpu.tracer.classify import ClassifyConfig, classify, diff_consumers
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.containment import Containment, HealthReport
 from ghostgpu.tracer.devices import DeviceCatalog
-from ghostgpu.tracer.events import EventKind, Holder, NvmlView, SourceEvent, boot_ns
+from ghostgpu.tracer.events import EventKind, HeldMemory, Holder, NvmlView, SourceEvent, boot_ns
 from ghostgpu.tracer.faults import FaultWatch
+from ghostgpu.tracer.gpu_memory import MemoryAccountant
 from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
 from ghostgpu.tracer.nvml import NvmlSource
@@ -31,14 +32,22 @@ from ghostgpu.tracer.rescan import RescanPlanner
 from ghostgpu.tracer.sinks import Sink
 
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, ConsumerKey
-from ghostgpu.common.model.records import ProcessIdentity
+from ghostgpu.common.model.records import GpuInfo, ProcessIdentity
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.bpf_source import BpfSource  # imports bcc: only where BPF runs
+    from ghostgpu.tracer.memcalls import MemCall
 
 log = logging.getLogger("ghostgpu.tracer")
 
 CLASSIFY_INTERVAL_S = 0.25  # how soon a consumer leaves `pending` once its grace period ends
+# Kernel counters (tracer/bpf_source.py STAT_NAMES) that say an accepted memory call never reached the
+# accountant (its stash was evicted, the ring buffer was full) or a client's close went unreported
+# (the client-fd set was full): every figure of a process alive then may be wrong.
+MEMCALL_LOSS_STATS = ("mem_lost", "mem_drops", "mem_clients_full")
+MEMCALLS_LOST = "the kernel side lost some of the driver's memory calls (a table or the ring buffer was full)"
+# How many recent exits a memory call queued behind them is checked against (see _apply_memcall).
+GONE_MAX = 4096
 
 
 class Tracer:
@@ -72,6 +81,14 @@ class Tracer:
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
+        self._info_gpus: tuple[GpuInfo, ...] = ()  # the GPUs (and memory split) the last `info` sent
+        self._split_stale = False  # consumers or NVML changed since the split was last compared
+        # GPU memory from the driver's calls (tracer/gpu_memory.py), fed by the kernel side.
+        self.memory = MemoryAccountant(cfg.max_memory_objects)
+        self._memory_fds: dict[int, set[int]] = {}  # pid -> fds it made accepted memory calls on
+        self._memory_gone: dict[int, int] = {}  # pid -> boot ns when its exit was applied (newest last)
+        self._memory_changed = False  # calls applied since the consumers were last classified
+        self._memcalls_lost_ns: int | None = None  # when the kernel side last lost memory calls
         # The /proc scans and ioctl counter reads (tracer/agent_scan.py): they call back into this
         # loop for the kernel's queued events and for the records and exits they find.
         self.scans = AgentScans(self, self.scanner, self.rescans, self.state, self.identities, self.errors,
@@ -178,11 +195,19 @@ class Tracer:
             run("scan", self._rescan)
         if self.bpf is not None and self._is_due("ioctl", self.cfg.ioctl_poll_interval_s):
             run("ioctl", self._poll_counters)
+        # Memory calls re-classify at most once per NVML refresh: a job allocating all the time makes
+        # a finding a second (as NVML's own figure would), not one per call.
+        if self._memory_changed and self._is_due("memory", self.cfg.nvml_interval_s):
+            self._memory_changed = False
+            self._dirty = True
         # Re-classify on change, and on a clock only while a consumer waits out its grace period:
         # an idle node then costs one ring-buffer wait per step.
         waiting = any(c.cls is ConsumerClass.PENDING for c in self.consumers.values())
         if self._dirty or (waiting and self._is_due("classify", CLASSIFY_INTERVAL_S)):
             run("classify", self._classify)
+        if self._split_stale and self._info_signature is not None and self._is_due("split",
+                                                                                   self.cfg.nvml_interval_s):
+            run("info", self._check_split)
         if self.health is not None:
             self.health.stepped()  # after the work: a step stuck in NVML or /proc never gets here
 
@@ -192,9 +217,28 @@ class Tracer:
         return self.bpf
 
     def _drain(self, timeout_ms: int) -> None:
-        """Apply what the ring buffer holds, each event on its own: one that fails is counted."""
-        for ev in self.errors.run("event", self._kernel().poll, timeout_ms) or ():
+        """Apply what the ring buffer holds, each event on its own: one that fails is counted. The
+        driver's memory calls go to the accountant in their order, each before the events that came
+        after it (a process's calls before its EXIT, an exec's closed fds after the calls before it)."""
+        kernel = self._kernel()
+        events = self.errors.run("event", kernel.poll, timeout_ms) or ()
+        calls = self.errors.run("memory", kernel.take_memcalls) or ()
+        i = 0
+        for ev in events:
+            while i < len(calls) and calls[i].ts_ns <= ev.ts_ns:
+                self.errors.run("memory", self._apply_memcall, calls[i])
+                i += 1
             self.errors.run("event", self._handle, ev)
+        for call in calls[i:]:
+            self.errors.run("memory", self._apply_memcall, call)
+
+    def _apply_memcall(self, call: MemCall) -> None:
+        gone_ns = self._memory_gone.get(call.pid)
+        if gone_ns is not None and call.ts_ns <= gone_ns:
+            return  # queued behind an exit settled from /proc: the process and its clients are gone
+        self.memory.apply(call)
+        self._memory_fds.setdefault(call.pid, set()).add(call.fd)
+        self._memory_changed = True
 
     def _poll_counters(self) -> None:
         if self.state.holders:  # an idle node has no counters to read
@@ -220,13 +264,32 @@ class Tracer:
         if replace(view, ts_ns=0) != replace(self.nvml, ts_ns=0):  # what the driver says changed
             self._dirty = True
         self.nvml = view
+        self._split_stale = True
         if self._info_signature is not None and records.info_signature(view) != self._info_signature:
             self._emit_info()
 
-    def _emit_info(self) -> None:
-        """The node's `info` record (GPUs, NVML, BPF): after `ready`, then when NVML or its GPUs change."""
+    def _emit_info(self, gpus: tuple[GpuInfo, ...] | None = None) -> None:
+        """The node's `info` record (GPUs, NVML, BPF, each GPU's memory split): after `ready`, then when
+        NVML or its GPUs change, or the split moved (_check_split)."""
         self._info_signature = records.info_signature(self.nvml)
-        self.sink.emit(records.info_record(self.cfg.node_name, self.bpf is not None, self.nvml))
+        self._info_gpus = records.gpu_infos(self.nvml, self.consumers.values()) if gpus is None else gpus
+        self._split_stale = False
+        self.sink.emit(records.info_record(self.cfg.node_name, self.bpf is not None, self.nvml,
+                                           self._info_gpus))
+
+    def _check_split(self) -> None:
+        """Re-send `info` when a GPU's memory split moved by a MiB or more (records.split_moved): at
+        most once per NVML refresh, never for NVML's used memory drifting by a few KiB."""
+        self._split_stale = False
+        gpus = records.gpu_infos(self.nvml, self.consumers.values())
+        if records.split_moved(self._info_gpus, gpus):
+            self._emit_info(gpus)
+
+    def stream_counters(self) -> dict[str, int]:
+        """The agent's counters TracerStats carries, by field name (read from the stream's thread:
+        plain int reads)."""
+        return {"memory_objects_dropped_total": self.memory.dropped_objects_total,
+                "kmsg_unparsed_total": self.faults.kmsg_unparsed_total()}
 
     def bpf_stats(self) -> dict[str, int]:
         """The kernel counters as last read (a dict replaced whole, so any thread may read it)."""
@@ -236,6 +299,9 @@ class Tracer:
         stats = self._kernel().stats()
         for name, value in stats.items():
             before = self._bpf_stats.get(name, 0)
+            if value > before and name in MEMCALL_LOSS_STATS:
+                self._memcalls_lost_ns = boot_ns()
+                self._memory_changed = True
             if value > before:
                 self._notice(f"bpf.{name}", f"{value - before} new ({value} in all): the kernel side lost "
                              f"state; the next /proc scan reconciles")
@@ -272,6 +338,8 @@ class Tracer:
             # The kernel cannot walk a process's fd table without reading kernel structs: read
             # the child's (or the exec'd image's) fds from /proc and seed the kernel with them.
             self._scan(pids={pid})
+            if ev.kind is EventKind.EXEC:
+                self._exec_closed(pid)
             self._dirty = True
             return
         if changes:
@@ -313,7 +381,30 @@ class Tracer:
         """The process is gone and the kernel may never say so: report its EXIT now."""
         self._exit(SourceEvent(EventKind.EXIT, "procfs", boot_ns(), pid), self.state.holders.get(pid))
 
+    def _exec_closed(self, pid: int) -> None:
+        """An exec closed the process's close-on-exec fds in the kernel, with no close call to trace
+        (CUDA opens nvidiactl and nvidiaN with O_CLOEXEC): RM freed the clients allocated through
+        them. The exec's rescan says which of its device fds remain."""
+        fds = self._memory_fds.get(pid)
+        if not fds:
+            return
+        holder = self.state.holders.get(pid)
+        still_open = {fd for hold in (holder.holds.values() if holder is not None else ()) for fd in hold.fds}
+        for fd in sorted(fds - still_open):
+            self.memory.close_fd(pid, fd)
+            fds.discard(fd)
+        self._memory_changed = True
+
     def _forget(self, pid: int) -> None:
+        # Its fds are closed: RM freed every client it allocated. A call of it still queued (its exit
+        # settled from /proc first) is dropped by _apply_memcall.
+        if self._memory_fds.pop(pid, None) is not None:
+            self.memory.process_exit(pid)
+            self._memory_gone.pop(pid, None)  # re-added last: the oldest go first
+            self._memory_gone[pid] = boot_ns()
+            while len(self._memory_gone) > GONE_MAX:
+                del self._memory_gone[next(iter(self._memory_gone))]
+            self._memory_changed = True
         self._exit_due.pop(pid, None)
         if self.bpf is not None:
             self.bpf.forget(pid)
@@ -350,8 +441,21 @@ class Tracer:
         holders = [h for h in self.state.holders_snapshot() if h.process.pid not in self._exit_due]
         if self.bpf is not None:  # what each asked the driver for: None (no history) without BPF
             self.bpf.fill_gpu_work(holders)
+            self._fill_memory(holders)
         return classify(holders, self.nvml, boot_ns(), self.classify_config(),
                         self.cfg.node_name, self.identities.start_ticks)
+
+    def _fill_memory(self, holders: list[Holder]) -> None:
+        """Set each holder's memory: what its driver calls hold, per device instance (tracer/classify.py
+        maps it onto its consumers), with why the figure is not exact where it is not."""
+        lost_ns = self._memcalls_lost_ns
+        for holder in holders:
+            pid = holder.pid
+            why = self.memory.incomplete(pid)
+            if not why and lost_ns is not None and holder.holds and \
+                    min(h.first_seen_ns for h in holder.holds.values()) <= lost_ns:
+                why = MEMCALLS_LOST
+            holder.memory = HeldMemory(self.memory.held(pid), why)
 
     def _classify(self) -> None:
         self._dirty = False
@@ -363,6 +467,7 @@ class Tracer:
         for consumer in resolved:
             self.sink.emit(records.consumer_record("resolved", consumer))
         self.consumers = {c.key: c for c in new}
+        self._split_stale = True
 
     def _await_dead_holders(self) -> None:
         """A holder whose identity, re-read on one of its events (the RENAME of its exec, another

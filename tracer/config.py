@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ghostgpu.tracer.gpu_memory import DEFAULT_MAX_OBJECTS
+
 from ghostgpu.common.model.durations import duration_flag, format_s
 from ghostgpu.common.model.names import node_name_problem
 from ghostgpu.common.model.trace_limits import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
@@ -52,6 +54,8 @@ BPF_MODES = ("auto", "on", "off")
 # Trace sessions the kernel side holds at once: bpf/trace.bpf.c GG_TRACE_SLOTS (tracer/trace_kernel.py
 # reads its slot masks with it).
 TRACE_SLOTS = 8
+# The accountant's bound may go this high: ~250 bytes an object (tracer/gpu_memory.py), 4 GiB here.
+MAX_MEMORY_OBJECTS = 1 << 24
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123: namespace and container names
 
 
@@ -103,6 +107,9 @@ class TracerConfig:
                        help="kernel tracing (default {default})")  # auto | on | off
     bpf_max_fds: int = 65536
     bpf_ringbuf_pages: int = 64
+    # RM objects the GPU memory accountant tracks node-wide (tracer/gpu_memory.py, docs/MEMORY.md): one
+    # past it is counted (TracerStats.memory_objects_dropped_total) and its process's figure is unknown.
+    max_memory_objects: int = DEFAULT_MAX_OBJECTS
     ioctl_poll_interval_s: float = 1.0
     # HOST:PORT for /healthz, /readyz, /metrics (tracer/health.py); "" = off
     health_listen: str = setting(
@@ -181,6 +188,9 @@ class TracerConfig:
             raise ConfigError(f"bpf: must be auto, on or off, got {self.bpf!r}")
         if not 64 <= self.bpf_max_fds <= 1 << 22:
             raise ConfigError(f"bpf_max_fds: must be between 64 and 4194304, got {self.bpf_max_fds}")
+        if not 1 <= self.max_memory_objects <= MAX_MEMORY_OBJECTS:
+            raise ConfigError(f"max_memory_objects: must be between 1 and {MAX_MEMORY_OBJECTS}, got "
+                              f"{self.max_memory_objects}")
         pages = self.bpf_ringbuf_pages
         if pages <= 0 or pages & (pages - 1):
             raise ConfigError(f"bpf_ringbuf_pages: must be a power of two, got {pages}")

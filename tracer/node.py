@@ -171,6 +171,7 @@ def _run(cfg: TracerConfig, args: argparse.Namespace, install_signals: Callable[
         tracer = Tracer(cfg, sink, health=health)
         if stream is not None:
             stream.ringbuf_dropped = _ringbuf_drops(tracer)
+            stream.counters = tracer.stream_counters
             if health is not None:
                 health.stream = stream
         install_signals(tracer.stop)

@@ -132,7 +132,10 @@ def test_node_records_write_the_same_bytes() -> None:
         "event": "info", "ts": info.ts, "node": NODE, "bpf": True, "nvml": True, "nvml_error": "",
         "driver_version": "550.54.15",
         "gpus": [{"index": g.index, "uuid": g.uuid, "name": g.name, "minor": g.minor,
-                  "memory_total_bytes": g.memory_total_bytes} for g in NVML.gpus]})
+                  "memory_total_bytes": g.memory_total_bytes,
+                  # extended, after the keys it always had: the PCI bus id and the memory split
+                  "pci_bus_id": "", "memory_used_bytes": None, "memory_listed_bytes": 0,
+                  "memory_unlisted_bytes": 0, "unaccounted_bytes": None} for g in NVML.gpus]})
     ready = records.ready_record(NODE, False, True, 0.12345, 2)
     assert dumps(ready.to_json()) == dumps({"event": "ready", "ts": ready.ts, "node": NODE, "bpf": False,
                                             "nvml": True, "startup_s": 0.123, "holders": 2})

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from ghostgpu.tracer.agent import Tracer
 from ghostgpu.tracer.config import TracerConfig
-from ghostgpu.tracer.events import NvmlGpu, NvmlView
+from ghostgpu.tracer.events import NvmlGpu, NvmlProcess, NvmlView
 from ghostgpu.tracer.sinks import CallbackSink
 
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
@@ -165,7 +165,9 @@ def test_info_after_ready_and_when_nvml_or_its_gpus_change() -> None:
         nvml.view = NvmlView(available=True, driver_version="550.54.15", gpus=(gpu0,))
         step_until(2, "info once NVML answers")
         assert infos()[1]["gpus"] == [{"index": 0, "uuid": "GPU-a", "name": "H100", "minor": 0,
-                                       "memory_total_bytes": 80 << 30}]
+                                       "memory_total_bytes": 80 << 30, "pci_bus_id": "",
+                                       "memory_used_bytes": None, "memory_listed_bytes": 0,
+                                       "memory_unlisted_bytes": 0, "unaccounted_bytes": None}]
         reads = nvml.reads
         wait_until(lambda: tracer.step(timeout_ms=1) or nvml.reads >= reads + 5, "five more NVML reads")
         assert len(infos()) == 2, "the same GPUs again are no news"
@@ -173,5 +175,36 @@ def test_info_after_ready_and_when_nvml_or_its_gpus_change() -> None:
                              gpus=(gpu0, replace(gpu0, index=1, uuid="GPU-b", minor=1)))
         step_until(3, "info for the second GPU")
         assert [g["uuid"] for g in infos()[2]["gpus"]] == ["GPU-a", "GPU-b"]
+    finally:
+        tracer.close()
+
+
+def test_info_again_when_a_gpus_memory_split_moves_a_mib() -> None:
+    """NVML's used memory split (listed + unlisted + unaccounted) is re-sent when a figure moves by
+    1 MiB or more, at most once per NVML refresh; NVML's used memory drifting by less is no news."""
+    out: list[dict[str, Any]] = []
+    cfg = TracerConfig(node_name="node-i", bpf="off", nvml_interval_s=0.001)
+    tracer = Tracer(cfg, CallbackSink(out.append))
+    gib = 1 << 30
+    listed = (NvmlProcess(pid=999_999, used_gpu_memory_bytes=4 * gib),)
+    gpu0 = NvmlGpu(index=0, uuid="GPU-a", minor=0, memory_used_bytes=10 * gib, processes=listed)
+    nvml = ScriptedNvml(NvmlView(available=True, driver_version="595.45.04", gpus=(gpu0,)))
+    tracer.nvml_source = nvml  # type: ignore[assignment]
+
+    def splits() -> list[tuple[Any, ...]]:
+        return [tuple(r["gpus"][0][k] for k in ("memory_used_bytes", "memory_listed_bytes",
+                                               "memory_unlisted_bytes", "unaccounted_bytes"))
+                for r in out if r["event"] == "info"]
+
+    try:
+        tracer.start()
+        assert splits() == [(10 * gib, 4 * gib, 0, 6 * gib)]
+        nvml.view = replace(nvml.view, gpus=(replace(gpu0, memory_used_bytes=10 * gib + (1 << 19)),))
+        reads = nvml.reads
+        wait_until(lambda: tracer.step(timeout_ms=1) or nvml.reads >= reads + 5, "five more NVML reads")
+        assert len(splits()) == 1, "half a MiB more is no news"
+        nvml.view = replace(nvml.view, gpus=(replace(gpu0, memory_used_bytes=11 * gib),))
+        wait_until(lambda: tracer.step(timeout_ms=1) or len(splits()) == 2, "info for a GiB more")
+        assert splits()[1] == (11 * gib, 4 * gib, 0, 7 * gib)
     finally:
         tracer.close()

@@ -1,0 +1,263 @@
+"""The agent feeds the driver's memory calls to the accountant and puts the figures on its consumers.
+
+The agent runs against a fake /proc (a directory tree) and a fake kernel (tests/helpers/fake_kmaps.py)
+whose ring buffer is two lists the test fills: the holder events and the accepted memory calls, as
+BpfSource.poll() and take_memcalls() hand them out. What is checked: the calls reach the accountant
+in order around the events (a process's calls before its exit), an exec frees the clients of the fds
+it closed, a call queued behind an exit settled from /proc is dropped, a lost call makes the figure
+unknown, and the consumers' allocated_bytes and reasons. No root, no sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ghostgpu.tracer.agent import MEMCALLS_LOST, Tracer
+from ghostgpu.tracer.bpf_source import BpfSource
+from ghostgpu.tracer.classify import BEFORE_START
+from ghostgpu.tracer.config import TracerConfig
+from ghostgpu.tracer.events import EventKind, NvmlView, SourceEvent, boot_ns
+from ghostgpu.tracer.memcalls import MemCall, MemCallKind
+from ghostgpu.tracer.sinks import CallbackSink
+
+from ghostgpu.common.model.consumers import Consumer
+from tests.helpers.fake_kmaps import fake_tables
+
+PID, OTHER = 100, 200
+MIB = 1 << 20
+CLIENT, DEVICE, SUBDEVICE, VIDMEM = 0x41, 0x80, 0x2080, 0x40
+H_CLIENT = 0xC1D00001
+
+
+class ScriptedBpf(BpfSource):
+    """BpfSource with the fake kernel's tables, and a ring buffer of events and memory calls."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__((prefix,))
+        self.tables, self.kernel = fake_tables()
+        self.queued: list[SourceEvent] = []
+        self.calls: list[MemCall] = []
+        self.counters: dict[str, int] = {}
+
+    def poll(self, timeout_ms: int) -> list[SourceEvent]:
+        out, self.queued = self.queued, []
+        return out
+
+    def take_memcalls(self) -> list[MemCall]:
+        out, self.calls = self.calls, []
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), **self.counters}
+
+
+class NoNvml:
+    def read(self) -> NvmlView:
+        return NvmlView(available=False, error="NVML: no library (test)")
+
+    def close(self) -> None:
+        pass
+
+
+class Node:
+    def __init__(self, tmp: Path) -> None:
+        self.proc = tmp / "proc"
+        self.gpu0, self.gpu1, self.ctl = tmp / "nvidia0", tmp / "nvidia1", tmp / "nvidiactl"
+        self.proc.mkdir()
+        for dev in (self.gpu0, self.gpu1, self.ctl):
+            dev.write_bytes(b"")  # prefixes match by name: a plain file stands for the device node
+        self.records: list[dict[str, Any]] = []
+        cfg = TracerConfig(node_name="n1", proc_root=str(self.proc), device_prefixes=[str(tmp / "nvidia")],
+                           bpf="off", grace_s=60.0)
+        self.tracer = Tracer(cfg, CallbackSink(self.records.append))
+        self.tracer.nvml_source = NoNvml()  # type: ignore[assignment]
+        self.bpf = ScriptedBpf(cfg.prefixes[0])
+        self.tracer.bpf = self.bpf  # attached "before" start(): --bpf off leaves it alone
+        self.handle = 0x5C000000
+
+    def spawn(self, pid: int, fds: dict[int, Path]) -> None:
+        base = self.proc / str(pid)
+        shutil.rmtree(base / "fd", ignore_errors=True)
+        (base / "fd").mkdir(parents=True)
+        for fd, dev in fds.items():
+            os.symlink(dev, base / "fd" / str(fd))
+        fields = ["S", "1", "0", "0", "0", "0", "0", *["0"] * 10, "1", "0", str(1000 + pid)]  # fields 3..22
+        (base / "stat").write_text(f"{pid} (worker) {' '.join(fields)}\n")
+
+    def die(self, pid: int) -> None:
+        shutil.rmtree(self.proc / str(pid), ignore_errors=True)
+
+    def kernel_opens(self, pid: int, fd: int, dev: Path) -> None:
+        """The process opens a device under the kernel's watch (its /proc shows the fd too)."""
+        current = {int(p.name): Path(os.readlink(p)) for p in (self.proc / str(pid) / "fd").iterdir()} \
+            if (self.proc / str(pid) / "fd").is_dir() else {}
+        self.spawn(pid, {**current, fd: dev})
+        self.bpf.queued.append(SourceEvent(EventKind.OPEN, "bpf", boot_ns(), pid, tid=pid, fd=fd,
+                                           device=self.tracer.catalog.ref_for(str(dev))))
+
+    def kernel_says(self, kind: EventKind, pid: int) -> None:
+        self.bpf.queued.append(SourceEvent(kind, "bpf", boot_ns(), pid, tid=pid))
+
+    def call(self, kind: MemCallKind, pid: int, fd: int, h_root: int, h_parent: int, h_object: int,
+             **fields: Any) -> int:
+        self.bpf.calls.append(MemCall(kind, boot_ns(), pid, fd, h_root, h_parent, h_object, **fields))
+        return h_object
+
+    def client(self, pid: int, fd: int, h_client: int = H_CLIENT) -> int:
+        return self.call(MemCallKind.ALLOC, pid, fd, h_client, h_client, h_client, h_class=CLIENT)
+
+    def device(self, pid: int, fd: int, h_client: int, instance: int) -> int:
+        self.handle += 1
+        return self.call(MemCallKind.ALLOC, pid, fd, h_client, h_client, self.handle, h_class=DEVICE,
+                         instance=instance)
+
+    def vidmem(self, pid: int, fd: int, h_client: int, parent: int, size_bytes: int) -> int:
+        self.handle += 1
+        return self.call(MemCallKind.ALLOC, pid, fd, h_client, parent, self.handle, h_class=VIDMEM,
+                         size_bytes=size_bytes)
+
+    def consumers(self, pid: int) -> dict[int | None, Consumer]:
+        """The process's consumers by GPU device minor (None: node-wide), as the agent classifies now."""
+        return {c.gpu_minor: c for c in self.tracer.current_consumers() if c.pid == pid}
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    tmp = Path(tempfile.mkdtemp(prefix="gg-mem-", dir="/tmp"))  # prefixes are at most 40 bytes
+    n = Node(tmp)
+    n.spawn(OTHER, {3: n.gpu0})  # held since before the tracer started: the start scan finds it
+    n.tracer.start()
+    yield n
+    assert n.tracer.errors.counts == dict.fromkeys(n.tracer.errors.counts, 0), n.tracer.errors.last
+    n.tracer.close()
+    shutil.rmtree(tmp)
+
+
+def test_each_gpu_gets_what_its_device_instance_holds(node: Node) -> None:
+    """Device instance N is the GPU of device minor N; memory freed is gone; a subtree goes with its
+    device."""
+    node.kernel_opens(PID, 3, node.ctl)
+    node.kernel_opens(PID, 4, node.gpu0)
+    node.kernel_opens(PID, 5, node.gpu1)
+    client = node.client(PID, 3)
+    dev0, dev1 = node.device(PID, 3, client, 0), node.device(PID, 3, client, 1)
+    node.vidmem(PID, 3, client, dev0, 64 * MIB)
+    gone = node.vidmem(PID, 3, client, dev0, 32 * MIB)
+    node.vidmem(PID, 3, client, dev1, 2 * MIB)
+    node.call(MemCallKind.FREE, PID, 3, client, dev0, gone)
+    node.tracer.step(0)
+    by_gpu = node.consumers(PID)
+    assert {minor: c.allocated_bytes for minor, c in by_gpu.items()} == {0: 64 * MIB, 1: 2 * MIB}
+    assert by_gpu[0].allocated_reason == ""
+    assert by_gpu[0].reason.endswith("; it holds 64.0 MiB on GPU 0 (from the driver calls ghostgpu saw)")
+    node.call(MemCallKind.FREE, PID, 3, client, client, dev1)  # the device and everything under it
+    node.tracer.step(0)
+    assert {minor: c.allocated_bytes for minor, c in node.consumers(PID).items()} == {0: 64 * MIB, 1: 0}
+
+
+def test_unknown_is_not_zero(node: Node) -> None:
+    """A holder the start scan found opened its device before the tracer watched: unknown, with the
+    reason. One the kernel saw from its first open that allocated nothing holds 0."""
+    node.kernel_opens(PID, 4, node.gpu0)
+    node.tracer.step(0)
+    seen, before = node.consumers(PID)[0], node.consumers(OTHER)[0]
+    assert (seen.allocated_bytes, seen.allocated_reason) == (0, "")
+    assert (before.allocated_bytes, before.allocated_reason) == (None, BEFORE_START)
+    assert "it holds" not in seen.reason
+
+
+def test_calls_are_applied_before_the_exit_behind_them(node: Node) -> None:
+    """The calls and the exit arrive in one batch: the calls first (else the exit would free
+    nothing and the memory would stay on a dead pid)."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    node.tracer.step(0)
+    client = node.client(PID, 3)
+    node.vidmem(PID, 3, client, node.device(PID, 3, client, 0), 8 * MIB)
+    node.die(PID)
+    node.kernel_says(EventKind.EXIT, PID)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {} and node.tracer.memory.objects == 0
+    assert PID not in node.consumers(PID)
+
+
+def test_a_call_queued_behind_an_exit_settled_from_proc_is_dropped(node: Node) -> None:
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    node.tracer.step(0)
+    late = MemCall(MemCallKind.ALLOC, boot_ns(), PID, 3, client, client, 0x77, h_class=DEVICE, instance=0)
+    node.die(PID)
+    node.tracer._settle_exit(PID)  # /proc says it is gone before the kernel's records are read
+    assert node.tracer.memory.objects == 0
+    node.bpf.calls.append(late)
+    node.tracer.step(0)
+    assert node.tracer.memory.objects == 0, "a dead process's call must not bring its client back"
+
+
+def test_an_exec_frees_the_clients_of_the_fds_it_closed(node: Node) -> None:
+    """CUDA opens nvidiactl with O_CLOEXEC: the exec closes it without a close call to trace. The
+    exec's rescan says which fds remain; the clients of the others are freed."""
+    node.kernel_opens(PID, 3, node.ctl)
+    node.kernel_opens(PID, 4, node.gpu0)
+    kept, closed = node.client(PID, 4, 0xC1D00004), node.client(PID, 3, 0xC1D00003)
+    node.vidmem(PID, 4, kept, node.device(PID, 4, kept, 0), 4 * MIB)
+    node.vidmem(PID, 3, closed, node.device(PID, 3, closed, 0), 16 * MIB)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {0: 20 * MIB}
+    node.spawn(PID, {4: node.gpu0})  # the exec'd image: fd 3 is gone
+    node.kernel_says(EventKind.EXEC, PID)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {0: 4 * MIB}
+
+
+def test_a_close_of_the_clients_fd_frees_it(node: Node) -> None:
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    node.vidmem(PID, 3, client, node.device(PID, 3, client, 0), 6 * MIB)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {0: 6 * MIB}
+    node.call(MemCallKind.CLOSE, PID, 3, 0, 0, 0)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {}
+
+
+def test_a_lost_call_makes_the_figure_unknown(node: Node) -> None:
+    """The kernel counted a memory call it could not deliver: the figure of every process that held
+    a device then may be short, so it is unknown, with the reason."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    node.tracer.step(0)
+    node.bpf.counters["mem_drops"] = 1
+    node.tracer._report_bpf_stats()
+    consumer = node.consumers(PID)[0]
+    assert (consumer.allocated_bytes, consumer.allocated_reason) == (None, MEMCALLS_LOST)
+
+
+def test_memory_calls_reclassify_at_most_once_per_nvml_refresh(node: Node) -> None:
+    """A process allocating all the time makes a finding per NVML refresh, not one per call."""
+    # Past its grace period: a pending consumer is re-classified on a clock of its own.
+    node.tracer._classify_settings = replace(node.tracer._classify_settings, grace_ns=0)
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    device = node.device(PID, 3, client, 0)
+    node.tracer.step(0)
+
+    def findings() -> list[int | None]:
+        return [r["allocated_bytes"] for r in node.records if r["event"] == "finding" and r["pid"] == PID]
+
+    assert findings() == [0]
+    node.tracer._due["memory"] = 0.0  # the last re-classification for memory is a refresh ago
+    node.vidmem(PID, 3, client, device, 2 * MIB)
+    node.tracer.step(0)
+    assert findings() == [0, 2 * MIB]
+    node.vidmem(PID, 3, client, device, 2 * MIB)
+    node.tracer.step(0)
+    assert findings() == [0, 2 * MIB], "within the refresh: no new finding yet"
+    node.tracer._due["memory"] = 0.0  # the refresh is over
+    node.tracer.step(0)
+    assert findings() == [0, 2 * MIB, 4 * MIB]
