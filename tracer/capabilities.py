@@ -17,6 +17,10 @@ then running with exactly NEEDED and with NEEDED less one, and records what brok
   (uid 0) cannot list the fds of a process running as another user.
 - CAP_CHECKPOINT_RESTORE: /proc/PID/map_files/* (the device number of a GPU mapping whose fd was
   closed) needs it; without it a mapping-only hold is matched by its path alone.
+- CAP_SYSLOG: opening /dev/kmsg for reading with kernel.dmesg_restrict=1 (Debian's default; kernel/
+  printk/printk.c check_syslog_permissions, which also accepts CAP_SYS_ADMIN) needs it; without it
+  the driver's Xid reports are not read (tracer/kmsg.py). With dmesg_restrict=0 nothing is needed,
+  so a probe on such a kernel sees no difference.
 
 Not needed on Linux >= 5.11: CAP_SYS_ADMIN (tracefs is mounted by the host and readable by uid 0;
 CAP_BPF+CAP_PERFMON cover BPF), CAP_SYS_RESOURCE and CAP_IPC_LOCK (BPF memory is charged to the
@@ -52,6 +56,7 @@ class Need:
     without: str
     covered_by: tuple[str, ...] = ()  # broader capabilities that grant the same (the kernel's own checks)
     bpf_only: bool = False  # irrelevant with --bpf off
+    dmesg_restricted_only: bool = False  # irrelevant when kernel.dmesg_restrict is 0
 
     @property
     def line(self) -> str:
@@ -76,6 +81,9 @@ NEEDED: tuple[Need, ...] = (
          "/proc/PID/map_files cannot be read: a GPU mapping whose fd was closed is matched by its path "
          "only, not by its device number (a renamed device node is missed or misattributed)",
          covered_by=("CAP_SYS_ADMIN",)),
+    Need("CAP_SYSLOG", "read the kernel log (/dev/kmsg) for the driver's Xid reports (dmesg_restrict=1)",
+         "Xid faults are not read from the kernel log (/dev/kmsg is refused with kernel.dmesg_restrict=1)",
+         covered_by=("CAP_SYS_ADMIN",), dmesg_restricted_only=True),
 )
 NEEDED_NAMES: tuple[str, ...] = tuple(n.name for n in NEEDED)
 
@@ -105,11 +113,11 @@ def effective_mask(status_text: str) -> int | None:
     return None
 
 
-def missing(mask: int, bpf: bool = True) -> list[Need]:
+def missing(mask: int, bpf: bool = True, dmesg_restricted: bool = True) -> list[Need]:
     """The needs not met by mask: neither the capability nor a broader one that covers it."""
     out = []
     for need in NEEDED:
-        if need.bpf_only and not bpf:
+        if (need.bpf_only and not bpf) or (need.dmesg_restricted_only and not dmesg_restricted):
             continue
         if mask & mask_of((need.name, *need.covered_by)):
             continue
@@ -117,7 +125,17 @@ def missing(mask: int, bpf: bool = True) -> list[Need]:
     return out
 
 
-def check_capabilities(bpf: bool = True, status_path: str = "/proc/self/status") -> list[str]:
+def dmesg_restricted(path: str = "/proc/sys/kernel/dmesg_restrict") -> bool:
+    """kernel.dmesg_restrict is set (or cannot be read: then assume it is, as Debian ships it)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() != "0"
+    except (OSError, ValueError):
+        return True
+
+
+def check_capabilities(bpf: bool = True, status_path: str = "/proc/self/status",
+                       dmesg_restrict_path: str = "/proc/sys/kernel/dmesg_restrict") -> list[str]:
     """One line per capability this process lacks, naming it and what fails without it; [] when the
     status file or its CapEff line cannot be read (not Linux: nothing to say)."""
     try:
@@ -127,4 +145,4 @@ def check_capabilities(bpf: bool = True, status_path: str = "/proc/self/status")
         return []
     if mask is None:
         return []
-    return [need.line for need in missing(mask, bpf)]
+    return [need.line for need in missing(mask, bpf, dmesg_restricted(dmesg_restrict_path))]

@@ -17,7 +17,8 @@ Planted before it starts, so only its first /proc scan can find them:
 - `other_uid`: a host process running as uid 65534, holding PREFIX/nvidia0 (a c 1 3 node);
 - `mapped_only`: a fake container process that mmapped /dev/nvidia0 (c 1 5) and closed the fd.
 After `ready` one more container process opens /dev/nvidia0: only the kernel side reports that
-within the wait (the next /proc scan is 30 s away).
+within the wait (the next /proc scan is 30 s away). The tracer's `kmsg` notice says the kernel log
+(the driver's Xid reports) could not be read.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class CaseResult:
     map_files: str = ""  # the map_files stat under the same set: "ok 1:5" or "failed <why>"
     capability_lines: list[str] = field(default_factory=list)  # what the tracer said at start
     bpf_error: str = ""
+    kmsg_error: str = ""  # the tracer's `kmsg` notice: why it cannot read the kernel log (Xid faults)
     bcc_stderr: list[str] = field(default_factory=list)  # what bcc itself printed (the kernel's refusal)
     broken: list[str] = field(default_factory=list)
 
@@ -179,6 +181,8 @@ def run_case(workdir: Path, keep: Iterable[str], holders: PlantedHolders, memloc
         p.kill()
         notice = tracer.matching(lambda r: r.get("event") == "notice" and r.get("what") == "bpf")
         result.bpf_error = notice[0].get("message", "") if notice else ""
+        kmsg = tracer.matching(lambda r: r.get("event") == "notice" and r.get("what") == "kmsg")
+        result.kmsg_error = kmsg[0].get("message", "") if kmsg else ""
         stderr = tracer.stderr().splitlines()
         result.capability_lines = [ln.split("ghostgpu.tracer: ", 1)[-1] for ln in stderr
                                    if "CAP_" in ln and " missing: " in ln]
@@ -201,6 +205,8 @@ def _broken(r: CaseResult) -> list[str]:
         out.append("a holder opened after start was not reported by the kernel side")
     if not r.map_files.startswith("ok"):
         out.append(f"/proc/PID/map_files: {r.map_files}")
+    if r.kmsg_error:
+        out.append(f"kernel log not read ({r.kmsg_error})")
     return out
 
 

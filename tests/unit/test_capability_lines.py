@@ -12,6 +12,7 @@ from ghostgpu.tracer.capabilities import (
     NEEDED,
     NEEDED_NAMES,
     check_capabilities,
+    dmesg_restricted,
     effective_mask,
     mask_of,
     missing,
@@ -38,12 +39,14 @@ def test_bits_follow_linux_capability_h() -> None:
 @pytest.mark.parametrize(("caps", "bpf", "missing_names"), [
     (NEEDED_NAMES, True, []),
     ((), True, list(NEEDED_NAMES)),
-    ((), False, ["CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_CHECKPOINT_RESTORE"]),  # --bpf off
+    # --bpf off
+    ((), False, ["CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_CHECKPOINT_RESTORE", "CAP_SYSLOG"]),
     # CAP_SYS_ADMIN is what the kernel also accepts for BPF, PERFMON and map_files, DAC_OVERRIDE
     # for DAC_READ_SEARCH: a privileged container hears nothing.
     (("CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_DAC_OVERRIDE"), True, []),
     ([n for n in NEEDED_NAMES if n != "CAP_SYS_PTRACE"], True, ["CAP_SYS_PTRACE"]),
-    (("CAP_BPF", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_CHECKPOINT_RESTORE"), True, ["CAP_PERFMON"]),
+    (("CAP_BPF", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_CHECKPOINT_RESTORE", "CAP_SYSLOG"), True,
+     ["CAP_PERFMON"]),
 ])
 def test_missing_needs(caps: tuple[str, ...], bpf: bool, missing_names: list[str]) -> None:
     assert [n.name for n in missing(mask_of(caps), bpf)] == missing_names
@@ -66,3 +69,20 @@ def test_every_need_says_what_for_and_what_fails() -> None:
     for need in NEEDED:
         assert need.name in CAP_BITS and need.why and need.without
         assert all(c in CAP_BITS for c in need.covered_by)
+
+
+def test_syslog_is_needed_only_while_dmesg_is_restricted(tmp_path: Path) -> None:
+    """kernel/printk/printk.c check_syslog_permissions asks for CAP_SYSLOG only with dmesg_restrict=1."""
+    assert [n.name for n in missing(0, False, dmesg_restricted=False)] == \
+        ["CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_CHECKPOINT_RESTORE"]
+    # CAP_SYS_ADMIN counts for CAP_SYSLOG (with a warning in the kernel log)
+    admin_only = missing(mask_of(["CAP_SYS_ADMIN"]), False)
+    assert [n.name for n in admin_only] == ["CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"]
+    status_path, restrict = tmp_path / "status", tmp_path / "dmesg_restrict"
+    status_path.write_text(status(mask_of(n for n in NEEDED_NAMES if n != "CAP_SYSLOG")))
+    restrict.write_text("0\n")
+    assert check_capabilities(status_path=str(status_path), dmesg_restrict_path=str(restrict)) == []
+    restrict.write_text("1\n")
+    lines = check_capabilities(status_path=str(status_path), dmesg_restrict_path=str(restrict))
+    assert len(lines) == 1 and lines[0].startswith("CAP_SYSLOG missing: Xid faults are not read")
+    assert dmesg_restricted(str(tmp_path / "absent"))  # unreadable: assume Debian's default
