@@ -22,7 +22,8 @@
  *   {"ev":"ioctl","ts_ns","pid","tid","fd","dev","req","ret","errno","before","after",
  *    "xfer_before","xfer_after","ptr_at","ptr_before","ptr_after"}
  *   {"ev":"close","ts_ns","pid","fd","dev"}
- * ts_ns is CLOCK_BOOTTIME at the call's return (the tracer's clock). Blocks are hex, at most
+ * ts_ns is CLOCK_BOOTTIME (the tracer's clock): at an ioctl's entry, as the kernel side stamps a
+ * memory call; at the open's return and at the close. Blocks are hex, at most
  * 16384 bytes each (NV_ABSOLUTE_MAX_IOCTL_SIZE, kernel-open/common/inc/nv.h):
  *   before/after: the _IOC_SIZE bytes at the argument, for a request of type 'F' (every RM and
  *     frontend escape is _IOWR('F', nr, size), §1). UVM numbers carry no size in the word (§9.1):
@@ -247,9 +248,9 @@ static void forget(int fd)
         fd_state[fd] = FD_UNKNOWN;
 }
 
-static void start_line(struct line *l, const char *ev, int fd, const char *dev)
+static void start_line(struct line *l, const char *ev, int fd, const char *dev, uint64_t ts_ns)
 {
-    putf(l, "{\"ev\":\"%s\",\"ts_ns\":%llu,\"pid\":%d,\"fd\":%d", ev, (unsigned long long)boottime_ns(),
+    putf(l, "{\"ev\":\"%s\",\"ts_ns\":%llu,\"pid\":%d,\"fd\":%d", ev, (unsigned long long)ts_ns,
          (int)getpid(), fd);
     put_str(l, "dev", dev);
 }
@@ -264,7 +265,7 @@ static void opened(int fd)
     if (!dev)
         return;
     struct line l = {0};
-    start_line(&l, "open", fd, dev);
+    start_line(&l, "open", fd, dev, boottime_ns());
     emit(&l);
 }
 
@@ -277,7 +278,7 @@ static void closing(int fd)
     if (!dev)
         return;
     struct line l = {0};
-    start_line(&l, "close", fd, dev);
+    start_line(&l, "close", fd, dev, boottime_ns());
     emit(&l);
 }
 
@@ -387,11 +388,12 @@ int ioctl(int fd, unsigned long request, ...)
         npb = read_user(pptr, plen, pb);
     }
 
+    uint64_t entry_ns = boottime_ns();
     int ret = real_ioctl(fd, request, arg);
     int err = errno;
 
     struct line l = {0};
-    start_line(&l, "ioctl", fd, dev);
+    start_line(&l, "ioctl", fd, dev, entry_ns);
     putf(&l, ",\"tid\":%ld,\"req\":\"0x%lx\",\"ret\":%d,\"errno\":%d", (long)syscall(SYS_gettid), request,
          ret, ret < 0 ? err : 0);
     if (blocks) {

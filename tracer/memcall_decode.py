@@ -115,7 +115,7 @@ def status_offsets(version: str | None) -> dict[tuple[int, int], int]:
 class RecordedIoctl:
     """One ioctl on an NVIDIA device file, as bench/nvrecord.c writes it."""
 
-    ts_ns: int  # CLOCK_BOOTTIME at the call's return
+    ts_ns: int  # CLOCK_BOOTTIME at the call's entry, as the kernel side stamps it
     pid: int
     fd: int
     request: int
