@@ -23,13 +23,14 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.config import CollectorConfig
-from ghostgpu.collector.faults import FaultBook
+from ghostgpu.collector.faults import FaultBook, select_faults
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.nodes import NodeView
@@ -262,6 +263,7 @@ class Collector:
             return
         if self.pusher is not None:
             self.cluster.watch(self.pusher.watcher, include_open=True)
+            await self._offer_recent_faults()
         self.traces.start_ticking()
         self._ready.set()
         while True:
@@ -281,6 +283,18 @@ class Collector:
         await server.stop(self._grace_s)
         security.stopping()  # the audit chain's collector.stop, while the store still takes it
         await asyncio.to_thread(self.store.close)  # commits what was accepted; acks no longer matter
+
+    async def _offer_recent_faults(self) -> None:
+        """The stored faults whose pushed alerts have not ended (--alert-fault-hold): offered again, as
+        the open findings are, so an Alertmanager that lost its alerts while this collector was
+        stopped gets them back (the same labels: one that kept them sees no new alert)."""
+        from ghostgpu.collector.alertbook import MAX_FAULT_ALERTS  # only with --alertmanager
+
+        assert self.pusher is not None
+        since_ns = time.time_ns() - int(self.config.alert_fault_hold_s * 1e9)
+        recent = await asyncio.wrap_future(self.store.read(select_faults(since_ns, "", "", MAX_FAULT_ALERTS)))
+        for cf in recent:
+            self.pusher.offer_fault(cf)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """End every stream and watch, commit what was accepted, close. Idempotent."""

@@ -1,14 +1,17 @@
 """GPU faults at the collector: stored once with the batch that carried them (a resend is a duplicate,
 a restart keeps them), each hit named through CRI (late names rewrite the row; a container gone says
-so), bounded with the drops counted, listed by ListFaults with its filters, and the viewer role."""
+so), bounded with the drops counted, listed by ListFaults with its filters, the viewer role, and offered
+to the Alertmanager push again by a restarted collector while their alerts last."""
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ghostgpu.collector.cluster import Watcher
 from ghostgpu.collector.faults import FaultBook, fault_row, select_faults
 from ghostgpu.collector.policy import Policy
 from ghostgpu.collector.store import Store
@@ -164,3 +167,37 @@ def test_a_viewer_may_list_faults_and_nobody_else_without_a_role() -> None:
     method = "/ghostgpu.v1.Query/ListFaults"
     assert policy.check(Principal("user", "alice", via="mtls"), method) is None
     assert policy.check(Principal("user", "bob", via="mtls"), method) == "role viewer"
+
+
+class Offered:
+    """A stand-in AlertPusher that records the faults offered to it."""
+
+    made: list[Offered] = []
+
+    def __init__(self, urls: list[str], **kw: Any) -> None:
+        self.watcher = Watcher("", "", ())
+        self.faults: list[query_pb2.ClusterFault] = []
+        Offered.made.append(self)
+
+    def offer_fault(self, fault: query_pb2.ClusterFault) -> None:
+        self.faults.append(fault)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        pass
+
+
+def test_a_restarted_collector_offers_the_faults_whose_alerts_have_not_ended(tmp_path: Path) -> None:
+    now = time.time_ns()
+    with running_collector(tmp_path, resolver_factory=Names) as c, SimTracer(c.address, "n1") as t:
+        t.connect()
+        old, recent = fault_record(node="n1", xid=48), fault_record(node="n1", xid=79)
+        t.wait_acked(t.send_events([fault_event(1, old, ts_unix_ns=now - 2 * 3600 * 10**9),
+                                    fault_event(2, recent, ts_unix_ns=now - 60 * 10**9)]))
+    Offered.made.clear()
+    with running_collector(tmp_path, resolver_factory=Names, alertmanager=["http://127.0.0.1:9093"],
+                           pusher_factory=Offered):
+        (pusher,) = Offered.made
+        assert [(f.id, f.fault.xid) for f in pusher.faults] == [(2, 79)]  # the 2 h old one ended (1 h hold)
