@@ -364,13 +364,20 @@ int ioctl(int fd, unsigned long request, ...)
 
     unsigned type = (request >> 8) & 0xFF, nr = request & 0xFF;
     size_t size = (request >> 16) & 0x3FFF; /* _IOC_SIZE */
-    static __thread unsigned char before[NVR_MAX_BLOCK], after[NVR_MAX_BLOCK];
-    static __thread unsigned char xb[NVR_MAX_BLOCK], xa[NVR_MAX_BLOCK];
-    static __thread unsigned char pb[NVR_MAX_BLOCK], pa[NVR_MAX_BLOCK];
     size_t nb = 0, na = 0, nxb = 0, nxa = 0, npb = 0, npa = 0;
     uint64_t xptr = 0, pptr = 0;
     size_t xlen = 0, plen = 0;
     int blocks = type == NV_TYPE && size > 0;
+    /* Six block buffers from the heap, per call: not in TLS, whose static block glibc carves out
+     * of every thread's stack (a thread created with a small stack would fail to start). */
+    static unsigned char none[6][1];
+    unsigned char *mem = blocks ? malloc(6 * (size_t)NVR_MAX_BLOCK) : NULL;
+    unsigned char *buf[6];
+    for (int i = 0; i < 6; i++)
+        buf[i] = mem ? mem + (size_t)i * NVR_MAX_BLOCK : none[i];
+    unsigned char *before = buf[0], *after = buf[1], *xb = buf[2], *xa = buf[3], *pb = buf[4], *pa = buf[5];
+    if (!mem)
+        blocks = 0;
     if (blocks) {
         nb = read_user((uint64_t)(uintptr_t)arg, size, before);
         const unsigned char *carried = before;
@@ -413,6 +420,7 @@ int ioctl(int fd, unsigned long request, ...)
         }
     }
     emit(&l);
+    free(mem);
     errno = err;
     return ret;
 }
@@ -528,9 +536,14 @@ static void read_line(const char *path, char *dst, size_t cap)
     dst[strcspn(dst, "\n")] = 0;
 }
 
+/* A fork while another thread holds the lock would leave the child's copy locked forever. */
+static void lock_out(void) { pthread_mutex_lock(&out_lock); }
+static void unlock_out(void) { pthread_mutex_unlock(&out_lock); }
+
 __attribute__((constructor)) static void nvrecord_init(void)
 {
     resolve();
+    pthread_atfork(lock_out, unlock_out, unlock_out);
     const char *out = getenv("NVRECORD_OUT");
     if (!out || !*out)
         return;
