@@ -2,35 +2,35 @@
 
 Pure: text in, a typed XidReport out (or None). The driver prints one line per Xid through
 `portDbgPrintf` in `krcReportXid` (src/nvidia/src/kernel/gpu/rc/kernel_rc.c in
-NVIDIA/open-gpu-kernel-modules; every other RM path reaches it through `nvErrorLog`). Its forms:
+NVIDIA/open-gpu-kernel-modules; the RM's error paths reach it through `nvErrorLog`). The forms,
+and where each was read:
 
-| form          | text after the Xid number                          | where                              |
-|---------------|----------------------------------------------------|------------------------------------|
-| `pid+name`    | `pid=%s, name=%s, <message>`                       | kernel_rc.c, 535.104.05 on; from   |
-|               | (pid `'<unknown>'`, name `<unknown>` when no       | 570.133.20 only when the process   |
-|               | channel named the process: 535.x and 550.x)        | is known                           |
-| `bare`        | `<message>`                                        | kernel_rc.c, 570.133.20 on, when   |
-|               |                                                    | no process is known                |
-| `pid`         | `pid=%s, <message>`                                | closed drivers before `name=` was  |
-|               |                                                    | added (seen in their logs; not in  |
-|               |                                                    | any open tag read here)            |
+- `pid+name`, `pid=%s, name=%s, <message>`: kernel_rc.c at 535.104.05 (read in a copy of that
+  tag) prints both fields always: pid `'<unknown>'` and name `<unknown>` when no channel named the
+  process (Xid 119, the GSP RPC timeout, names the current process). At 570.133.20 (commit
+  e8113f66, the XID_PRINT_WITH_ATTR macro) only when a process is known: the channel's, or the
+  one whose RM call is being served.
+- `bare`, `<message>`: kernel_rc.c at 570.133.20 when no process is known: neither field.
+- `pid`, `pid=%s, <message>`: closed drivers from before `name=`, seen in their logs and in no open
+  tag read here; accepted so that old nodes' lines parse.
 
 The parenthesis is `PCI:%04x:%02x:%02x` (domain, bus, device), followed on a MIG GPU by
 ` GPU-I:%02u` and ` GPU-CI:%02u` (the GPU and compute instance the Xid is attributed to,
-`krcGetMigAttributionForError`). Very old drivers wrote the address without `PCI:`; a function
-(`.0`) is accepted though the driver never prints one. From 570.133.20 Xid 45
-(ROBUST_CHANNEL_PREEMPTIVE_REMOVAL) may end in ` caused by previous Xid %d`.
+`krcGetMigAttributionForError`; both tags). Very old drivers wrote the address without `PCI:`
+(NVIDIA's Xid document shows `NVRM: Xid (0000:03:00): 14, ...`); a function (`.0`) is accepted
+though the driver never prints one. The second `%s` at 570.133.20 is Xid 45's (
+ROBUST_CHANNEL_PREEMPTIVE_REMOVAL) ` caused by previous Xid %d`, parsed into previous_xid.
 
 The message is free text set by the reporting path, e.g. Xid 13 `Graphics SM Warp Exception on
 (GPC 1, TPC 0, SM 0): Out Of Range Address`, Xid 31 `Ch 0000000a, intr 00000000. MMU Fault: ENGINE
 GRAPHICS ... faulted @ 0x...`, Xid 79 `GPU has fallen off the bus.`, Xid 119 `Timeout after 6s of
-waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) ...`
-(src/nvidia/src/kernel/gpu/gsp/ GSP_RPC_TIMEOUT_XID_MESSAGE_FMT), Xid 120 `GSP task exception: ...`,
-Xid 154 `GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)`. It is kept as
-the driver wrote it; only the fields above are taken apart.
+waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) ...` (the driver's
+GSP_RPC_TIMEOUT_XID_MESSAGE_FMT), Xid 120 `GSP task exception: ...`, Xid 154 `GPU recovery action
+changed from 0x0 (None) to 0x1 (GPU Reset Required)`. It is kept as the driver wrote it; only the
+fields above are taken apart.
 
-A name is the process's comm as the driver copied it: it may hold spaces (`KMS thread`) and ends
-at the first ", ". A comm that itself holds ", " is split there (the rest reads as message).
+A name is the process's name as the driver copied it: it may hold spaces (`KMS thread`) and ends
+at the first ", ". A name that itself holds ", " is split there (the rest reads as message).
 """
 
 from __future__ import annotations
