@@ -56,6 +56,8 @@ done
 
 PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null || die "no python3: install python3 (3.11 or newer)"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || die "$("$PY" --version 2>&1) is too old: ghostgpu needs python3 3.11 or newer (set PYTHON=/path/to/python3.11)"
 WORK="$(mktemp -d /tmp/gpu_real.XXXXXX)"
 cleanup() {
     if [ -n "${HOLDER_PID:-}" ] && kill -0 "$HOLDER_PID" 2>/dev/null; then

@@ -131,7 +131,7 @@ def decode_recording(path: Path, driver: str | None, max_objects: int,
             "errors": errors, "lines": len(objects), "ioctls": ioctls,
             "cards": sorted(cards.values(), key=lambda c: c["minor"]), "id_info": id_info,
             "instances": sorted(instances), "opened": sorted(opened), "params_unread": decoder.params_unread,
-            "pids": sorted({int(o["pid"]) for o in starts if "pid" in o})}
+            "pids": list(dict.fromkeys(int(o["pid"]) for o in starts if "pid" in o))}  # in order
 
 
 # --- the driver's own figures ----------------------------------------------------------------
