@@ -127,7 +127,7 @@ def two_gpus() -> list[FakeGpu]:
 def expected_gpu(index: int, **changes: Any) -> NvmlGpu:
     base = {
         0: NvmlGpu(index=0, uuid=UUID0, minor=0, name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * GIB,
-                   memory_used_bytes=3 * GIB, mig_mode=False),
+                   memory_used_bytes=3 * GIB, mig_mode=False, pci_bus_id="00000000:17:00.0"),
         1: NvmlGpu(index=1, uuid=UUID1, minor=3, name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * GIB,
                    memory_used_bytes=GIB, mig_mode=None),
     }[index]
@@ -334,3 +334,35 @@ def test_fake_struct_layouts_per_version(fake: FakeNvml) -> None:
         f"nvmlDeviceGetComputeRunningProcesses_v2 7 2 0 [(11, 1, {no_mig}), (12, {na}, {no_mig})]",
         f"nvmlDeviceGetGraphicsRunningProcesses_v3 7 2 0 [(13, 3, 2), (14, 4, {no_mig})]",
     ]
+
+
+PCI_CHILD = r"""
+import ctypes, sys
+import pynvml
+lib = ctypes.CDLL(sys.argv[1])
+assert lib.nvmlInit_v2() == 0
+for index in (0, 1):
+    handle = ctypes.c_void_p()
+    assert lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0
+    for name in ("nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo_v3"):
+        info = pynvml.nvmlPciInfo_t()
+        rc = getattr(lib, name)(handle, ctypes.byref(info))
+        print(index, name, rc, info.busId, info.busIdLegacy, info.domain, hex(info.bus), info.device)
+"""
+
+
+def test_fake_answers_pci_info_per_gpu_in_every_version(fake: FakeNvml) -> None:
+    """nvmlPciInfo_t as pynvml lays it out, from each entry point, per GPU (a GPU without a bus id
+    configured answers empty ones: test_two_gpus_with_processes)."""
+    fake.gpus = two_gpus()
+    fake.gpus[1].pci_bus_id = "00000001:3B:02.0"
+    fake.write()
+    lib = str((fake.lib_dir or Path()) / "libnvidia-ml.so.1")
+    env = {**os.environ, "FAKE_NVML_CONFIG": str(fake.config_path)}
+    result = subprocess.run([sys.executable, "-c", PCI_CHILD, lib], capture_output=True, text=True,
+                            env=env, timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [f"0 {name} 0 00000000:17:00.0 0000:17:00.0 0 0x17 0" for name in
+                         ("nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo_v3")]
+    assert lines[3] == "1 nvmlDeviceGetPciInfo 0 00000001:3B:02.0 0001:3B:02.0 1 0x3b 2"
