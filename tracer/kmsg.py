@@ -39,6 +39,7 @@ from dataclasses import dataclass
 log = logging.getLogger("ghostgpu.kmsg")
 
 KMSG_PATH = "/dev/kmsg"
+LOST_LOG_INTERVAL_S = 60.0  # a burst that overruns the ring buffer is one warning, not one per gap
 READ_BUFFER_BYTES = 16384  # a record is at most ~1 KiB of text plus its dictionary; a short buffer is EINVAL
 _ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
@@ -124,6 +125,7 @@ class KmsgReader:
         self.records_read_total = 0
         self.records_lost_total = 0  # overwritten in the ring buffer before this reader got them
         self.unreadable_total = 0  # a read that did not hold a record (never seen from the kernel)
+        self._next_lost_log_s = 0.0
 
     def start(self) -> str:
         """Open, seek to the end, start the thread: "" when reading, else the one line saying why not."""
@@ -154,6 +156,15 @@ class KmsgReader:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._fd, self._wake_r, self._wake_w = None, -1, -1
+
+    def _lost(self, count: int) -> None:
+        """Records overwritten before this reader got them: counted, and said at most once a minute."""
+        self.records_lost_total += count
+        now_s = time.monotonic()
+        if now_s >= self._next_lost_log_s:
+            self._next_lost_log_s = now_s + LOST_LOG_INTERVAL_S
+            log.warning("%s: %d records were overwritten before they were read (%d in all); Xid reports "
+                        "among them are lost", self.path, count, self.records_lost_total)
 
     def _run(self) -> None:
         assert self._fd is not None
@@ -191,7 +202,7 @@ class KmsgReader:
                 self.unreadable_total += 1
                 continue
             if self._next_seq is not None and record.seq > self._next_seq:
-                self.records_lost_total += record.seq - self._next_seq
+                self._lost(record.seq - self._next_seq)
             self._next_seq = record.seq + 1
             self.records_read_total += 1
             try:

@@ -49,7 +49,7 @@ def test_open_failure_says_what_is_lost_and_what_to_do() -> None:
     assert "No such file" in open_failure("/x", FileNotFoundError(errno.ENOENT, "No such file or directory"))
 
 
-def test_reader_thread_delivers_records_counts_gaps_and_stops() -> None:
+def test_reader_thread_delivers_records_counts_gaps_and_stops(caplog: pytest.LogCaptureFixture) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     got: list[tuple[KmsgRecord, int]] = []
     lock = threading.Lock()
@@ -71,6 +71,9 @@ def test_reader_thread_delivers_records_counts_gaps_and_stops() -> None:
         assert [r.text for r, _ in got] == ["a", "boom", "after a gap", "last"]
         assert all(read_ns > 0 for _, read_ns in got)
         assert (reader.records_read_total, reader.records_lost_total, reader.unreadable_total) == (4, 3, 1)
+        lost = [r.getMessage() for r in caplog.records if "overwritten" in r.getMessage()]
+        assert lost == ["test: 3 records were overwritten before they were read (3 in all); Xid reports "
+                        "among them are lost"]
         assert reader.running
     finally:
         reader.close()
