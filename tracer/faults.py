@@ -131,7 +131,8 @@ def affected_consumers(
         else:
             gone_named = next((g for g in reversed(exits) if g.pid == named_pid), None)
             if gone_named is not None:
-                named = FaultConsumer(named_pid, named=True, exited=gone_named.exited, process=gone_named.process)
+                named = FaultConsumer(named_pid, named=True, exited=gone_named.exited,
+                                      process=gone_named.process)
             else:
                 named = FaultConsumer(named_pid, named=True, process=lookup(named_pid))
     rest = tuple(hit[p] for p in sorted(hit))
