@@ -109,7 +109,8 @@ fi
 if [ "$MODE" = fake ]; then
     # The FUSE fake driver's run: rmplan makes cudaMalloc's calls for 1, 4 and 16 GiB and frees
     # the 4 GiB one, under nvrecord; the driver's state file is the truth. Needs the project venv
-    # (the fake driver's wrapper lives in tests/helpers) and root.
+    # (the fake driver's wrapper lives in tests/helpers) and root. Where BPF can load, the
+    # tracer's kernel side watches too, and the JSON says whether it reported the same MemCalls.
     [ "$(id -u)" = 0 ] || die "--fake needs root (FUSE mount, private /dev)"
     VENV_PY="$ROOT/.venv/bin/python"
     [ -x "$VENV_PY" ] || die "--fake needs the project venv: bash scripts/bootstrap.sh install"
@@ -119,6 +120,7 @@ if [ "$MODE" = fake ]; then
     exec "$VENV_PY" "$ROOT/bench/gpu_real_decode.py" decode --recording "$WORK/recording.jsonl" \
         --truth "$WORK/truth.json" --driver-label "fake (FUSE)" \
         --program "$(cat "$WORK/program.txt")" --requested "$(cat "$WORK/requested.json")" --out "$OUT" \
+        --kernel-check "$WORK/kernel_check.json" \
         "${decode_args[@]}"
 fi
 

@@ -72,7 +72,7 @@ def read_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg}): record it again") from None
 
 
-def decode_recording(path: Path, driver: str | None, max_objects: int,
+def decode_recording(path: Path, driver: str | None, max_objects: int | None,
                      fallback: str | None = None) -> dict[str, Any]:
     """Everything the recording says: the MemCalls (decoded as the kernel side would), the
     accountant fed with them, CARD_INFO's GPUs, GET_ID_INFO(_V2)'s device instances, the device
@@ -94,7 +94,7 @@ def decode_recording(path: Path, driver: str | None, max_objects: int,
     if driver is None:  # the recording's (nvrecord reads /sys/module/nvidia/version), else NVML's
         driver = next((str(o["driver"]) for o in starts if o.get("driver")), fallback)
     decoder = RecordingDecoder(driver)
-    accountant = MemoryAccountant(max_objects)
+    accountant = MemoryAccountant(max_objects) if max_objects else MemoryAccountant()
     kinds: Counter[str] = Counter()
     errors: list[str] = []
     cards: dict[int, dict[str, Any]] = {}
@@ -337,6 +337,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
             "instances_listed_by_card_info": (set(found["instances"]) <= {c["minor"] for c in found["cards"]}
                                               if found["cards"] and found["instances"] else None),
         },
+        "kernel_side": (json.loads(Path(args.kernel_check).read_text()) if args.kernel_check
+                        else {"ran": False, "note": "not run: this check needs no BPF"}),
         "snapshot": snapshot_check(Path(args.snapshot) if args.snapshot else None, args.snapshot_error or "",
                                    nvml_pid, apps, gpus, bus_of_minor) if not args.truth else
         {"ok": None, "error": "not run: the fake driver has no NVML (tests/fakenvml is another fake)"},
@@ -361,7 +363,8 @@ def print_table(result: dict[str, Any]) -> None:
     check = result["instances_vs_minors"]
     print(f"reference: {result['reference']}; memcalls {result['recording']['memcalls']}; "
           f"instance == minor (GET_ID_INFO(_V2)): {check['instance_equals_minor']}; opened /dev/nvidiaN == "
-          f"instances: {check['opened_minors_are_instances']}; snapshot ok: {result['snapshot'].get('ok')}")
+          f"instances: {check['opened_minors_are_instances']}; snapshot ok: {result['snapshot'].get('ok')}; "
+          f"kernel side's MemCalls equal: {result['kernel_side'].get('equal', 'not run')}")
 
 
 def cmd_snapshot(_args: argparse.Namespace) -> int:
@@ -390,6 +393,46 @@ FAKE_REQUESTED = {"alloc_gib": [1, 4, 16], "free_gib": [4], "refused_gib": [32],
                   "not_counted": ["FERMI_VASPACE_A (0x90F1)", "NV01_MEMORY_SYSTEM (0x3E) 64 KiB"]}
 
 
+def start_kernel_side(prefix: Path) -> tuple[Any, str]:
+    """The tracer's kernel side (BpfSource) watching the fake driver's files, or why it cannot run
+    (no root, no bcc, ...): the fake run then also says whether it reported the same MemCalls."""
+    map_repository()
+    try:
+        from ghostgpu.tracer.bpf_source import BpfSource, BpfUnavailable
+    except ImportError as exc:
+        return None, f"not run: {exc}"
+    source = BpfSource((str(prefix),), max_fds=4096, ringbuf_pages=16)
+    try:
+        source.start()
+    except BpfUnavailable as exc:
+        return None, f"not run: {exc}"
+    return source, ""
+
+
+def kernel_check(source: Any, note: str, held: bytes, pid: int, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The kernel side's MemCalls for pid against the decoder's from the recording (timestamps
+    aside: the kernel stamps at the syscall's entry, nvrecord just before it)."""
+    if source is None:
+        return {"ran": False, "note": note}
+    from dataclasses import asdict, replace
+
+    from ghostgpu.tracer.memcall_decode import RecordingDecoder, parse_record
+
+    decoder = RecordingDecoder(None)
+    decoded = [c for c in (decoder.feed(r) for r in (parse_record(json.loads(line))
+                                                     for line in held.decode().splitlines() if line.strip())
+                           if r is not None) if c is not None]
+    kernel: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(kernel) < len(decoded) and time.monotonic() < deadline:
+        source.poll(50)  # waits up to 50 ms for the ring buffer
+        kernel.extend(c for c in source.take_memcalls() if c.pid == pid)
+    bare = [replace(c, ts_ns=0) for c in kernel], [replace(c, ts_ns=0) for c in decoded]
+    mismatches = [{"kernel": asdict(k), "decoder": asdict(d)} for k, d in zip(*bare, strict=False) if k != d]
+    return {"ran": True, "kernel_memcalls": len(kernel), "decoder_memcalls": len(decoded),
+            "equal": bare[0] == bare[1], "mismatches": mismatches[:10]}
+
+
 def cmd_fake_record(args: argparse.Namespace) -> int:
     """A recording through the FUSE fake driver (tests/helpers/fakedriver.py): rmplan, under
     nvrecord, runs FAKE_PLAN; the driver's state file, read while rmplan holds, is the truth.
@@ -407,21 +450,28 @@ def cmd_fake_record(args: argparse.Namespace) -> int:
     recording.unlink(missing_ok=True)
     try:
         with FakeDriver() as driver:
-            env = {**os.environ, "LD_PRELOAD": str(Path(args.nvrecord).resolve()),
-                   "NVRECORD_OUT": str(recording), "NVRECORD_MATCH": str(driver.mount_dir)}
-            with RmPlan(None, dev_dir=str(driver.mount_dir), driver=driver.driver, env=env) as plan:
-                for step in FAKE_PLAN:
-                    refuse = step.startswith("FAIL ")
-                    if refuse:
-                        driver.fail_alloc(1)
-                    got = plan.step(step.removeprefix("FAIL "))
-                    if refuse != (got.get("status") not in (None, 0)):
-                        return fail(f"fake driver run: step {step!r} answered {got}")
-                plan.step("ready")
-                truth = driver.state().raw
-                held = recording.read_bytes()  # every call up to here: nvrecord writes before returning
-                (out_dir / "truth.json").write_text(json.dumps({**truth, "pid": plan.pid}, indent=1))
-                plan.finish()
+            source, kernel_note = start_kernel_side(driver.mount_dir / "nvidia")
+            try:
+                env = {**os.environ, "LD_PRELOAD": str(Path(args.nvrecord).resolve()),
+                       "NVRECORD_OUT": str(recording), "NVRECORD_MATCH": str(driver.mount_dir)}
+                with RmPlan(None, dev_dir=str(driver.mount_dir), driver=driver.driver, env=env) as plan:
+                    for step in FAKE_PLAN:
+                        refuse = step.startswith("FAIL ")
+                        if refuse:
+                            driver.fail_alloc(1)
+                        got = plan.step(step.removeprefix("FAIL "))
+                        if refuse != (got.get("status") not in (None, 0)):
+                            return fail(f"fake driver run: step {step!r} answered {got}")
+                    plan.step("ready")
+                    truth = driver.state().raw
+                    held = recording.read_bytes()  # every call so far: nvrecord writes before returning
+                    (out_dir / "truth.json").write_text(json.dumps({**truth, "pid": plan.pid}, indent=1))
+                    check = kernel_check(source, kernel_note, held, plan.pid)
+                    (out_dir / "kernel_check.json").write_text(json.dumps(check, indent=1))
+                    plan.finish()
+            finally:
+                if source is not None:
+                    source.close()
     except FakeDriverError as exc:
         return fail(str(exc))
     recording.write_bytes(held)
@@ -448,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--snapshot-error", help="why no snapshot could be taken")
     dec.add_argument("--program", default="", help="what made the allocations")
     dec.add_argument("--requested", help='JSON: what the program asked for, e.g. {"alloc_gib": [1, 4, 16]}')
-    dec.add_argument("--max-objects", type=int, default=262144)
+    dec.add_argument("--kernel-check", help="fake-record's kernel_check.json (the kernel side's MemCalls)")
+    dec.add_argument("--max-objects", type=int, help="the accountant's bound (default: its own)")
     dec.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_real.json"))
     sub.add_parser("snapshot", help="ghostgpu snapshot -o json, with the repository mapped in")
     fake = sub.add_parser("fake-record", help="record through the FUSE fake driver (root)")
