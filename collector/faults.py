@@ -18,7 +18,8 @@ consumer does. Every change is handed to the listeners (the Alertmanager push).
 
 Bounded: the table keeps the newest `max_kept` faults (CollectorConfig.faults_max); a fault past it
 drops the oldest, counted in `dropped_total`. Per (node, gpu, xid), `counts` holds how many faults
-the collector has stored, read back from the table at start: ghostgpu_xid_errors_total. Runs on
+the collector has ever stored (the `fault_counts` table, which the bound does not touch, read back at
+start): ghostgpu_xid_errors_total, which a restart never lowers. Runs on
 the collector's event loop; the store's reads and writes run on its writer thread.
 """
 
@@ -90,6 +91,10 @@ def _write(row: FaultRow, max_kept: int) -> Callable[[sqlite3.Connection], None]
         conn.execute("INSERT OR REPLACE INTO faults VALUES (?, ?, ?, ?, ?, ?, ?)", row)
         # IDs are handed out one by one and never reused: the newest max_kept are the ids above this.
         conn.execute("DELETE FROM faults WHERE id <= ?", (row.id - max_kept,))
+        # Counted apart from the rows, which the bound drops: the counter never goes back at a restart
+        # (Prometheus would read a lower value as a reset, and increase() as new faults).
+        conn.execute("INSERT INTO fault_counts VALUES (?, ?, ?, 1) ON CONFLICT (node, gpu, xid) "
+                     "DO UPDATE SET count = count + 1", (row.node, row.gpu, row.xid))
 
     return run
 
@@ -146,7 +151,7 @@ class FaultBook:
         (at start, on the store's connection before its writer runs, as findings are loaded)."""
         self._next_id = conn.execute("SELECT COALESCE(MAX(id), 0) FROM faults").fetchone()[0] + 1
         self.kept = conn.execute("SELECT COUNT(*) FROM faults").fetchone()[0]
-        rows = conn.execute("SELECT node, gpu, xid, COUNT(*) FROM faults GROUP BY node, gpu, xid")
+        rows = conn.execute("SELECT node, gpu, xid, count FROM fault_counts")
         self.counts = {(node, gpu, xid): n for node, gpu, xid, n in rows}
 
     # ---- in: the node's fault events (ingest) ---------------------------------------------------------

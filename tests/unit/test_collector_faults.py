@@ -99,6 +99,10 @@ def test_the_store_keeps_faults_max_and_counts_the_dropped(tmp_path: Path) -> No
         assert [f.fault.xid for f in _list(q)] == [13, 14, 15]
         assert c.call(lambda: (c.faults.kept, c.faults.dropped_total)) == (3, 2)
         assert len(c.call(lambda: c.faults.count_rows())) == 5  # the counter counts every fault stored
+    with running_collector(tmp_path, resolver_factory=Names, faults_max=3) as c:
+        # A restart reads the counts back whole: the dropped faults still count (a counter never goes back).
+        assert c.call(lambda: c.faults.count_rows()) == [(("n1", "1", str(x)), 1) for x in range(11, 16)]
+        assert c.call(lambda: (c.faults.kept, c.faults.dropped_total)) == (3, 0)
 
 
 # ---- the book and the store's read, without a collector ------------------------------------------------
