@@ -218,8 +218,16 @@ class FaultWatch:
             return
         # Never later than the moment it was read: the printk clock may run ahead of CLOCK_MONOTONIC.
         ts_ns = min(printk_to_boot_ns(record.ts_us, boot_offset_ns()), read_ns)
+        self.offer(record.text, ts_ns, record.seq, record.facility)
+
+    def offer(self, line: str, ts_ns: int, seq: int = 0, facility: int = 0) -> None:
+        """A kernel log line from any source and thread (the /dev/kmsg reader, or a kernel-side capture
+        of the printk:console tracepoint where /dev/kmsg is out of reach): queued for the loop when it
+        mentions an Xid. ts_ns: when it was logged, on CLOCK_BOOTTIME."""
+        if not is_xid_line(line):
+            return
         try:
-            self._queue.put_nowait(_Pending(record.text, ts_ns, record.seq, record.facility))
+            self._queue.put_nowait(_Pending(line, ts_ns, seq, facility))
         except queue.Full:
             self.dropped_total += 1
 

@@ -11,7 +11,9 @@ buffer gets EPIPE once and then the oldest record still there: the records it mi
 Opening needs CAP_SYSLOG when kernel.dmesg_restrict is 1, the default on Debian and many others
 (kernel/printk/printk.c check_syslog_permissions; CAP_SYS_ADMIN is accepted too, with a warning).
 Without it open() fails with EPERM: start() says so in one line and the tracer goes on without
-faults.
+faults. A container's /dev has no kmsg node unless the container is privileged, and a node mounted
+in is refused by the container's device cgroup all the same: there, the lines have to come from
+another source (FaultWatch.offer takes a line from anywhere).
 
 TS_US is the printk clock (local_clock(), as CLOCK_MONOTONIC runs: it stops in suspend).
 printk_to_boot_ns() moves it to CLOCK_BOOTTIME, the holder timeline's clock, by the offset
@@ -93,7 +95,10 @@ def open_failure(path: str, exc: OSError) -> str:
     lost = "Xid faults are not read from the kernel log"
     if exc.errno in (errno.EPERM, errno.EACCES):
         return (f"{path}: permission denied ({lost}); kernel.dmesg_restrict=1 needs CAP_SYSLOG: add it "
-                f"to the tracer's capabilities")
+                f"to the tracer's capabilities (in a container, its device cgroup must also allow the "
+                f"device: only a privileged container's does)")
+    if exc.errno == errno.ENOENT:
+        return (f"{path}: no such device ({lost}); a container's /dev has no kmsg unless it is privileged")
     return f"{path}: cannot open ({exc.strerror or exc}; {lost})"
 
 

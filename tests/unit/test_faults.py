@@ -147,7 +147,7 @@ def test_recent_exits_are_bounded() -> None:
 
 def test_watch_queues_only_xid_lines_and_counts_the_unparsed() -> None:
     watch = FaultWatch("node-a", path="/nonexistent/kmsg")
-    assert "cannot open" in watch.start() and "Xid faults are not read" in watch.start()
+    assert "no such device" in watch.start() and "Xid faults are not read" in watch.start()
     for seq, text in enumerate(["eth0: link up", LINE_79.format(pid=200), "NVRM: Xid (PCI:0000:3b:00): x"]):
         watch._on_record(KmsgRecord(facility=0, level=3, seq=seq, ts_us=10**12, text=text), XID_TS)
     assert watch.pending
@@ -166,3 +166,11 @@ def test_a_job_that_closed_the_gpu_just_before_is_hit_and_still_alive() -> None:
     assert len(watch.exits) == 1
     rec = join("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", [], watch.exits)
     assert [(c.pid, c.exited, c.gpu) for c in rec.affected] == [(800, False, 1)]
+
+
+def test_lines_from_another_source_are_offered_and_joined_alike() -> None:
+    watch = FaultWatch("node-a", path="/nonexistent/kmsg")
+    watch.offer("not an xid", XID_TS)
+    watch.offer(LINE_79.format(pid=200), XID_TS - 5, seq=0)
+    out = watch.take(NVML, {200: holder(200, 1)}, no_proc)
+    assert [(r.xid, r.ts_ns, r.affected[0].pid) for r in out] == [(79, XID_TS - 5, 200)]

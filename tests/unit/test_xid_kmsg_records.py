@@ -46,7 +46,10 @@ def test_printk_time_moves_to_the_boot_clock() -> None:
 def test_open_failure_says_what_is_lost_and_what_to_do() -> None:
     line = open_failure("/dev/kmsg", PermissionError(errno.EPERM, "Operation not permitted"))
     assert "CAP_SYSLOG" in line and "Xid faults are not read from the kernel log" in line and "\n" not in line
-    assert "No such file" in open_failure("/x", FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    assert "/dev has no kmsg unless it is privileged" in open_failure(
+        "/x", FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    assert "(Input/output error;" in open_failure("/x", OSError(errno.EIO, "Input/output error"))
+    assert "device cgroup" in open_failure("/x", PermissionError(errno.EPERM, "Operation not permitted"))
 
 
 def test_reader_thread_delivers_records_counts_gaps_and_stops(caplog: pytest.LogCaptureFixture) -> None:
