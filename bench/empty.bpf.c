@@ -2,8 +2,9 @@
  * bench/bench_syscall_cost.py: the cost of merely having BPF on these tracepoints (syscall
  * tracepoint slow path, perf trace buffer, program dispatch), against which the work done by the
  * ghostgpu programs is measured. Keep the set in step with bpf/open.bpf.c, fd.bpf.c, ioctl.bpf.c
- * and sched.bpf.c, including their GG_HAVE_* guards (trace.bpf.c's own hooks are attached only while
- * a trace session runs; alloc.bpf.c has none). */
+ * and sched.bpf.c, including their GG_HAVE_* guards (trace.bpf.c's own hooks, the mmap exit and
+ * munmap, are attached only while a trace session runs; the ioctl exit in ioctl.bpf.c is always
+ * attached; alloc.bpf.c has none). */
 
 TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return 0; }
@@ -27,6 +28,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_enter_fcntl) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl) { return 0; }
+TRACEPOINT_PROBE(syscalls, sys_exit_ioctl) { return 0; }
 TRACEPOINT_PROBE(syscalls, sys_enter_mmap) { return 0; }
 TRACEPOINT_PROBE(task, task_newtask) { return 0; }
 TRACEPOINT_PROBE(task, task_rename) { return 0; }

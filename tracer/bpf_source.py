@@ -50,6 +50,9 @@ TABLES = ("fds", "holds", "procs", "ioctls", "dev_ids", "alloc_work", "mem_clien
 STAT_NAMES = ("ringbuf_drops", "fds_full", "holds_full", "procs_full", "ioctls_full", "dev_ids_full",
               "pending_full", "forking_full", "allocs_full", "mem_refused", "mem_failed", "mem_lost",
               "mem_clients_full", "mem_drops")
+# Slots that count what calls came to (refused by RM, failed ioctls), not something lost to a full
+# map or ring buffer: the others should all read 0.
+OUTCOME_STATS = ("mem_refused", "mem_failed")
 # struct gg_memcall (bpf/alloc.bpf.c), 88 bytes: gg_event's first seven fields, then the call.
 MEMCALL = struct.Struct("=QQIIIiIIIIIIQIIIIII")
 MCF_INSTANCE = 1  # GG_MCF_INSTANCE

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from ghostgpu.tracer import bpf_source
-from ghostgpu.tracer.bpf_source import SLOW_PATHS, BpfSource, BpfUnavailable
+from ghostgpu.tracer.bpf_source import OUTCOME_STATS, SLOW_PATHS, BpfSource, BpfUnavailable
 from ghostgpu.tracer.events import EventKind, SourceEvent
 from ghostgpu.tracer.trace_kernel import LAZY_HOOKS
 
@@ -273,7 +273,9 @@ step()
 
 
 def test_no_map_overflowed(rig: Rig) -> None:
-    assert set(rig.source.stats().values()) == {0}
+    # The memory-call outcomes count the earlier tests' allocation ioctls, which fail on c 1 3.
+    lost = {name: n for name, n in rig.source.stats().items() if name not in OUTCOME_STATS}
+    assert set(lost.values()) == {0}
 
 
 def _bpf_fds() -> tuple[int, int]:

@@ -5,6 +5,10 @@ On `c 1 3` nodes (/dev/null) every ioctl fails with ENOTTY: each memory call is 
 and counted at exit as failed (mem_failed), and none is reported. That the count matches the calls
 made shows the exit ran for each of them: nothing is reported because nothing was accepted, not
 because nothing was seen.
+
+Through the fake driver (tests/helpers/fakedriver.py, a FUSE file system whose ioctls answer as
+the real driver's), rmplan plants exact call sequences; the MemCalls must be exactly what the
+driver accepted, with the handles and sizes it wrote back, and nothing for what it refused.
 """
 
 from __future__ import annotations
@@ -13,14 +17,18 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ghostgpu.tracer.bpf_source import BpfSource, BpfUnavailable
-from ghostgpu.tracer.memcalls import MemCall
+from ghostgpu.tracer.memcalls import MemCall, MemCallKind
 
 from tests.conftest import require_root
+from tests.helpers.fakedriver import FakeDriver, fuse_unavailable
+from tests.helpers.polling import wait_until
+from tests.helpers.rmplan import RmPlan
 from tests.helpers.workload import run_host
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -117,3 +125,139 @@ def test_a_thread_that_stashes_nothing_leaves_the_exit_at_once(rig: Rig) -> None
     added = rig.run(["open", rig.node("nvidiactl"), "ioctl", "0", RM_CONTROL, "200", "rmalloc", "0", "alloc",
                      "0x40", "ioctl", "0", RM_CONTROL, "200"])
     assert (added["mem_failed"], added["mem_lost"], added["mem_refused"]) == (1, 0, 0)
+
+
+# --- through the fake driver: what it accepted, exactly ------------------------------------------
+
+K = MemCallKind
+MIB = 1 << 20
+
+
+@dataclass
+class FuseRig:
+    source: BpfSource
+    driver: FakeDriver
+    seen: list[MemCall] = field(default_factory=list)
+
+    def plan(self, steps: list[str]) -> tuple[int, list[dict[str, Any]], dict[str, int]]:
+        """Run rmplan with `steps`, then `ready hold`: its pid, its records and the mem_* counters
+        it added."""
+        before = self.source.stats()
+        with RmPlan([*steps, "ready", "hold"], dev_dir=str(self.driver.mount_dir)) as plan:
+            plan.wait_ready(10.0)
+            records = plan.records()
+            pid = plan.pid
+            plan.release()
+        after = self.source.stats()
+        return pid, records, {k: after[k] - before[k] for k in after if k.startswith("mem_")}
+
+    def calls_of(self, pid: int, count: int) -> list[MemCall]:
+        """The first `count` MemCalls of `pid`, their times zeroed (polled for: a record of the
+        last call may still be on its way through the ring buffer)."""
+        def enough() -> bool:
+            self.source.poll(0)
+            self.seen.extend(self.source.take_memcalls())
+            return len([c for c in self.seen if c.pid == pid]) >= count
+
+        wait_until(enough, f"{count} memory calls of pid {pid}")
+        return [replace(c, ts_ns=0) for c in self.seen if c.pid == pid]
+
+
+@pytest.fixture(scope="module")
+def fuse_rig() -> Iterator[FuseRig]:
+    require_root()
+    if (why := fuse_unavailable()) is not None:
+        pytest.skip(why)
+    mount = Path(tempfile.mkdtemp(prefix="gg-mc-", dir="/tmp"))  # short: the prefix has 40 bytes at most
+    with FakeDriver(mount) as driver:
+        source = BpfSource((str(mount / "nvidia"),), max_fds=4096, ringbuf_pages=16)
+        try:
+            source.start()
+        except BpfUnavailable as exc:
+            pytest.skip(str(exc))
+        try:
+            yield FuseRig(source, driver)
+        finally:
+            source.close()
+
+
+MEMORY_OPS = frozenset({"client", "device", "subdevice", "alloc-mem", "alloc-object", "alloc-memory",
+                        "heap-alloc", "heap-free", "free", "dup"})
+
+
+def expected_calls(pid: int, records: list[dict[str, Any]]) -> list[MemCall]:
+    """What the kernel must report for rmplan's records: one MemCall per accepted memory call, with
+    the handles and sizes the driver wrote back (rmplan prints them), in issue order."""
+    fds: dict[str, int] = {}
+    out: list[MemCall] = []
+    for r in records:
+        op = r["op"]
+        if op == "open":
+            fds["ctl" if r["path"].endswith("nvidiactl") else "gpu"] = r["fd"]
+            continue
+        if op not in MEMORY_OPS or r.get("status") != 0 or r["ret"] != 0:
+            continue  # no memory call (close, use, control), or refused: nothing
+        base = {"ts_ns": 0, "pid": pid, "fd": fds["ctl"], "h_root": r.get("client", 0),
+                "h_parent": r.get("parent", 0), "h_object": r["handle"]}
+        if op == "client":
+            out.append(MemCall(K.ALLOC, **{**base, "h_root": 0, "h_parent": 0}, h_class=0x41))
+        elif op in ("device", "subdevice"):
+            instance = r["gpu"] if op == "device" else 0  # rmplan's subDeviceId is 0
+            out.append(MemCall(K.ALLOC, **base, h_class=r["class"], instance=instance))
+        elif op == "alloc-mem":
+            out.append(MemCall(K.ALLOC, **base, h_class=r["class"], size_bytes=r["size_bytes"], attr=ATTR))
+        elif op == "alloc-object":
+            out.append(MemCall(K.ALLOC, **base, h_class=r["class"]))
+        elif op == "alloc-memory":
+            out.append(MemCall(K.ALLOC_MEMORY, **{**base, "fd": r["fd"]}, h_class=r["class"],
+                               size_bytes=r["size_bytes"]))
+        elif op == "heap-alloc":
+            out.append(MemCall(K.HEAP_ALLOC, **base, size_bytes=r["size_bytes"]))
+        elif op == "heap-free":
+            out.append(MemCall(K.HEAP_FREE, **base))
+        elif op == "free":
+            out.append(MemCall(K.FREE, **base))
+        elif op == "dup":
+            out.append(MemCall(K.DUP, **base, src_client=r["src_client"], src_object=r["src_object"]))
+    return out
+
+
+ATTR = 0x11  # NV_MEMORY_ALLOCATION_PARAMS.attr the plan passes: read back after the call
+
+
+def test_each_accepted_call_is_reported_exactly(fuse_rig: FuseRig) -> None:
+    pid, records, added = fuse_rig.plan([
+        "open ctl", "open gpu 0", "client as c1", "device 0", "subdevice",
+        f"alloc-mem 0 {MIB} attr={ATTR:#x} as m1",  # rounded up by the driver to its 2 MiB granule
+        f"alloc-mem 0 {4 * MIB} nvos64 attr={ATTR:#x}", f"alloc-mem 0 {MIB} xfer attr={ATTR:#x}",
+        f"heap-alloc 0 {3 * MIB} as h1", f"heap-alloc 0 {MIB} xfer", "alloc-memory 0 10000",
+        "alloc-object 0x3e",
+        "client as c2", "device 1", "dup $m1 from $c1 gpu 1", "use $c1", "free $m1", "heap-free $h1",
+        "control", "use $c2", "free $c2",
+    ])
+    expected = expected_calls(pid, records)
+    assert [r["op"] for r in records if r.get("status") not in (None, 0)] == []  # the driver took every call
+    assert len(expected) == 16
+    assert fuse_rig.calls_of(pid, len(expected)) == expected
+    assert (added["mem_refused"], added["mem_failed"], added["mem_lost"], added["mem_drops"]) == (0, 0, 0, 0)
+
+
+def test_refused_allocations_are_not_reported(fuse_rig: FuseRig) -> None:
+    fuse_rig.driver.fail_alloc(2)  # the next two memory allocations: NV_ERR_NO_MEMORY
+    pid, records, added = fuse_rig.plan(["open ctl", "client", "device 0",
+                                         f"alloc-mem 0 {MIB} attr={ATTR:#x}", f"heap-alloc 0 {MIB}",
+                                         f"alloc-mem 0 {2 * MIB} attr={ATTR:#x}"])
+    refused = [r["op"] for r in records if r.get("status") not in (None, 0)]
+    assert refused == ["alloc-mem", "heap-alloc"]
+    expected = expected_calls(pid, records)
+    assert [(c.kind, c.size_bytes) for c in expected] == [(K.ALLOC, 0), (K.ALLOC, 0), (K.ALLOC, 2 * MIB)]
+    assert fuse_rig.calls_of(pid, len(expected)) == expected
+    assert added["mem_refused"] == 2 and added["mem_failed"] == 0
+
+
+def test_closing_the_fd_of_a_client_reports_close(fuse_rig: FuseRig) -> None:
+    pid, records, _ = fuse_rig.plan(["open ctl", "client", "device 0", "close ctl", "open ctl", "close ctl"])
+    ctl_fd = records[0]["fd"]
+    calls = fuse_rig.calls_of(pid, 3)
+    assert [c.kind for c in calls] == [K.ALLOC, K.ALLOC, K.CLOSE]  # the second fd held no client
+    assert calls[2] == MemCall(K.CLOSE, ts_ns=0, pid=pid, fd=ctl_fd, h_root=0, h_parent=0, h_object=0)
