@@ -179,6 +179,7 @@ struct gg_ioctl_key {
 #define GG_PB_FD 1u
 #define GG_PB_MEM 2u
 #define GG_PB_TRACE 4u
+#define GG_PB_MAYBE 8u /* gg_take_call only: no byte to ask (see there) */
 
 /* Byte flags per pid (holder_bytes by tgid, pending_bytes by tid): one byte each, so two CPUs
  * flagging neighbouring ids never lose each other's store (a u64 bitmap would need atomic OR,
@@ -317,16 +318,16 @@ static __always_inline void gg_mark_call(u32 tid, u8 bit)
 
 /* The ioctl exit's filter: the bits its entry set, cleared; 0 for every call that left nothing,
  * after one inlined array load. A tid beyond the array (or no filter, for the bench) answers
- * "maybe" for both, and the exit looks the maps up. */
+ * GG_PB_MAYBE with both bits, and the exit looks the maps up (a miss then means nothing). */
 static __always_inline u32 gg_take_call(u32 tid)
 {
 #ifdef GG_NO_HOLDER_FILTER
-    return GG_PB_MEM | GG_PB_TRACE;
+    return GG_PB_MAYBE | GG_PB_MEM | GG_PB_TRACE;
 #endif
     u32 slot = tid >> 12;
     struct gg_byte_slot *s = pending_bytes.lookup(&slot);
     if (!s)
-        return GG_PB_MEM | GG_PB_TRACE;
+        return GG_PB_MAYBE | GG_PB_MEM | GG_PB_TRACE;
     u32 bits = s->b[tid & 4095];
     if (bits)
         s->b[tid & 4095] = 0;

@@ -60,7 +60,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_ioctl)
     if (!work)
         return 0;
     if (work & GG_PB_MEM)
-        gg_mem_exit((u32)(id >> 32), tid, args->ret, work != (GG_PB_MEM | GG_PB_TRACE));
+        gg_mem_exit((u32)(id >> 32), tid, args->ret, !(work & GG_PB_MAYBE));
     if (work & GG_PB_TRACE)
         gg_trace_exit(GG_TK_IOCTL, args->ret);
     return 0;
