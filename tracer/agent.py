@@ -167,7 +167,15 @@ class Tracer:
         self.scans.scan(initial, pids, periodic)
         if initial:  # the start scan puts off the first periodic one
             self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
+        if pids is None:
+            self.errors.run("memory", self._sweep_memory)
         self._dirty = True
+
+    def _sweep_memory(self) -> None:
+        """With the full scan: a process whose exit was never reported (it made memory calls on an fd
+        it received rather than opened, so the kernel never counted it a holder) holds nothing."""
+        for pid in [pid for pid in self._memory_fds if not self.identities.alive(pid)]:
+            self._forget(pid)
 
     def _rescan(self) -> None:
         if self.scans.rescan():

@@ -261,3 +261,18 @@ def test_memory_calls_reclassify_at_most_once_per_nvml_refresh(node: Node) -> No
     node.tracer._due["memory"] = 0.0  # the refresh is over
     node.tracer.step(0)
     assert findings() == [0, 2 * MIB, 4 * MIB]
+
+
+def test_the_full_scan_frees_what_a_process_never_reported_gone_held(node: Node) -> None:
+    """Calls on an fd a process received (not opened: the kernel never counted it a holder, so no
+    EXIT comes for it): once it is gone, the next full scan frees its clients."""
+    node.spawn(PID, {})
+    client = node.client(PID, 7)
+    node.vidmem(PID, 7, client, node.device(PID, 7, client, 0), 2 * MIB)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {0: 2 * MIB}
+    node.tracer._scan()
+    assert node.tracer.memory.held(PID) == {0: 2 * MIB}, "alive: kept"
+    node.die(PID)
+    node.tracer._scan()
+    assert node.tracer.memory.held(PID) == {} and node.tracer.memory.objects == 0
