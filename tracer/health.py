@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ghostgpu.tracer.bpf_source import STAT_NAMES
+from ghostgpu.tracer.bpf_source import OUTCOME_STATS, STAT_NAMES
 from ghostgpu.tracer.containment import STAGES
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import generate_latest
@@ -195,7 +195,8 @@ class AgentCollector:
         errors = CounterMetricFamily("ghostgpu_agent_bpf_errors", _help("ghostgpu_agent_bpf_errors_total"),
                                      labels=("kind",))
         for kind in STAT_NAMES[1:]:
-            errors.add_metric((kind,), stats.get(kind, 0))
+            if kind not in OUTCOME_STATS:  # refused or failed memory calls are the workload's, not ours
+                errors.add_metric((kind,), stats.get(kind, 0))
         yield errors
         contained = CounterMetricFamily("ghostgpu_agent_errors", _help("ghostgpu_agent_errors_total"),
                                         labels=("stage",))

@@ -261,3 +261,34 @@ def test_closing_the_fd_of_a_client_reports_close(fuse_rig: FuseRig) -> None:
     calls = fuse_rig.calls_of(pid, 3)
     assert [c.kind for c in calls] == [K.ALLOC, K.ALLOC, K.CLOSE]  # the second fd held no client
     assert calls[2] == MemCall(K.CLOSE, ts_ns=0, pid=pid, fd=ctl_fd, h_root=0, h_parent=0, h_object=0)
+
+
+def test_a_traced_memory_call_reaches_both_the_session_and_the_accountant(fuse_rig: FuseRig) -> None:
+    # One ioctl exit serves both: the thread's byte carries both bits, and each half takes its own.
+    from ghostgpu.tracer.trace_kernel import TRACE_KINDS, unpack_trace
+
+    trace = fuse_rig.source.trace
+    assert trace is not None
+    slot = 0
+    trace.open_slot(slot, 1000)
+    try:
+        steps = ["open ctl", "ready", "client", "device 0", f"alloc-mem 0 {MIB}", "control", "ready", "hold"]
+        with RmPlan(steps, dev_dir=str(fuse_rig.driver.mount_dir)) as plan:
+            plan.wait_ready(10.0)
+            pid = plan.pid
+            trace.add_tgid(slot, pid)
+            plan.release()
+            plan.wait_ready(10.0)
+            ioctls: list[Any] = []
+
+            def traced() -> bool:
+                ioctls.extend(r for r in map(unpack_trace, trace.poll(0))
+                              if r is not None and r.tgid == pid and TRACE_KINDS.get(r.kind) == "ioctl")
+                return len(ioctls) >= 4
+
+            wait_until(traced, "4 traced ioctls")
+            plan.release()
+        assert [r.ret for r in ioctls] == [0, 0, 0, 0]
+        assert [c.kind for c in fuse_rig.calls_of(pid, 3)] == [K.ALLOC, K.ALLOC, K.ALLOC]
+    finally:
+        trace.close_slot(slot)
