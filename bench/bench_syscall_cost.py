@@ -302,9 +302,13 @@ def summarize(rounds: dict[str, list[dict[str, float]]], mode: str, ref: str, op
     rows = rounds[op]
     best = {m: min(r[m] for r in rows) for m in (mode, ref, "none")}
     added, added_ref = best[mode] - best["none"], best[ref] - best["none"]
-    paired = statistics.median((r[mode] - r["none"]) / max(r[ref] - r["none"], 1e-9) for r in rows)
+    per_round = sorted((r[mode] - r["none"]) / max(r[ref] - r["none"], 1e-9) for r in rows)
+    # The spread of the per-round ratios: on a shared VM one loop's time jitters by tens of ns, as
+    # much as the few ns a filter adds over the empty programs; a ratio is only as good as this.
+    quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else [per_round[0]] * 3
     return {"added_ns": added, "ref_added_ns": added_ref, "ratio": added / max(added_ref, 1e-9),
-            "ratio_median_of_rounds": paired}
+            "ratio_median_of_rounds": statistics.median(per_round),
+            "ratio_rounds_q1_q3": [quartiles[0], quartiles[2]]}
 
 
 def main() -> int:
@@ -396,6 +400,7 @@ def main() -> int:
         summary[f"ratio_{mode}_vs_empty"] = {op: per_op[op]["ratio"] for op in ops}
         summary[f"ratio_{mode}_vs_empty_median_of_rounds"] = {
             op: per_op[op]["ratio_median_of_rounds"] for op in ops}
+        summary[f"ratio_{mode}_vs_empty_rounds_q1_q3"] = {op: per_op[op]["ratio_rounds_q1_q3"] for op in ops}
     if "open" in ops:
         vs_peer = summarize(rounds, "ghostgpu", "opensnoop", "open")
         summary["ratio_ghostgpu_vs_opensnoop"] = {"open": vs_peer["ratio"]}

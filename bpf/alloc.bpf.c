@@ -157,6 +157,11 @@ BPF_TABLE("lru_hash", u32, struct gg_mstash, mem_stash, GG_MAX_MEM_INFLIGHT);
 /* (tgid, fd) that allocated an RM client, for the CLOSE of that fd. Deleted at the close; a
  * process's leftovers (exit, exec of close-on-exec fds) by user space (BpfSource.forget, sweep). */
 BPF_HASH(mem_clients, struct gg_fd_key, u32, GG_MAX_MEM_CLIENTS);
+/* Threads with GG_PB_MEM set in their byte, node-wide: almost always 0, which lets every ioctl
+ * exit (with no trace session either) return after two inlined array loads, before even the
+ * helper call that names the thread. Bumped with XADD, a full barrier: a thread's exit sees its
+ * own entry's increment wherever it runs. */
+BPF_ARRAY(mem_inflight, u64, 1);
 
 /* The byte of RM class id `cls` (a 32-bit NvV32; every class id fits 16 bits): its category in
  * the low bits, GG_CB_* above. GG_AC_UNSET when the table was never written. */
@@ -215,16 +220,58 @@ static __always_inline bool gg_mem_block_ok(u32 nr, u32 size)
     return false;
 }
 
-/* Keep a memory call for the exit to read back (gg_mem_exit). */
+static __always_inline void gg_mem_inflight_add(s64 delta)
+{
+    u32 zero = 0;
+    u64 *n = mem_inflight.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, (u64)delta);
+}
+
+/* Keep a memory call for the exit to read back (gg_mem_exit). Only a thread that has a byte: its
+ * exit must be able to tell it stashed something. */
 static __always_inline void gg_mem_stash(u32 tid, s32 fd, u32 dev_id, u32 nr, u32 size, u64 block)
 {
     if (!gg_mem_block_ok(nr, size))
         return;
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (!s)
+        return;
     struct gg_mstash st = {.ts_ns = bpf_ktime_get_boot_ns(), .block = block, .nr = nr, .size = size,
                            .fd = fd, .dev_id = dev_id};
     if (mem_stash.update(&tid, &st) != 0)
-        return; /* an LRU map makes room: only a failed allocation lands here, and its exit counts it */
-    gg_mark_call(tid, GG_PB_MEM);
+        return; /* an LRU map makes room: only a failed allocation lands here */
+    u8 b = s->b[tid & 4095];
+    if (b & GG_PB_MEM)
+        return; /* left by a call whose exit was missed (attached after its entry): counted then */
+    s->b[tid & 4095] = b | GG_PB_MEM;
+    gg_mem_inflight_add(1);
+}
+
+/* A thread dies: a memory call it left in flight (its exit never came) is dropped. */
+static __always_inline void gg_mem_thread_gone(u32 tid)
+{
+    u32 slot = tid >> 12;
+    struct gg_byte_slot *s = pending_bytes.lookup(&slot);
+    if (!s)
+        return;
+    u8 b = s->b[tid & 4095];
+    if (!(b & (GG_PB_MEM | GG_PB_TRACE)))
+        return;
+    s->b[tid & 4095] = b & GG_PB_FD;
+    if (b & GG_PB_MEM) {
+        mem_stash.delete(&tid);
+        gg_mem_inflight_add(-1);
+    }
+}
+
+/* Whether some thread of the node has a memory call in flight (nearly never). */
+static __always_inline bool gg_mem_any_inflight(void)
+{
+    u32 zero = 0;
+    u64 *n = mem_inflight.lookup(&zero);
+    return !n || *n != 0;
 }
 
 /* ioctl entry on a GPU fd (ioctl.bpf.c). */
@@ -273,13 +320,16 @@ static __always_inline void gg_alloc_ioctl(u32 tgid, u32 tid, s32 fd, u32 dev_id
     gg_alloc_record(tgid, cat, ((u64)nr << 32) | cls);
 }
 
-/* ioctl exit of a thread whose entry stashed a memory call (`sure`), or that may have (a tid
- * beyond the byte array). Emits the call only if the driver accepted it. */
-static __always_inline void gg_mem_exit(u32 tgid, u32 tid, s64 ret, bool sure)
+/* ioctl exit of a thread whose byte had GG_PB_MEM (`had_bit`: gg_take_call cleared it, so the
+ * in-flight count drops), or that may have stashed (GG_PB_MAYBE). Emits the call only if the
+ * driver accepted it. */
+static __always_inline void gg_mem_exit(u32 tgid, u32 tid, s64 ret, bool had_bit)
 {
+    if (had_bit)
+        gg_mem_inflight_add(-1);
     struct gg_mstash *p = mem_stash.lookup(&tid);
     if (!p) {
-        if (sure)
+        if (had_bit)
             gg_stat(GG_STAT_MEM_LOST);
         return;
     }

@@ -277,7 +277,7 @@ static __always_inline bool gg_maybe_pending(u32 tid)
     struct gg_byte_slot *s = pending_bytes.lookup(&slot);
     if (!s)
         return true;
-    return s->b[tid & 4095] != 0;
+    return (s->b[tid & 4095] & GG_PB_FD) != 0;
 }
 
 static __always_inline bool gg_any_pending(void)
@@ -304,7 +304,7 @@ static __always_inline void gg_set_pending(u32 tid, struct gg_pending *p)
     u32 slot = tid >> 12;
     struct gg_byte_slot *s = pending_bytes.lookup(&slot);
     if (s)
-        s->b[tid & 4095] = GG_PB_FD;
+        s->b[tid & 4095] |= GG_PB_FD;
 }
 
 /* The ioctl entry left work for the exit (GG_PB_MEM, GG_PB_TRACE): set that bit of the byte. */
@@ -316,21 +316,22 @@ static __always_inline void gg_mark_call(u32 tid, u8 bit)
         s->b[tid & 4095] |= bit;
 }
 
-/* The ioctl exit's filter: the bits its entry set, cleared; 0 for every call that left nothing,
- * after one inlined array load. A tid beyond the array (or no filter, for the bench) answers
- * GG_PB_MAYBE with both bits, and the exit looks the maps up (a miss then means nothing). */
+/* The ioctl exit's bits of tid's byte (GG_PB_MEM, GG_PB_TRACE), cleared: what its entry left.
+ * GG_PB_MAYBE is added when the byte cannot say (a tid beyond the array, or no filter for the
+ * bench): the exit then looks the maps up, and a miss means nothing. The open/dup bit stays. */
 static __always_inline u32 gg_take_call(u32 tid)
 {
-#ifdef GG_NO_HOLDER_FILTER
-    return GG_PB_MAYBE | GG_PB_MEM | GG_PB_TRACE;
-#endif
     u32 slot = tid >> 12;
     struct gg_byte_slot *s = pending_bytes.lookup(&slot);
     if (!s)
-        return GG_PB_MAYBE | GG_PB_MEM | GG_PB_TRACE;
-    u32 bits = s->b[tid & 4095];
+        return GG_PB_MAYBE;
+    u32 b = s->b[tid & 4095];
+    u32 bits = b & (GG_PB_MEM | GG_PB_TRACE);
     if (bits)
-        s->b[tid & 4095] = 0;
+        s->b[tid & 4095] = b & GG_PB_FD;
+#ifdef GG_NO_HOLDER_FILTER
+    bits |= GG_PB_MAYBE;
+#endif
     return bits;
 }
 
@@ -342,7 +343,7 @@ static __always_inline bool gg_take_pending(u32 tid, s32 nr, struct gg_pending *
     u32 slot = tid >> 12;
     struct gg_byte_slot *s = pending_bytes.lookup(&slot);
     if (s)
-        s->b[tid & 4095] = 0;
+        s->b[tid & 4095] &= ~GG_PB_FD; /* the ioctl bits are the ioctl exit's to take */
     struct gg_pending *p = pending.lookup(&tid);
     if (!p)
         return false;

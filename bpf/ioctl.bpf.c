@@ -5,8 +5,9 @@
  * Hot path: ioctl and mmap are among the busiest syscalls of a node (terminals, sockets, malloc's
  * large blocks). A process that holds no GPU device pays one inlined array load and a byte test
  * (gg_maybe_holder); only a holder pays the fds hash lookup. The ioctl exit is always attached
- * (one program serves the memory calls and trace sessions): a thread whose entry left nothing
- * returns after one inlined array load and a byte test (gg_take_call).
+ * (one program serves the memory calls and trace sessions): with no memory call in flight on the
+ * node and no session, it returns after two inlined array loads; else a thread whose entry left
+ * nothing returns after one more array load and a byte test (gg_take_call).
  */
 
 TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
@@ -50,18 +51,23 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
     return 0;
 }
 
-/* Every ioctl of the node passes here: the thread's pending byte says whether its entry left a
- * memory call (alloc.bpf.c) or a traced call (trace.bpf.c) to finish; nearly always neither. */
+/* Every ioctl of the node passes here. Nearly always no thread has a memory call in flight and no
+ * trace session runs: two inlined array loads and out. Otherwise the thread's pending byte says
+ * whether its own entry left a memory call (alloc.bpf.c) or a traced call (trace.bpf.c). */
 TRACEPOINT_PROBE(syscalls, sys_exit_ioctl)
 {
+#ifndef GG_NO_HOLDER_FILTER
+    if (!gg_mem_any_inflight() && !gg_trace_any())
+        return 0;
+#endif
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     u32 work = gg_take_call(tid);
     if (!work)
         return 0;
-    if (work & GG_PB_MEM)
-        gg_mem_exit((u32)(id >> 32), tid, args->ret, !(work & GG_PB_MAYBE));
-    if (work & GG_PB_TRACE)
+    if (work & (GG_PB_MEM | GG_PB_MAYBE))
+        gg_mem_exit((u32)(id >> 32), tid, args->ret, (work & GG_PB_MEM) != 0);
+    if (work & (GG_PB_TRACE | GG_PB_MAYBE))
         gg_trace_exit(GG_TK_IOCTL, args->ret);
     return 0;
 }

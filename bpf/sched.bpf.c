@@ -102,6 +102,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
      * a dying thread drops it. One inlined byte load for threads that left nothing. */
     struct gg_pending stale = {};
     gg_take_pending((u32)id, -1, &stale);
+    gg_mem_thread_gone((u32)id); /* likewise a memory call it left in flight (mem_inflight) */
 #ifdef GG_HAVE_GROUP_DEAD
     /* group_dead is true for the last thread of the group to exit. Older kernels' format lacks
      * the field (the Debian 6.1 headers used to build here predate it); 6.18 has it. */

@@ -146,6 +146,14 @@ static __always_inline u32 gg_trace_pinned(u32 mask, u64 cgroup_id)
     return mask & (~held | (ok ? *ok : 0));
 }
 
+/* Whether any session runs (one inlined array load). */
+static __always_inline bool gg_trace_any(void)
+{
+    u32 zero = 0;
+    u64 *on = trace_on.lookup(&zero);
+    return !on || *on != 0;
+}
+
 /* The slot mask of the sessions this task is in, 0 when none (nearly always one array load). */
 static __always_inline u32 gg_trace_scope(u32 tgid)
 {

@@ -63,6 +63,13 @@ class Rig:
         self.seen.extend(self.source.take_memcalls())
 
 
+def inflight(source: BpfSource) -> int:
+    """Threads with a memory call between entry and exit, node-wide (alloc.bpf.c mem_inflight):
+    back to 0 once every call returned, or every ioctl exit of the node would take the slow road."""
+    table = source._bpf[b"mem_inflight"]
+    return int(table[table.Key(0)].value)
+
+
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
     require_root()
@@ -108,6 +115,7 @@ def test_refused_calls_are_counted_and_never_reported(rig: Rig) -> None:
                      "mem_drops": 0}
     rig.drain()
     assert rig.seen == []
+    assert inflight(rig.source) == 0
 
 
 def test_memory_calls_on_a_file_that_is_no_gpu_device_are_not_even_stashed(rig: Rig) -> None:
@@ -240,6 +248,7 @@ def test_each_accepted_call_is_reported_exactly(fuse_rig: FuseRig) -> None:
     assert len(expected) == 16
     assert fuse_rig.calls_of(pid, len(expected)) == expected
     assert (added["mem_refused"], added["mem_failed"], added["mem_lost"], added["mem_drops"]) == (0, 0, 0, 0)
+    assert inflight(fuse_rig.source) == 0
 
 
 def test_refused_allocations_are_not_reported(fuse_rig: FuseRig) -> None:
@@ -290,5 +299,6 @@ def test_a_traced_memory_call_reaches_both_the_session_and_the_accountant(fuse_r
             plan.release()
         assert [r.ret for r in ioctls] == [0, 0, 0, 0]
         assert [c.kind for c in fuse_rig.calls_of(pid, 3)] == [K.ALLOC, K.ALLOC, K.ALLOC]
+        assert inflight(fuse_rig.source) == 0
     finally:
         trace.close_slot(slot)
