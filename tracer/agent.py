@@ -26,6 +26,7 @@ from ghostgpu.tracer.faults import FaultWatch
 from ghostgpu.tracer.gpu_memory import MemoryAccountant
 from ghostgpu.tracer.holders import HolderTable
 from ghostgpu.tracer.identity import Identities
+from ghostgpu.tracer.memcalls import MemCallKind
 from ghostgpu.tracer.nvml import NvmlSource
 from ghostgpu.tracer.procfs import ProcScanner, ticks_to_boot_ns
 from ghostgpu.tracer.rescan import RescanPlanner
@@ -48,6 +49,10 @@ MEMCALL_LOSS_STATS = ("mem_lost", "mem_drops", "mem_clients_full")
 MEMCALLS_LOST = "the kernel side lost some of the driver's memory calls (a table or the ring buffer was full)"
 # How many recent exits a memory call queued behind them is checked against (see _apply_memcall).
 GONE_MAX = 4096
+# A process forked from one whose clients the accountant tracks shares its open files, and with them
+# the memory of their clients, which the parent's figure counts while it lives (_fill_memory).
+SHARES_PARENT = ("it shares the GPU memory of device files it inherited from PID {parent}, whose figure "
+                 "counts it")
 
 
 class Tracer:
@@ -78,6 +83,9 @@ class Tracer:
         self.own_pids = {os.getpid()}
         self._due: dict[str, float] = {}
         self._exit_due: dict[int, float] = {}  # pid -> when /proc settles it if its EXIT never came
+        # Holder pid -> boot ns it was last seen alive (an event of it, a scan that read its fds): an
+        # exit found through /proc happened after that, and the fault join's look-back starts there.
+        self._alive_ns: dict[int, int] = {}
         self._dirty = True
         self._bpf_stats: dict[str, int] = {}
         self._info_signature: tuple[Any, ...] | None = None  # None until `ready` was emitted
@@ -86,13 +94,18 @@ class Tracer:
         # GPU memory from the driver's calls (tracer/gpu_memory.py), fed by the kernel side.
         self.memory = MemoryAccountant(cfg.max_memory_objects)
         self._memory_fds: dict[int, set[int]] = {}  # pid -> fds it made accepted memory calls on
-        self._memory_gone: dict[int, int] = {}  # pid -> boot ns when its exit was applied (newest last)
+        self._memory_gone: dict[int, int] = {}  # pid -> boot ns of its exit (newest last)
+        self._memory_dead_last_sweep: set[int] = set()  # pids with memory found dead by the last sweep
+        # The FORKs of holders, both ways: a child shares its parent's open files, and RM frees a file's
+        # clients only when the last process holding it lets it go (_release_fd).
+        self._forked_from: dict[int, int] = {}  # child pid -> parent pid
+        self._forks: dict[int, set[int]] = {}  # parent pid -> child pids
         self._memory_changed = False  # calls applied since the consumers were last classified
         self._memcalls_lost_ns: int | None = None  # when the kernel side last lost memory calls
         # The /proc scans and ioctl counter reads (tracer/agent_scan.py): they call back into this
         # loop for the kernel's queued events and for the records and exits they find.
         self.scans = AgentScans(self, self.scanner, self.rescans, self.state, self.identities, self.errors,
-                                health, exit_due=self._exit_due)
+                                health, exit_due=self._exit_due, alive_ns=self._alive_ns)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -167,15 +180,22 @@ class Tracer:
         self.scans.scan(initial, pids, periodic)
         if initial:  # the start scan puts off the first periodic one
             self._due["scan"] = time.monotonic() + self.cfg.scan_interval_s
-        if pids is None:
-            self.errors.run("memory", self._sweep_memory)
         self._dirty = True
 
     def _sweep_memory(self) -> None:
-        """With the full scan: a process whose exit was never reported (it made memory calls on an fd
-        it received rather than opened, so the kernel never counted it a holder) holds nothing."""
-        for pid in [pid for pid in self._memory_fds if not self.identities.alive(pid)]:
-            self._forget(pid)
+        """With every full scan (AgentScans.scan, beside the kernel tables' sweep): a process whose
+        exit no event reported (it made memory calls on an fd it received rather than opened, so the
+        kernel never counted it a holder) holds nothing. Only its memory goes: a holder still waiting
+        for its kernel EXIT keeps its kernel entries for that EXIT to report. Dead at two sweeps in a
+        row, as the kernel tables' sweep (tracer/kernel_tables.py): an EXIT still in the ring buffer
+        settles it first, with its exact time."""
+        dead = {pid for pid in self._memory_fds
+                if pid not in self.state.holders and pid not in self._exit_due
+                and not self.identities.alive(pid)}
+        doomed = dead & self._memory_dead_last_sweep
+        self._memory_dead_last_sweep = dead - doomed
+        for pid in sorted(doomed):
+            self._memory_exit(pid, boot_ns())
 
     def _rescan(self) -> None:
         if self.scans.rescan():
@@ -244,9 +264,48 @@ class Tracer:
         gone_ns = self._memory_gone.get(call.pid)
         if gone_ns is not None and call.ts_ns <= gone_ns:
             return  # queued behind an exit settled from /proc: the process and its clients are gone
-        self.memory.apply(call)
+        if call.kind == MemCallKind.CLOSE:
+            self._release_fd(call.pid, call.fd, self.state.holders.get(call.pid))
+        else:
+            self.memory.apply(call)
         self._memory_fds.setdefault(call.pid, set()).add(call.fd)
         self._memory_changed = True
+
+    def _release_fd(self, pid: int, fd: int, holder: Holder | None) -> None:
+        """The process let fd go (a close, an exec's close-on-exec, its exit). RM frees the clients
+        allocated through it only when the open file itself is released (nvidia_close, kernel-open/
+        nvidia/nv.c, then rm_cleanup_file_private, src/nvidia/arch/nvalloc/unix/src/osapi.c): while a
+        process forked from it still holds that file (the same fd number on the same device: a
+        DataLoader worker forked after CUDA started), the clients and their memory are its now."""
+        heir = self._heir(pid, fd, holder)
+        if heir is None:
+            self.memory.close_fd(pid, fd)
+        elif self.memory.transfer_fd(pid, fd, heir, fd):
+            self._memory_fds.setdefault(heir, set()).add(fd)
+
+    def _heir(self, pid: int, fd: int, holder: Holder | None) -> int | None:
+        """A live holder forked from pid (or from one of its forks, recursively) that holds the file
+        pid had at fd; None when none does."""
+        path = next((p for p, hold in holder.holds.items() if fd in hold.fds), None) if holder else None
+        for child in sorted(self._forks.get(pid, ())):
+            held = self.state.holders.get(child)
+            if held is None or child in self._exit_due:
+                continue
+            holds = [held.holds[path]] if path is not None and path in held.holds else \
+                [] if path is not None else list(held.holds.values())
+            if any(fd in hold.fds for hold in holds):
+                return child
+        return None
+
+    def _unlink_fork(self, pid: int) -> None:
+        """The process is gone (or its pid reused): the fork links to and from it go."""
+        parent = self._forked_from.pop(pid, None)
+        if parent is not None and (siblings := self._forks.get(parent)) is not None:
+            siblings.discard(pid)
+            if not siblings:
+                del self._forks[parent]
+        for child in self._forks.pop(pid, set()):
+            self._forked_from.pop(child, None)
 
     def _poll_counters(self) -> None:
         if self.state.holders:  # an idle node has no counters to read
@@ -327,10 +386,16 @@ class Tracer:
         if ev.kind is EventKind.EXIT:
             self._exit(ev, before)
             return
-        if ev.kind is EventKind.CLOSE and before is not None and ev.device is not None:
-            self.faults.note_close(before, ev.device.path, ev.ts_ns)  # a job that closed its GPU after an Xid
+        if before is not None:
+            self._alive_ns[ev.pid] = max(self._alive_ns.get(ev.pid, 0), ev.ts_ns)
+            self._note_for_faults(ev, before)
+        gpus_before = _held_gpus(before) if ev.kind is EventKind.EXEC and before is not None else None
         changes = self.state.apply(ev)
         after = self.state.holders.get(ev.pid)
+        if ev.kind is EventKind.FORK and before is not None and ev.child_pid > 0 and ev.child_pid != ev.pid:
+            self._unlink_fork(ev.child_pid)  # a pid reused: its old links go
+            self._forked_from[ev.child_pid] = ev.pid
+            self._forks.setdefault(ev.pid, set()).add(ev.child_pid)
         if ev.kind in (EventKind.FORK, EventKind.EXEC):
             # Reported before the rescan, which may settle the process's exit: records stay in order.
             # An EXEC of a process whose exit was already settled (a rescan found it gone while its
@@ -348,6 +413,8 @@ class Tracer:
             self._scan(pids={pid})
             if ev.kind is EventKind.EXEC:
                 self._exec_closed(pid)
+                if gpus_before:
+                    self._note_exec_closes(ev, gpus_before)
             self._dirty = True
             return
         if changes:
@@ -363,16 +430,35 @@ class Tracer:
 
     def _exit(self, ev: SourceEvent, before: Holder | None) -> None:
         if before is None:  # not a holder (or already settled by a rescan): only kernel leftovers
-            self._forget(ev.pid)
+            self._forget(ev.pid, ev.ts_ns)
             return
         counts: IoctlCounts | None = None
         if self.bpf is not None:
             counts = self.scans.read_ioctls_of(ev.pid)
-        self.faults.note_exit(before, ev.ts_ns)  # an Xid read after its exit still names it
+        self._note_for_faults(ev, before)
         self.state.apply(ev)
         self._emit_event(ev, before, counts=counts)
-        self._forget(ev.pid)
+        self._forget(ev.pid, ev.ts_ns, before)
         self._dirty = True
+
+    def _note_for_faults(self, ev: SourceEvent, holder: Holder) -> None:
+        """An exit, or a close of a device, kept for the fault join's look-back (tracer/faults.py,
+        before the holder table forgets the hold): an Xid read after it still names the process. An
+        exit /proc found is dated when the process was last seen alive: it died after that, and the
+        moment /proc noticed may be seconds late."""
+        if ev.kind is EventKind.EXIT:
+            exit_ns = ev.ts_ns if ev.source == "bpf" else min(ev.ts_ns, self._alive_ns.get(ev.pid, ev.ts_ns))
+            self.faults.note_exit(holder, exit_ns)
+        elif ev.kind is EventKind.CLOSE and ev.device is not None:
+            self.faults.note_close(holder, ev.device.path, ev.ts_ns)  # a job that closed its GPU after an Xid
+
+    def _note_exec_closes(self, ev: SourceEvent, gpus_before: Holder) -> None:
+        """The GPU devices an exec let go (close-on-exec fds: no close call to trace), for the fault
+        join as closes: the exec's rescan says which remain held."""
+        now = self.state.holders.get(ev.pid)
+        still = _held_gpus(now).holds.keys() if now is not None else set()
+        for path in sorted(gpus_before.holds.keys() - still):
+            self.faults.note_close(gpus_before, path, ev.ts_ns)
 
     def _settle_if_gone(self, pid: int) -> None:
         """Settle a holder whose last identity read says zombie, once /proc confirms it is gone."""
@@ -399,24 +485,36 @@ class Tracer:
         holder = self.state.holders.get(pid)
         still_open = {fd for hold in (holder.holds.values() if holder is not None else ()) for fd in hold.fds}
         for fd in sorted(fds - still_open):
-            self.memory.close_fd(pid, fd)
+            self._release_fd(pid, fd, holder)
             fds.discard(fd)
         self._memory_changed = True
 
-    def _forget(self, pid: int) -> None:
-        # Its fds are closed: RM freed every client it allocated. A call of it still queued (its exit
-        # settled from /proc first) is dropped by _apply_memcall.
-        if self._memory_fds.pop(pid, None) is not None:
-            self.memory.process_exit(pid)
-            self._memory_gone.pop(pid, None)  # re-added last: the oldest go first
-            self._memory_gone[pid] = boot_ns()
-            while len(self._memory_gone) > GONE_MAX:
-                del self._memory_gone[next(iter(self._memory_gone))]
-            self._memory_changed = True
+    def _forget(self, pid: int, exit_ns: int | None = None, holder: Holder | None = None) -> None:
+        """The process is gone: its kernel entries, counters and memory. exit_ns: when it exited (its
+        EXIT's time; None: now); holder: what it held (for a fork that still holds one of its files)."""
+        self._memory_exit(pid, boot_ns() if exit_ns is None else exit_ns, holder)
+        self._unlink_fork(pid)
         self._exit_due.pop(pid, None)
+        self._alive_ns.pop(pid, None)
         if self.bpf is not None:
             self.bpf.forget(pid)
         self.scans.ioctls.pop(pid, None)
+
+    def _memory_exit(self, pid: int, exit_ns: int, holder: Holder | None = None) -> None:
+        """Its fds are closed: RM freed every client it allocated, but those of a file a fork of it
+        still holds (_release_fd). A call of it still queued (its exit settled from /proc first) is
+        dropped by _apply_memcall: one made before exit_ns."""
+        fds = self._memory_fds.pop(pid, None)
+        if fds is not None:
+            if pid in self._forks:
+                for fd in sorted(fds):
+                    self._release_fd(pid, fd, holder)
+            self.memory.process_exit(pid)
+            self._memory_gone.pop(pid, None)  # re-added last: the oldest go first
+            self._memory_gone[pid] = exit_ns
+            while len(self._memory_gone) > GONE_MAX:
+                del self._memory_gone[next(iter(self._memory_gone))]
+            self._memory_changed = True
 
     def _emit_event(self, ev: SourceEvent, holder: Holder | None, counts: IoctlCounts | None = None) -> None:
         info = holder.process if holder is not None else None
@@ -463,6 +561,9 @@ class Tracer:
             if not why and lost_ns is not None and holder.holds and \
                     min(h.first_seen_ns for h in holder.holds.values()) <= lost_ns:
                 why = MEMCALLS_LOST
+            if not why and (parent := self._forked_from.get(pid)) is not None and \
+                    parent in self.state.holders and self._memory_fds.get(parent, set()) & _fds(holder):
+                why = SHARES_PARENT.format(parent=parent)
             holder.memory = HeldMemory(self.memory.held(pid), why)
 
     def _classify(self) -> None:
@@ -503,3 +604,14 @@ class Tracer:
         if what != "nvml":  # the NVML source logs its own one line
             log.warning("%s: %s", what, message)
         self.sink.emit(records.notice_record(self.cfg.node_name, what, message))
+
+
+def _fds(holder: Holder) -> set[int]:
+    return {fd for hold in holder.holds.values() for fd in hold.fds}
+
+
+def _held_gpus(holder: Holder) -> Holder:
+    """A copy of the holder with only the GPU devices it holds now (the holds copied: the table
+    changes its own in place)."""
+    held = {path: hold for path, hold in holder.holds.items() if hold.held and hold.device.is_gpu}
+    return Holder(holder.process, {path: replace(hold, fds=set(hold.fds)) for path, hold in held.items()})

@@ -39,7 +39,11 @@ class ScanHost(Protocol):
     def _emit_event(self, ev: SourceEvent, holder: Holder | None,
                     counts: IoctlCounts | None = None) -> None: ...
 
-    def _forget(self, pid: int) -> None: ...
+    def _forget(self, pid: int, exit_ns: int | None = None) -> None: ...
+
+    def _sweep_memory(self) -> None: ...
+
+    def _note_for_faults(self, ev: SourceEvent, holder: Holder) -> None: ...
 
     def _settle_exit(self, pid: int) -> None: ...
 
@@ -51,7 +55,7 @@ class AgentScans:
 
     def __init__(self, agent: ScanHost, scanner: ProcScanner, rescans: RescanPlanner, state: HolderTable,
                  identities: Identities, errors: Containment, health: HealthReport | None, *,
-                 exit_due: dict[int, float]) -> None:
+                 exit_due: dict[int, float], alive_ns: dict[int, int]) -> None:
         self.agent = agent
         self.scanner = scanner
         self.rescans = rescans
@@ -60,6 +64,7 @@ class AgentScans:
         self.errors = errors
         self.health = health
         self.exit_due = exit_due  # the agent's: pid -> when /proc settles it if its EXIT never came
+        self.alive_ns = alive_ns  # the agent's: holder pid -> boot ns it was last seen alive
         self.ioctls: dict[int, IoctlCounts] = {}  # pid -> its counts as last read
         self.full_scan_ns = 0  # boot ns when the last full /proc scan began (classify: holders_complete_ns)
         self._outer_scan_ns: int | None = None  # start of the periodic or full scan under way, if any
@@ -97,6 +102,8 @@ class AgentScans:
         holders = self.state.holders
         before = dict(holders) if pids is None else {p: holders[p] for p in pids if p in holders}
         view, events = self._read_and_reconcile(pids, ts_ns, full=full, periodic=periodic)
+        for pid in view.keys() & self.state.holders.keys():
+            self.alive_ns[pid] = max(self.alive_ns.get(pid, 0), ts_ns)  # its fds were read: alive then
         # Seeded before the records go out: a holder the scan reports is known to the kernel by
         # then, so whatever it does after its open record (exit, close, exec) is the kernel's.
         created = self._seed(view, pids, periodic, before)
@@ -107,6 +114,8 @@ class AgentScans:
         self._await_kernel_exits(pids or ())
         if full and bpf is not None:
             self.errors.run("sweep", bpf.sweep, self.identities.alive)
+        if full:
+            self.errors.run("memory", self.agent._sweep_memory)
 
     def _read_and_reconcile(self, pids: set[int] | None, ts_ns: int, *, full: bool, periodic: bool,
                             ) -> tuple[ProcView, list[SourceEvent]]:
@@ -162,6 +171,8 @@ class AgentScans:
             holder = self.state.holders.get(ev.pid) or before.get(ev.pid)
             counts = self.ioctls.get(ev.pid) if ev.kind in (EventKind.CLOSE, EventKind.EXIT) else None
             self.agent._emit_event(ev, holder, counts=counts)
+            if holder is not None:
+                self.agent._note_for_faults(ev, holder)
             if ev.kind is EventKind.EXIT and ev.pid not in view:
                 self.agent._forget(ev.pid)  # gone for good: its kernel EXIT, if still queued, finds nothing
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.consumer_diff import diff_consumers as diff_consumers  # where the agent imports it
 from ghostgpu.tracer.events import DeviceHold, Holder, NvmlGpu, NvmlProcess, NvmlView, ProcessInfo
+from ghostgpu.tracer.gpu_memory import BEFORE_START as BEFORE_START  # where the agent's tests import it
 
 from ghostgpu.common.model import classes
 from ghostgpu.common.model.consumers import Consumer, ConsumerClass, DeviceKind, consumer_order
@@ -40,8 +41,8 @@ COMM_LEN = 15  # TASK_COMM_LEN - 1: the kernel truncates comm to 15 bytes
 MPS_SERVER = "nvidia-cuda-mps-server"
 Holds = Sequence[tuple[str, DeviceHold]]
 
-# Why a consumer's allocated_bytes is unknown (its allocated_reason).
-BEFORE_START = "allocated before the tracer started"
+# Why a consumer's allocated_bytes is unknown (its allocated_reason). BEFORE_START is the
+# accountant's own (a client it first saw in use), in the same words.
 NO_KERNEL_SIDE = "BPF is off, so no driver call is seen"
 NO_HOLDER = "no process the tracer saw holds this GPU's device file, so none of its driver calls"
 
@@ -223,6 +224,11 @@ def _work(holder: Holder) -> tuple[bool, str]:
                        "the device before the tracer watched it, or BPF is off)")
     return True, ("since its first open it allocated no memory, channel or compute class and mapped no "
                   "device memory: it only reads the GPU's state")
+
+
+def is_mps_server(comm: str, exe: str) -> bool:
+    """Whether a process (by its comm and executable) is the MPS server (MPS_SERVER)."""
+    return _named(ProcessInfo(0, comm=comm, exe=exe), MPS_SERVER)
 
 
 def _mps_servers(holders: Sequence[Holder]) -> dict[int, ProcessInfo]:

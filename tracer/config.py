@@ -54,7 +54,8 @@ BPF_MODES = ("auto", "on", "off")
 # Trace sessions the kernel side holds at once: bpf/trace.bpf.c GG_TRACE_SLOTS (tracer/trace_kernel.py
 # reads its slot masks with it).
 TRACE_SLOTS = 8
-# The accountant's bound may go this high: ~250 bytes an object (tracer/gpu_memory.py), 4 GiB here.
+# The accountant's bound may go this high: at most 320 bytes an object (tracer/gpu_memory.py
+# OBJECT_COST_BYTES), 5 GiB here.
 MAX_MEMORY_OBJECTS = 1 << 24
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123: namespace and container names
 

@@ -31,14 +31,18 @@ from ghostgpu.tracer.memcalls import MemCall, MemCallKind
 # The node-wide bound on tracked objects when the config does not say. A CUDA process holds tens
 # to hundreds of the objects tracked here (a client, a device and a subdevice per GPU it opens, one
 # object per allocation RM made for it: allocators ask RM for large blocks and carve them up), so
-# this covers hundreds of GPU processes on a node. A tracked object costs about 230 bytes of the
-# tracer's memory (tests/unit/test_gpu_memory.py measures it): about 29 MiB at the bound.
+# this covers hundreds of GPU processes on a node. A tracked object costs at most OBJECT_COST_BYTES
+# of the tracer's memory (tests/unit/test_gpu_memory.py measures it): at most 40 MiB at the bound.
 DEFAULT_MAX_OBJECTS = 131_072
+OBJECT_COST_BYTES = 320
 
-# Why a figure cannot be exact (`MemoryAccountant.incomplete`). Each makes it a lower bound.
+# Why a figure cannot be exact (`MemoryAccountant.incomplete`). Each makes it a lower bound. The
+# classifier (tracer/classify.py) gives BEFORE_START, the same words, to a holder whose whole history
+# the kernel did not see.
 TABLE_FULL = "the RM object table was full"
-BEFORE_START = "part of its GPU memory was allocated before the tracer started"
+BEFORE_START = "allocated before the tracer started"
 SIZE_UNREAD = "the size of one of its allocations could not be read"
+INSTANCE_UNREAD = "the GPU of one of its devices could not be read"
 
 # RM classes the tree needs (src/common/sdk/nvidia/inc/class/clXXXX.h, nvos.h; docs/reference/
 # nvidia-ioctl-abi.md §8). A client allocation names 0x0 or 0x1 and the driver writes 0x41 back
@@ -214,6 +218,8 @@ class MemoryAccountant:
             raise ValueError(f"gpu memory accountant: max_objects {max_objects} is not positive; "
                              f"give at least 1 (default {DEFAULT_MAX_OBJECTS})")
         self.max_objects = max_objects
+        # RM objects the table had no room for: one per accepted call that made an object and did not
+        # fit (the client or parent it would have needed as a placeholder is not counted apart).
         self.dropped_objects_total = 0
         self._objects: dict[int, _Obj] = {}
         self._clients_by_fd: dict[tuple[int, int], set[int]] = {}  # (pid, fd) -> client keys
@@ -272,6 +278,37 @@ class MemoryAccountant:
         for key in list(self._clients_by_fd.get((pid, fd), ())):
             self._free_subtree(self._objects[key])
 
+    def transfer_fd(self, pid: int, fd: int, to_pid: int, to_fd: int) -> bool:
+        """The clients allocated through (pid, fd) now belong to (to_pid, to_fd): the process closed
+        the fd (or exited) while another, forked from it, still holds the same open file. RM frees a
+        file's clients only when the file itself is released, at its last reference (nvidia_close,
+        kernel-open/nvidia/nv.c, then rm_cleanup_file_private → RmFreeUnusedClients, src/nvidia/arch/
+        nvalloc/unix/src/osapi.c), so the memory lives on and is that process's now. A reason the
+        figure was a lower bound goes with it. False when no client was allocated through it."""
+        keys = self._clients_by_fd.pop((pid, fd), None)
+        if not keys:
+            return False
+        for key in sorted(keys):
+            client = self._objects[key]
+            subtree = _subtree(client)
+            memory = [obj for obj in subtree if obj.kind == _Kind.MEMORY]
+            for obj in memory:
+                self._count(obj.refs(), -1)
+            for obj in subtree:
+                obj.pid, obj.fd = to_pid, to_fd
+            for obj in memory:
+                self._count(obj.refs(), +1)
+            by_pid = self._clients_by_pid.get(pid)
+            if by_pid is not None:
+                by_pid.discard(key)
+                if not by_pid:
+                    del self._clients_by_pid[pid]
+            self._clients_by_pid.setdefault(to_pid, set()).add(key)
+            self._clients_by_fd.setdefault((to_pid, to_fd), set()).add(key)
+        if why := self._incomplete.get(pid):
+            self._mark(to_pid, why)
+        return True
+
     def process_exit(self, pid: int) -> None:
         """The process is gone: its fds closed, so every client it allocated is freed. Its state
         goes too (the pid may be reused)."""
@@ -294,7 +331,10 @@ class MemoryAccountant:
         self._forget_stale(call.h_root, call.h_object)
         if h_class == NV01_DEVICE_0:
             # NV0080_ALLOC_PARAMETERS.deviceId: the device instance, which names the GPU
-            # (class/cl0080.h; docs/reference/nvidia-ioctl-abi.md §4.1).
+            # (class/cl0080.h; docs/reference/nvidia-ioctl-abi.md §4.1). None: the kernel side could
+            # not read pAllocParms, and the memory under it is on no GPU the figure can name.
+            if call.instance is None:
+                self._mark(call.pid, INSTANCE_UNREAD)
             self._add_node(call, _Kind.DEVICE, lambda parent: call.instance)
         elif h_class == NV20_SUBDEVICE_0:
             # NV2080_ALLOC_PARAMETERS.subDeviceId numbers the subdevices of one device (SLI), 0 on
@@ -464,6 +504,17 @@ class MemoryAccountant:
                 del self._clients_by_pid[client.pid]
 
 
+def _subtree(top: _Obj) -> list[_Obj]:
+    out: list[_Obj] = []
+    stack = [top]
+    while stack:
+        obj = stack.pop()
+        out.append(obj)
+        if obj.children:
+            stack.extend(obj.children)
+    return out
+
+
 def _add(table: dict[int, dict[int | None, int]], pid: int, inst: int | None, delta: int) -> None:
     per_gpu = table.setdefault(pid, {})
     total = per_gpu.get(inst, 0) + delta
@@ -475,19 +526,20 @@ def _add(table: dict[int, dict[int | None, int]], pid: int, inst: int | None, de
             del table[pid]
 
 
-def memory_split(used_bytes: int | None, listed_bytes: int | None, unlisted_bytes: int | None,
-                 ) -> tuple[int | None, int | None, int | None]:
+def memory_split(used_bytes: int | None, listed_bytes: int | None, unlisted_bytes: int,
+                 ) -> tuple[int | None, int, int | None]:
     """One GPU's used memory split three ways: (listed, unlisted, unaccounted).
 
-    listed: what NVML attributes to the processes it lists on the GPU; unlisted: the driver-call
+    listed: what NVML attributes to the processes it lists on the GPU; unlisted: the known driver-call
     figures (`held`) of the consumers NVML does not list there; unaccounted: the rest of NVML's
-    used memory, max(0, used - listed - unlisted). Any unknown part makes unaccounted unknown
-    (None): unknown is not zero, and the unknown part could be the missing memory.
+    used memory, max(0, used - listed - unlisted). Unlisted is always known: an unlisted consumer
+    whose figure is unknown adds nothing to it, so what it holds is in unaccounted. An unknown used
+    or listed figure makes unaccounted unknown (None): unknown is not zero.
 
     Floored at 0 because the parts can add up to more than used: NVML's used memory (v2) leaves
     out the memory the driver reserves for itself, while a process's figures can include some of
     it (NVML's per-process figure counts the context's RM-internal buffers; docs/MEMORY.md).
     """
-    if used_bytes is None or listed_bytes is None or unlisted_bytes is None:
+    if used_bytes is None or listed_bytes is None:
         return listed_bytes, unlisted_bytes, None
     return listed_bytes, unlisted_bytes, max(0, used_bytes - listed_bytes - unlisted_bytes)

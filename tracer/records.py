@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ghostgpu.tracer.classify import is_mps_server
 from ghostgpu.tracer.events import NvmlGpu, NvmlView, ProcessInfo, SourceEvent
 from ghostgpu.tracer.gpu_memory import memory_split
 from ghostgpu.tracer.ioctl_decode import decode_ioctl
@@ -113,11 +114,14 @@ def gpu_infos(nvml: NvmlView, consumers: Iterable[Consumer]) -> tuple[GpuInfo, .
     """Each GPU NVML sees, with NVML's used memory split (tracer/gpu_memory.py memory_split): listed
     (NVML's per-process figures), unlisted (the allocated_bytes of the consumers on that GPU NVML does
     not list) and unaccounted (the rest). A consumer whose allocated_bytes is unknown adds nothing to
-    unlisted: what it holds stays in unaccounted, the memory no figure names."""
+    unlisted: what it holds stays in unaccounted, the memory no figure names. The MPS server is left
+    out of unlisted: it allocates for its clients, whose memory NVML lists under each client's PID
+    (listed already)."""
     unlisted: dict[str, int] = {}
     listed_pids = {g.uuid: {p.pid for p in g.processes} for g in nvml.gpus}
     for c in consumers:
-        if c.gpu_uuid in listed_pids and c.pid not in listed_pids[c.gpu_uuid] and c.allocated_bytes:
+        if c.gpu_uuid in listed_pids and c.pid not in listed_pids[c.gpu_uuid] and c.allocated_bytes \
+                and not is_mps_server(c.comm, c.exe):
             unlisted[c.gpu_uuid] = unlisted.get(c.gpu_uuid, 0) + c.allocated_bytes
     out: list[GpuInfo] = []
     for g in nvml.gpus:

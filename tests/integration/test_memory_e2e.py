@@ -201,6 +201,16 @@ def test_allocated_bytes_per_consumer_and_per_gpu(tmp_path: Path, driver: FakeDr
             planted.release()  # past `hold`: it exits
             until(lambda: True if not rows_of(col, planted.host_pid) else None, "the planted process gone")
             driver.wait_state(lambda s: not s.pid_bytes(planted.host_pid), "its clients freed by the driver")
+            # And GPU 0's split no longer counts it among the holders NVML does not list.
+            planted0 = rows[(planted.host_pid, 0)]["allocated_bytes"]
+            unlisted_after = gpu0["memory_unlisted_bytes"] - planted0
+            assert planted0 > 0
+
+            def unlisted_dropped() -> bool | None:
+                info = everyone_info(ps_json(col.address, "--node", NODE), 0)
+                return True if info["memory_unlisted_bytes"] == unlisted_after else None
+
+            until(unlisted_dropped, "GPU 0's unlisted memory without the planted process's")
     finally:
         for c in containers:
             c.cleanup()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ghostgpu.tracer.agent import MEMCALLS_LOST, Tracer
+from ghostgpu.tracer.agent import MEMCALLS_LOST, SHARES_PARENT, Tracer
 from ghostgpu.tracer.bpf_source import BpfSource
 from ghostgpu.tracer.classify import BEFORE_START
 from ghostgpu.tracer.config import TracerConfig
@@ -184,7 +184,7 @@ def test_calls_are_applied_before_the_exit_behind_them(node: Node) -> None:
     node.kernel_says(EventKind.EXIT, PID)
     node.tracer.step(0)
     assert node.tracer.memory.held(PID) == {} and node.tracer.memory.objects == 0
-    assert PID not in node.consumers(PID)
+    assert node.consumers(PID) == {}
 
 
 def test_a_call_queued_behind_an_exit_settled_from_proc_is_dropped(node: Node) -> None:
@@ -263,16 +263,131 @@ def test_memory_calls_reclassify_at_most_once_per_nvml_refresh(node: Node) -> No
     assert findings() == [0, 2 * MIB, 4 * MIB]
 
 
+def full_scan_step(node: Node) -> None:
+    """One loop step with the periodic full /proc scan due (as its clock makes it every few minutes)."""
+    node.tracer._due["scan"] = 0.0
+    node.tracer.rescans.full_due_s = 0.0
+    node.tracer.step(0)
+    assert node.tracer.rescans.last == "full"
+
+
 def test_the_full_scan_frees_what_a_process_never_reported_gone_held(node: Node) -> None:
     """Calls on an fd a process received (not opened: the kernel never counted it a holder, so no
-    EXIT comes for it): once it is gone, the next full scan frees its clients."""
+    EXIT comes for it): once it is gone at two periodic full scans in a row, its clients are freed."""
     node.spawn(PID, {})
     client = node.client(PID, 7)
     node.vidmem(PID, 7, client, node.device(PID, 7, client, 0), 2 * MIB)
     node.tracer.step(0)
     assert node.tracer.memory.held(PID) == {0: 2 * MIB}
-    node.tracer._scan()
+    full_scan_step(node)
     assert node.tracer.memory.held(PID) == {0: 2 * MIB}, "alive: kept"
     node.die(PID)
-    node.tracer._scan()
+    full_scan_step(node)
+    assert node.tracer.memory.held(PID) == {0: 2 * MIB}, "dead at one sweep: its EXIT may still be queued"
+    late = MemCall(MemCallKind.ALLOC, boot_ns(), PID, 7, client, client, 0x77, h_class=DEVICE, instance=0)
+    full_scan_step(node)
     assert node.tracer.memory.held(PID) == {} and node.tracer.memory.objects == 0
+    node.bpf.calls.append(late)
+    node.tracer.step(0)
+    assert node.tracer.memory.objects == 0, "a call from before the sweep is dropped"
+
+
+def test_the_sweep_leaves_a_holder_waiting_for_its_kernel_exit(node: Node) -> None:
+    """A dead holder still waiting for its kernel EXIT keeps its memory (and its kernel entries, for
+    the EXIT's counters) however many sweeps pass: the EXIT, or /proc after the wait, settles it."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    node.vidmem(PID, 3, client, node.device(PID, 3, client, 0), 2 * MIB)
+    node.tracer.step(0)
+    node.die(PID)
+    node.tracer._exit_due[PID] = float("inf")  # its EXIT is awaited
+    for _ in range(3):
+        node.tracer._sweep_memory()  # as a full scan's (which would also settle the holder itself)
+    assert PID in node.tracer._exit_due and PID in node.tracer._memory_fds
+    node.kernel_says(EventKind.EXIT, PID)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {} and PID not in node.tracer._exit_due
+
+
+def test_an_exit_is_dated_by_its_event_for_the_calls_behind_it(node: Node) -> None:
+    """A call the kernel made after the EXIT's time (a reused pid) is kept; one from before it, dropped."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    node.tracer.step(0)
+    exit_ns = boot_ns()
+    node.die(PID)
+    node.bpf.queued.append(SourceEvent(EventKind.EXIT, "bpf", exit_ns, PID, tid=PID))
+    node.tracer.step(0)
+    assert node.tracer._memory_gone[PID] == exit_ns
+    node.bpf.calls.append(MemCall(MemCallKind.ALLOC, exit_ns - 1, PID, 3, client, client, 0x77,
+                                  h_class=DEVICE, instance=0))
+    node.tracer.step(0)
+    assert node.tracer.memory.objects == 0, "made before the exit: dropped"
+    node.bpf.calls.append(MemCall(MemCallKind.ALLOC, exit_ns + 1, PID, 3, client, client, client,
+                                  h_class=CLIENT))
+    node.tracer.step(0)
+    assert node.tracer.memory.objects == 1, "made after the exit (the pid reused): kept"
+
+
+# --- a file a fork shares -------------------------------------------------------------------------------
+
+CHILD = 300
+
+
+def fork(node: Node, parent: int, child: int, fds: dict[int, Path]) -> None:
+    """The parent forks: the child's /proc shows the fds it inherited."""
+    node.spawn(child, fds)
+    node.bpf.queued.append(SourceEvent(EventKind.FORK, "bpf", boot_ns(), parent, tid=parent, child_pid=child))
+
+
+def test_a_fork_shares_its_parents_memory_and_inherits_it_at_the_parents_exit(node: Node) -> None:
+    """A worker forked after CUDA started holds the parent's open file: while the parent lives, the
+    parent's figure counts the memory and the child's is unknown (never an exact 0); at the parent's
+    exit RM keeps the file's clients (the child still holds the file), and they are the child's."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    node.vidmem(PID, 3, client, node.device(PID, 3, client, 0), 8 * MIB)
+    node.tracer.step(0)
+    fork(node, PID, CHILD, {3: node.gpu0})
+    node.tracer.step(0)
+    child = node.consumers(CHILD)[0]
+    assert (child.allocated_bytes, child.allocated_reason) == (None, SHARES_PARENT.format(parent=PID))
+    assert node.consumers(PID)[0].allocated_bytes == 8 * MIB
+    node.die(PID)
+    node.kernel_says(EventKind.EXIT, PID)
+    node.tracer.step(0)
+    child = node.consumers(CHILD)[0]
+    assert (child.allocated_bytes, child.allocated_reason) == (8 * MIB, "")
+    node.die(CHILD)
+    node.kernel_says(EventKind.EXIT, CHILD)
+    node.tracer.step(0)
+    assert node.tracer.memory.objects == 0
+
+
+def test_a_close_by_the_parent_moves_the_clients_to_the_fork_still_holding_the_file(node: Node) -> None:
+    node.kernel_opens(PID, 3, node.gpu0)
+    client = node.client(PID, 3)
+    node.vidmem(PID, 3, client, node.device(PID, 3, client, 0), 4 * MIB)
+    node.tracer.step(0)
+    fork(node, PID, CHILD, {3: node.gpu0})
+    node.tracer.step(0)
+    node.call(MemCallKind.CLOSE, PID, 3, 0, 0, 0)
+    node.tracer.step(0)
+    assert node.tracer.memory.held(PID) == {} and node.tracer.memory.held(CHILD) == {0: 4 * MIB}
+
+
+def test_a_fork_that_let_the_file_go_inherits_nothing(node: Node) -> None:
+    """The child closed its copy of the fd (a fork that does not use the GPU): the parent's exit frees
+    the clients, as RM does when the file's last holder lets it go."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    node.kernel_opens(PID, 4, node.ctl)
+    client = node.client(PID, 3)
+    node.vidmem(PID, 3, client, node.device(PID, 3, client, 0), 4 * MIB)
+    node.tracer.step(0)
+    fork(node, PID, CHILD, {4: node.ctl})  # fd 3 closed before the child held anything of it
+    node.tracer.step(0)
+    assert node.consumers(CHILD)[None].allocated_reason == ""
+    node.die(PID)
+    node.kernel_says(EventKind.EXIT, PID)
+    node.tracer.step(0)
+    assert node.tracer.memory.objects == 0 and node.tracer.memory.held(CHILD) == {}

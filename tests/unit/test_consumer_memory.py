@@ -130,6 +130,18 @@ def test_the_split_of_nvmls_used_memory() -> None:
     assert split == [(10 * GIB, 2 * GIB, 3 * GIB, 5 * GIB), (None, 0, 0, None)]
 
 
+def test_the_mps_server_is_not_unlisted() -> None:
+    """The MPS server's driver calls allocate for its clients, which NVML lists with that memory: it
+    adds nothing to unlisted (the memory is in listed already)."""
+    holders = [holder(100, hold(NV0, 4), memory=HeldMemory({0: 3 * GIB}), comm="nvidia-cuda-mps",
+                      exe="/usr/bin/nvidia-cuda-mps-server"),
+               holder(200, hold(NV0, 4), memory=HeldMemory({0: GIB}))]
+    view = nvml(NvmlProcess(4242, 3 * GIB), used0=10 * GIB)
+    (gpu0, _) = records.gpu_infos(view, run(holders, view).values())
+    assert (gpu0.memory_listed_bytes, gpu0.memory_unlisted_bytes, gpu0.unaccounted_bytes) == \
+        (3 * GIB, GIB, 6 * GIB)
+
+
 @pytest.mark.parametrize(("gpu", "listed"), [
     (NvmlGpu(0, UUID0, 0, memory_used_bytes=GIB, processes=(NvmlProcess(1, None),)), None),  # no figure for 1
     (NvmlGpu(0, UUID0, 0, memory_used_bytes=GIB, processes_known=False), None),  # could not list
