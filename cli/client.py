@@ -171,11 +171,13 @@ class Query:
         return list(self._call(self.stub.ListFindings, req).findings)
 
     def faults(self, since_unix_ns: int, node: str = "", namespace: str = "",
-               limit: int = 0) -> list[query_pb2.ClusterFault]:
-        """ListFaults: GPU faults read at or after `since`, the newest `limit`, oldest first."""
+               limit: int = 0) -> query_pb2.ListFaultsResponse:
+        """ListFaults: GPU faults read at or after `since`, the newest `limit`, oldest first; with how
+        many older ones the answer left out to stay within its size (`left_out`)."""
         req = query_pb2.ListFaultsRequest(since_unix_ns=since_unix_ns, node=node or "",
                                           namespace=namespace or "", limit=max(0, limit))
-        return list(self._call(self.stub.ListFaults, req).faults)
+        answer: query_pb2.ListFaultsResponse = self._call(self.stub.ListFaults, req)
+        return answer
 
     def events(self, node: str, instance_id: str, after_seq: int,
                limit: int = 0) -> list[query_pb2.StoredEvent]:

@@ -6,7 +6,8 @@ One row per fault: when the tracer read it, the node, the GPU, the Xid, its seve
 from the tracer's Xid catalogue, and the pods it hit (namespace/pod, the process the driver named
 first). `-o wide` adds the PIDs, the containers and the driver's message; `-o json` is a list of
 objects with the keys of `fault_json` (README.md, "ghostgpu faults"). A collector that cannot be
-reached is one line and exit status 1; a bad flag one line and exit status 2.
+reached is one line and exit status 1; a bad flag one line and exit status 2. When the collector left
+older faults out of its answer to keep it within the message size, a line on stderr says so.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any
 from ghostgpu.cli.client import ClientError, Query
 from ghostgpu.cli.view import Column, table
 
-from ghostgpu.common.model.display import LISTING_ID_LEN, short_id
+from ghostgpu.common.model.display import LISTING_ID_LEN, hit_notes, hit_pods, hit_where, short_id
 from ghostgpu.common.model.durations import LOOK_BACK, parse_duration_s
 from ghostgpu.v1 import query_pb2
+
+OUTPUTS = ("table", "wide", "json")
 
 
 def _opt(value: int) -> int | None:
@@ -31,29 +34,10 @@ def _opt(value: int) -> int | None:
     return None if value < 0 else value
 
 
-def hit_where(hit: query_pb2.FaultHit) -> str:
-    """namespace/pod when CRI named it, else the container ID's prefix, else "host"."""
-    k8s, p = hit.k8s, hit.consumer.process
-    if k8s.pod:
-        return f"{k8s.namespace}/{k8s.pod}"
-    if p.container_id:
-        return short_id(p.container_id, LISTING_ID_LEN)
-    return "host"
-
-
 def hit_note(hit: query_pb2.FaultHit) -> str:
     """What became of the hit's process or container by then ("" when it ran on), as findings say."""
-    k8s = hit.k8s
-    notes = []
-    if hit.consumer.exited:
-        notes.append("exited")
-    if k8s.resolution == "not_found":
-        notes.append("container gone")
-    elif k8s.container_state in ("CONTAINER_EXITED", "CONTAINER_UNKNOWN"):
-        notes.append(f"container {k8s.container_state.removeprefix('CONTAINER_').lower()}")
-    elif k8s.resolution == "unresolved" and hit.consumer.process.container_id:
-        notes.append("CRI did not answer")
-    return ", ".join(notes)
+    c, k8s = hit.consumer, hit.k8s
+    return ", ".join(hit_notes(c.exited, k8s.resolution, k8s.container_state, c.process.container_id))
 
 
 def pods_text(cf: query_pb2.ClusterFault) -> str:
@@ -61,7 +45,8 @@ def pods_text(cf: query_pb2.ClusterFault) -> str:
     out: dict[str, None] = {}
     for h in cf.hits:
         note = hit_note(h)
-        out[hit_where(h) + (f" ({note})" if note else "")] = None
+        where = hit_where(h.k8s.namespace, h.k8s.pod, h.consumer.process.container_id)
+        out[where + (f" ({note})" if note else "")] = None
     return ", ".join(out) or "-"
 
 
@@ -77,7 +62,7 @@ def hit_json(hit: query_pb2.FaultHit) -> dict[str, Any]:
 def fault_json(cf: query_pb2.ClusterFault) -> dict[str, Any]:
     """One fault as `-o json` prints it; these keys are a contract (README.md, "ghostgpu faults")."""
     f = cf.fault
-    pods = list(dict.fromkeys(f"{h.k8s.namespace}/{h.k8s.pod}" for h in cf.hits if h.k8s.pod))
+    pods = [f"{ns}/{pod}" for ns, pod in hit_pods((h.k8s.namespace, h.k8s.pod) for h in cf.hits)]
     return {"id": cf.id, "time": cf.ts_unix_ns / 1e9, "node": cf.node, "gpu": _opt(f.gpu),
             "gpu_uuid": f.gpu_uuid, "pci_bus_id": f.pci_bus_id, "xid": _opt(f.xid), "severity": f.severity,
             "meaning": f.meaning, "message": f.message, "pid": f.pid or None, "process_name": f.process_name,
@@ -122,19 +107,32 @@ def render(faults: Sequence[query_pb2.ClusterFault], output: str) -> str:
     return faults_table(faults, wide=output == "wide")
 
 
+def check_output(output: str) -> str:
+    """-o's value, or a ValueError naming the flag and its choices (one line, exit status 2, as every
+    bad flag of this command; argparse's `choices` would print the whole usage)."""
+    if output not in OUTPUTS:
+        raise ValueError(f"-o {output!r}: not an output of ghostgpu faults; use one of {', '.join(OUTPUTS)}")
+    return output
+
+
 def cmd_faults(args: argparse.Namespace) -> int:
     since_s = parse_duration_s(args.since, "--since", LOOK_BACK)  # bad flags fail before any connection
+    output = check_output(args.output)
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be 0 (the collector's default) or more")
     query = Query.from_args(args)
     try:
         since_ns = int((time.time() - since_s) * 1e9)
-        found = query.faults(since_ns, node=args.node or "", namespace=args.namespace or "",
-                             limit=args.limit or 0)
+        answer = query.faults(since_ns, node=args.node or "", namespace=args.namespace or "",
+                              limit=args.limit or 0)
     except ClientError as exc:
         print(f"ghostgpu: {exc}", file=sys.stderr)
         return 1
     finally:
         query.close()
-    print(render(found, args.output))
+    print(render(answer.faults, output))
+    if answer.left_out:
+        # On stderr: -o json stays one document on stdout.
+        print(f"ghostgpu: {answer.left_out} older faults left out to keep the answer within the message "
+              "size: use --since/--limit for fewer", file=sys.stderr)
     return 0

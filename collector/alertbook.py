@@ -2,8 +2,9 @@
 fault, and the book of alerts (label set -> latest state) with what each Alertmanager has taken.
 
 A GPU fault (Xid, collector/faults.py) is an instant, not a state: its alert (GhostGPUXid, one per
-fault: the fault's ID is a label) is sent with endsAt = startsAt + `fault_hold_s`, re-sent like any
-alert until then, and Alertmanager resolves it at endsAt by itself. Its annotations name the pods the
+fault: its kernel log record's identity is a label) is sent with endsAt `fault_hold_s` after the later
+of the fault and its storing (a fault delivered late still notifies), re-sent like any alert until
+then, and Alertmanager resolves it at endsAt by itself. Its annotations name the pods the
 fault hit; a fault whose CRI lookups are still running waits up to settle_s for those names.
 
 Labels are an alert's identity in Alertmanager, so a finding whose labels change (CRI names that
@@ -24,9 +25,10 @@ from datetime import UTC, datetime
 from itertools import islice
 
 from ghostgpu.collector.cri import PENDING_ERROR
+from ghostgpu.collector.faults import fault_key
 from ghostgpu.collector.faults import names_pending as hit_names_pending
 
-from ghostgpu.common.model.display import LISTING_ID_LEN, short_id
+from ghostgpu.common.model.display import hit_notes, hit_where
 from ghostgpu.common.wire.convert import class_from_proto
 from ghostgpu.v1 import query_pb2
 
@@ -138,24 +140,21 @@ def alert_annotations(labels: dict[str, str]) -> dict[str, str]:
 
 
 def fault_labels(cf: query_pb2.ClusterFault, extra: dict[str, str]) -> dict[str, str]:
-    """A fault's alert labels (empty values left out): where, which Xid, how bad, and its ID, so that
-    each fault is an alert of its own (two Xids of one kind on one GPU are two events)."""
+    """A fault's alert labels (empty values left out): where, which Xid, how bad, and its identity from
+    the kernel log record (collector/faults.py fault_key), so that each fault is an alert of its own
+    (two Xids of one kind on one GPU are two events) and one fault is one alert, however often it is
+    offered (a restart, new pod names)."""
     f = cf.fault
     severity = f.severity if f.severity in FAULT_SEVERITIES else "warning"
     labels = {"alertname": FAULT_ALERT, "severity": severity, "node": cf.node,
               "gpu": "" if f.gpu < 0 else str(f.gpu), "gpu_uuid": f.gpu_uuid,
-              "xid": "" if f.xid < 0 else str(f.xid), "fault_id": str(cf.id), "source": SOURCE, **extra}
+              "xid": "" if f.xid < 0 else str(f.xid), "fault_id": fault_key(cf), "source": SOURCE, **extra}
     return {k: v for k, v in labels.items() if v}
 
 
 def hit_name(hit: query_pb2.FaultHit) -> str:
     """namespace/pod when CRI named it, else the container ID's prefix, else "host"."""
-    k8s, p = hit.k8s, hit.consumer.process
-    if k8s.pod:
-        return f"{k8s.namespace}/{k8s.pod}"
-    if p.container_id:
-        return f"container {short_id(p.container_id, LISTING_ID_LEN)}"
-    return "host"
+    return hit_where(hit.k8s.namespace, hit.k8s.pod, hit.consumer.process.container_id)
 
 
 def hit_pods(cf: query_pb2.ClusterFault) -> str:
@@ -164,21 +163,14 @@ def hit_pods(cf: query_pb2.ClusterFault) -> str:
 
 
 def hit_detail(hit: query_pb2.FaultHit) -> str:
-    """One hit as a phrase: PID (comm) in where, and what became of it."""
+    """One hit as a phrase: PID (comm) in where, and what became of it (cli/faults.py's notes)."""
     k8s, c = hit.k8s, hit.consumer
     p = c.process
     where = hit_name(hit)
     if k8s.container:
         where = f"container {k8s.container} of pod {where}"
-    notes = []
-    if c.named:
-        notes.append("named by the driver")
-    if c.exited:
-        notes.append("had exited")
-    if k8s.resolution == "not_found":
-        notes.append("its container is gone")
-    elif k8s.container_state in ("CONTAINER_EXITED", "CONTAINER_UNKNOWN"):
-        notes.append(f"its container {k8s.container_state.removeprefix('CONTAINER_').lower()}")
+    notes = ["named by the driver"] if c.named else []
+    notes += hit_notes(c.exited, k8s.resolution, k8s.container_state, p.container_id)
     tail = f" ({', '.join(notes)})" if notes else ""
     return f"PID {p.pid} ({p.comm or '?'}) in {where}{tail}"
 
@@ -295,7 +287,10 @@ class AlertBook:
         labels = fault_labels(cf, self.extra)
         key = _key(labels)
         starts_unix_s = cf.ts_unix_ns / 1e9 or time.time()
-        ends_unix_s = starts_unix_s + self.fault_hold_s
+        # The hold runs from when the collector stored it when that is later: a fault delivered late
+        # (the tracer spooled it through a collector or Alertmanager outage) must still notify, and
+        # an endsAt already past would have Alertmanager take it as resolved at once.
+        ends_unix_s = max(starts_unix_s, cf.stored_unix_ns / 1e9) + self.fault_hold_s
         self._version += 1
         body: dict[str, object] = {"labels": labels, "annotations": fault_annotations(cf),
                                    "startsAt": rfc3339(starts_unix_s), "endsAt": rfc3339(ends_unix_s)}
@@ -312,7 +307,7 @@ class AlertBook:
         resolved them at endsAt by itself); ones not yet taken stay, to be sent as resolved."""
         for key, ends_unix_s in list(self.fault_ends.items()):
             if ends_unix_s + self.resolved_keep_s > now_unix_s:
-                break  # oldest first: the rest end later (one hold for all)
+                break  # in storing order, held from storing (or reading, if later): the rest end later
             if self._everywhere(key):
                 self._forget(key)
 

@@ -32,7 +32,7 @@ import grpc
 from ghostgpu.collector.audit import AuditFn
 from ghostgpu.collector.authz import DenialFold, current_principal
 from ghostgpu.collector.cluster import ClusterTable
-from ghostgpu.collector.faults import FaultBook
+from ghostgpu.collector.faults import FaultBook, Taken
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
 from ghostgpu.collector.relay import CriRelayClient
 from ghostgpu.collector.store import Op, Position, Store
@@ -142,7 +142,8 @@ class Ingest:
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once it runs (serve_on)
         self.local_node = local_node
         self.local_uids = frozenset({0, os.getuid()})  # the uids that are this host's tracer (_speaks_for)
-        self._done: list[tuple[IngestSession, tuple[str, str, str], int, BaseException | None]] = []
+        self._done: list[tuple[IngestSession, tuple[str, str, str], int, list[Taken],
+                               BaseException | None]] = []
         self._refused = DenialFold()  # one tracer.refused record per (subject, reason) per 10 s
         self._done_lock = threading.Lock()
         self._drain_scheduled = False
@@ -394,25 +395,28 @@ class Ingest:
                 blob = stream_pb2.TracerMessage(events=part).SerializeToString()
             ops.append(Store.op_events(pos, seqs[start], seqs[-1], n - start, blob))
             size = len(blob)
+        taken: list[Taken] = []
         if first_new < n and self.faults is not None and "fault" in bodies:
-            # In the batch's transaction, before the position that acks it: a fault is stored once.
-            ops.extend(self.faults.take(session.node, events[i])
-                       for i in range(first_new, n) if bodies[i] == "fault")
+            # In the batch's transaction, before the position that acks it: a fault is stored once,
+            # and counted and told (FaultBook.committed) only once that transaction committed.
+            taken = [self.faults.take(session.node, session.hello.boot_id, events[i])
+                     for i in range(first_new, n) if bodies[i] == "fault"]
+            ops.extend(t.op for t in taken)
         ops.append(Store.op_position(pos))
         session.inflight += 1
         session.drained.clear()
-        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, seqs[-1]), size)
+        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, seqs[-1], taken), size)
         if first_new < n:
             changes = state.apply_events(events, seqs, bodies, first_new)
             if changes.keys or changes.full:
                 self.cluster.update(state, changes)
 
     def _committed_elsewhere(self, session: IngestSession, key: tuple[str, str, str], seq: int,
-                             error: BaseException | None) -> None:
+                             taken: list[Taken], error: BaseException | None) -> None:
         """Writer thread: hand the commit to the loop, waking it once per group commit rather than
         once per batch (each wake-up is a write to the loop's self-pipe)."""
         with self._done_lock:
-            self._done.append((session, key, seq, error))
+            self._done.append((session, key, seq, taken, error))
             if self._drain_scheduled:
                 return
             self._drain_scheduled = True
@@ -428,12 +432,14 @@ class Ingest:
         for args in done:
             self._committed(*args)
 
-    def _committed(self, session: IngestSession, key: tuple[str, str, str], seq: int,
+    def _committed(self, session: IngestSession, key: tuple[str, str, str], seq: int, taken: list[Taken],
                    error: BaseException | None) -> None:
         session.inflight -= 1
         if error is not None:
             session.end(grpc.StatusCode.UNAVAILABLE, f"collector cannot store events: {error}")
         else:
+            if taken and self.faults is not None:
+                self.faults.committed(taken)
             self.durable[key] = max(seq, self.durable.get(key, 0))
             if seq > session.committed_seq:
                 session.committed_seq = seq

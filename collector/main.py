@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.config import CollectorConfig
-from ghostgpu.collector.faults import FaultBook, select_faults
+from ghostgpu.collector.faults import FaultBook, select_unended
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.nodes import NodeView
@@ -50,6 +50,7 @@ from ghostgpu.common.web.httpserve import HttpServer, Unavailable
 log = logging.getLogger(__name__)
 
 FINDINGS_FLUSH_S = 1.0  # changed open findings reach the history at most this late
+FAULT_COUNTS_PRUNE_S = 600.0  # how often the fault counts of nodes gone past the retention are dropped
 T = TypeVar("T")
 
 
@@ -266,11 +267,15 @@ class Collector:
             await self._offer_recent_faults()
         self.traces.start_ticking()
         self._ready.set()
+        next_prune_mono = 0.0
         while True:
             try:
                 await asyncio.wait_for(self._stop_event.wait(), FINDINGS_FLUSH_S)
                 break
             except TimeoutError:
+                if time.monotonic() >= next_prune_mono:
+                    next_prune_mono = time.monotonic() + FAULT_COUNTS_PRUNE_S
+                    self._prune_fault_counts()
                 self.cluster.flush_changed()
                 self.cluster.release_unused()
                 security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
@@ -284,6 +289,25 @@ class Collector:
         security.stopping()  # the audit chain's collector.stop, while the store still takes it
         await asyncio.to_thread(self.store.close)  # commits what was accepted; acks no longer matter
 
+    def _node_last_seen_unix_ns(self, node: str) -> int:
+        """When the collector last heard from `node`: now while its stream is open; 0 for a node it
+        no longer knows (its stream positions, last updated longer ago than --retention-days, pruned)."""
+        view = self.nodes.get(node)
+        if view is None:
+            return 0
+        if view.connected:
+            return time.time_ns()
+        return max([view.last_heartbeat_unix_ns, *(p.updated_unix_ns for p in view.positions.values())])
+
+    def _prune_fault_counts(self) -> None:
+        """ghostgpu_xid_errors_total of the nodes gone longer than --retention-days: dropped, as their
+        stream positions are (collector/store.py), so the series of nodes long gone do not pile up."""
+        before_ns = time.time_ns() - int(self.store.retention_s * 1e9)
+        gone = self.faults.prune_gone(self._node_last_seen_unix_ns, before_ns)
+        if gone:
+            log.info("GPU fault counts of %d node(s) gone over %g days dropped: %s", len(gone),
+                     self.config.retention_days, ", ".join(gone[:10]) + (" ..." if len(gone) > 10 else ""))
+
     async def _offer_recent_faults(self) -> None:
         """The stored faults whose pushed alerts have not ended (--alert-fault-hold): offered again, as
         the open findings are, so an Alertmanager that lost its alerts while this collector was
@@ -292,7 +316,7 @@ class Collector:
 
         assert self.pusher is not None
         since_ns = time.time_ns() - int(self.config.alert_fault_hold_s * 1e9)
-        recent = await asyncio.wrap_future(self.store.read(select_faults(since_ns, "", "", MAX_FAULT_ALERTS)))
+        recent = await asyncio.wrap_future(self.store.read(select_unended(since_ns, MAX_FAULT_ALERTS)))
         for cf in recent:
             self.pusher.offer_fault(cf)
 

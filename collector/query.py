@@ -31,6 +31,7 @@ from ghostgpu.collector.store import FindingRow, Store, decode_blob
 from ghostgpu.collector.trace_access import read_refusal, stop_refusal
 from ghostgpu.collector.trace_scope import TraceError
 from ghostgpu.collector.traces import TraceBook
+from google.protobuf.message import Message
 
 from ghostgpu import __version__
 from ghostgpu.common.audit.chain import AuditRecord
@@ -126,15 +127,21 @@ def _stored_events(rows: list[EventRow], instance_id: str, after_seq: int,
                 continue
             out.append(query_pb2.StoredEvent(node=node, boot_id=boot_id, instance_id=inst, event=ev))
     # With instance_id a page runs on from after_seq (cut at its end); without, it is the newest.
-    page = out[:limit] if instance_id else out[-limit:][::-1]
-    kept: list[query_pb2.StoredEvent] = []
+    if instance_id:
+        return out[:limit][:within_bytes(out[:limit], EVENTS_RESPONSE_BYTES)]
+    page = out[-limit:][::-1]
+    return page[:within_bytes(page, EVENTS_RESPONSE_BYTES)][::-1]
+
+
+def within_bytes(items: Sequence[Message], budget_bytes: int) -> int:
+    """How many of `items`, from the first, fit an answer of `budget_bytes` as a repeated field;
+    at least one (a single item over the budget goes alone: the message limit is twice the budget)."""
     size = 0
-    for stored in page:
-        size += stored.ByteSize() + 8  # the field's tag and length prefix
-        if kept and size > EVENTS_RESPONSE_BYTES:
-            break
-        kept.append(stored)
-    return kept if instance_id else kept[::-1]
+    for n, item in enumerate(items):
+        size += item.ByteSize() + 8  # the field's tag and length prefix
+        if n and size > budget_bytes:
+            return n
+    return len(items)
 
 
 class QueryService(query_pb2_grpc.QueryServicer):
@@ -196,14 +203,9 @@ class QueryService(query_pb2_grpc.QueryServicer):
         read = select_faults(request.since_unix_ns, request.node, request.namespace, _limit(request.limit))
         faults = await self._read(read, context)
         # Within what every client receives, as ListEvents: the newest that fit (a fault carries its
-        # kernel log line and every process it hit).
-        size, start = 0, len(faults)
-        while start > 0:
-            size += faults[start - 1].ByteSize() + 8  # the field's tag and length prefix
-            if size > EVENTS_RESPONSE_BYTES and start < len(faults):
-                break
-            start -= 1
-        return query_pb2.ListFaultsResponse(faults=faults[start:])
+        # kernel log line and every process it hit); the answer says how many older ones it left out.
+        kept = within_bytes(faults[::-1], EVENTS_RESPONSE_BYTES)
+        return query_pb2.ListFaultsResponse(faults=faults[len(faults) - kept:], left_out=len(faults) - kept)
 
     async def NodeStatus(self, request: query_pb2.NodeStatusRequest,
                          context: Context) -> query_pb2.NodeStatusResponse:

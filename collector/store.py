@@ -16,7 +16,8 @@ commit (or roll back) with everything else of the group, and compression stays o
 
 The `faults` table holds the GPU faults (Xid) the tracers sent, each with the pods it hit, the newest
 `--faults-max` of them (collector/faults.py writes it through `op_call`, in the transaction of the
-batch that carried the fault); `fault_counts` how many were ever stored per node, GPU and Xid.
+batch that carried the fault; one row per kernel log record: node, boot, kmsg_seq and the record's
+time are unique); `fault_counts` how many were ever stored per node, GPU and Xid.
 
 The `audit` table holds the security audit trail (collector/audit.py writes it through `op_audit`
 beside its JSON lines file, and reads it): append-only, never pruned.
@@ -79,8 +80,11 @@ CREATE TABLE IF NOT EXISTS audit (
 CREATE INDEX IF NOT EXISTS audit_by_ts ON audit (ts_unix_ns);
 CREATE TABLE IF NOT EXISTS faults (
   id INTEGER PRIMARY KEY, node TEXT NOT NULL, ts_unix_ns INTEGER NOT NULL, gpu TEXT NOT NULL,
-  xid TEXT NOT NULL, namespaces TEXT NOT NULL, fault BLOB NOT NULL);
+  xid TEXT NOT NULL, namespaces TEXT NOT NULL, fault BLOB NOT NULL, boot_id TEXT NOT NULL,
+  kmsg_seq INTEGER NOT NULL, log_ts_ns INTEGER NOT NULL, stored_unix_ns INTEGER NOT NULL,
+  UNIQUE (node, boot_id, kmsg_seq, log_ts_ns));
 CREATE INDEX IF NOT EXISTS faults_by_ts ON faults (ts_unix_ns);
+CREATE INDEX IF NOT EXISTS faults_by_stored ON faults (stored_unix_ns);
 CREATE TABLE IF NOT EXISTS fault_counts (
   node TEXT NOT NULL, gpu TEXT NOT NULL, xid TEXT NOT NULL, count INTEGER NOT NULL,
   PRIMARY KEY (node, gpu, xid));

@@ -270,18 +270,22 @@ class FaultHit(_message.Message):
     def __init__(self, consumer: _Optional[_Union[_stream_pb2.FaultConsumer, _Mapping]] = ..., k8s: _Optional[_Union[K8sIdentity, _Mapping]] = ...) -> None: ...
 
 class ClusterFault(_message.Message):
-    __slots__ = ("id", "node", "fault", "hits", "ts_unix_ns")
+    __slots__ = ("id", "node", "fault", "hits", "ts_unix_ns", "boot_id", "stored_unix_ns")
     ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     TS_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     id: int
     node: str
     fault: _stream_pb2.Fault
     hits: _containers.RepeatedCompositeFieldContainer[FaultHit]
     ts_unix_ns: int
-    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., fault: _Optional[_Union[_stream_pb2.Fault, _Mapping]] = ..., hits: _Optional[_Iterable[_Union[FaultHit, _Mapping]]] = ..., ts_unix_ns: _Optional[int] = ...) -> None: ...
+    boot_id: str
+    stored_unix_ns: int
+    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., fault: _Optional[_Union[_stream_pb2.Fault, _Mapping]] = ..., hits: _Optional[_Iterable[_Union[FaultHit, _Mapping]]] = ..., ts_unix_ns: _Optional[int] = ..., boot_id: _Optional[str] = ..., stored_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ListFaultsRequest(_message.Message):
     __slots__ = ("since_unix_ns", "node", "namespace", "limit")
@@ -296,7 +300,9 @@ class ListFaultsRequest(_message.Message):
     def __init__(self, since_unix_ns: _Optional[int] = ..., node: _Optional[str] = ..., namespace: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListFaultsResponse(_message.Message):
-    __slots__ = ("faults",)
+    __slots__ = ("faults", "left_out")
     FAULTS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     faults: _containers.RepeatedCompositeFieldContainer[ClusterFault]
-    def __init__(self, faults: _Optional[_Iterable[_Union[ClusterFault, _Mapping]]] = ...) -> None: ...
+    left_out: int
+    def __init__(self, faults: _Optional[_Iterable[_Union[ClusterFault, _Mapping]]] = ..., left_out: _Optional[int] = ...) -> None: ...

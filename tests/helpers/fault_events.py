@@ -8,6 +8,7 @@ container CRI no longer knows, any other pending until `answer()`.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ from ghostgpu.v1 import stream_pb2
 TRAIN, EVAL, GONE = "1a" * 32, "2b" * 32, "3c" * 32
 PENDING = K8sInfo("unresolved", error="CRI lookup pending")
 XID_LINE = ("NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python3, GPU has fallen off the bus.")
+# Each record its own /dev/kmsg sequence number, as the kernel numbers them: the collector stores a
+# fault once per record (collector/faults.py), so two faults of a test are two records unless it says.
+_KMSG_SEQ = itertools.count(901)
 
 
 def hit(pid: int, container_id: str = "", comm: str = "python3", gpu: int | None = 1, named: bool = False,
@@ -34,13 +38,15 @@ def hit(pid: int, container_id: str = "", comm: str = "python3", gpu: int | None
 
 def fault_record(node: str = "gpu-node-1", xid: int | None = 79, gpu: int | None = 1,
                  affected: tuple[FaultConsumer, ...] = (), **fields: Any) -> FaultRecord:
-    """An Xid the driver logged for GPU `gpu` (its UUID as the sim tracer's NodeInfo has it)."""
+    """An Xid the driver logged for GPU `gpu` (its UUID as the sim tracer's NodeInfo has it), a kernel
+    log record of its own (kmsg_seq) unless `fields` says which."""
     base: dict[str, Any] = {
         "ts": time.time(), "node": node, "ts_ns": 12_345_678_000, "xid": xid, "gpu": gpu,
         "gpu_uuid": f"GPU-{gpu:08x}-0000-4000-8000-000000000000" if gpu is not None else "",
         "pci_bus_id": "0000:3b:00", "severity": "critical", "meaning": "GPU has fallen off the bus",
-        "message": "pid=4242, name=python3, GPU has fallen off the bus.", "pid": 4242,
-        "process_name": "python3", "affected": affected, "raw": XID_LINE, "kmsg_seq": 901}
+        # As tracer/xid.py hands it on: the driver's pid= and name= fields read apart from the message.
+        "message": "GPU has fallen off the bus.", "pid": 4242,
+        "process_name": "python3", "affected": affected, "raw": XID_LINE, "kmsg_seq": next(_KMSG_SEQ)}
     base.update(fields)
     return FaultRecord(**base)
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import datetime
 
 import pytest
-from ghostgpu.collector.alertbook import fault_annotations, fault_labels
+from ghostgpu.collector.alertbook import AlertBook, fault_annotations, fault_labels
 from ghostgpu.collector.alertpush import (
     ALERT_ANNOTATIONS,
     FINDING_ALERTS,
@@ -414,14 +414,24 @@ def test_every_finding_class_has_an_alert_and_texts_with_label_placeholders_only
 # ---- GPU faults: one alert per fault, held for --alert-fault-hold -----------------------------------------
 
 
+BOOT_ID = "0b00d1d5-7e57-4000-8000-000000000000"
+
+
+def _fid(kmsg_seq: int) -> str:
+    """The fault_id label of a fault of BOOT_ID's record `kmsg_seq` (collector/faults.py fault_key)."""
+    return f"0b00d1d5-{kmsg_seq}"
+
+
 def _cluster_fault(fid: int = 1, *, xid: int = 79, severity: str = "critical",
                    pods: tuple[str, ...] = ("train-0",), pending: bool = False,
-                   ts_unix_ns: int = 0) -> query_pb2.ClusterFault:
-    cf = query_pb2.ClusterFault(id=fid, node="n1", ts_unix_ns=ts_unix_ns or time.time_ns())
+                   ts_unix_ns: int = 0, stored_unix_ns: int = 0) -> query_pb2.ClusterFault:
+    cf = query_pb2.ClusterFault(id=fid, node="n1", ts_unix_ns=ts_unix_ns or time.time_ns(), boot_id=BOOT_ID,
+                                stored_unix_ns=stored_unix_ns or ts_unix_ns or time.time_ns())
     f = cf.fault
+    f.kmsg_seq = fid  # one kernel log record per fault
     f.xid, f.gpu, f.gpu_uuid, f.pci_bus_id, f.severity = xid, 0, "GPU-0", "0000:3b:00", severity
     f.meaning = "GPU has fallen off the bus" if xid == 79 else ""
-    f.message = "pid=4242, name=python3, GPU has fallen off the bus."
+    f.message = "GPU has fallen off the bus."  # as tracer/xid.py hands it on: pid= and name= read apart
     for i, pod in enumerate(pods):
         h = cf.hits.add()
         h.consumer.process.pid, h.consumer.process.comm = 4242 + i, "python3"
@@ -437,9 +447,11 @@ def _cluster_fault(fid: int = 1, *, xid: int = 79, severity: str = "critical",
 
 @pytest.mark.parametrize(("fault", "labels"), [
     (_cluster_fault(), {"alertname": "GhostGPUXid", "severity": "critical", "node": "n1", "gpu": "0",
-                        "gpu_uuid": "GPU-0", "xid": "79", "fault_id": "1", "source": "ghostgpu-collector"}),
-    (_cluster_fault(2, xid=13, severity="unknown"), {"severity": "warning", "xid": "13", "fault_id": "2"}),
-    (_cluster_fault(3, xid=-1, severity="unknown"), {"severity": "warning", "fault_id": "3"}),  # no xid label
+                        "gpu_uuid": "GPU-0", "xid": "79", "fault_id": _fid(1),
+                        "source": "ghostgpu-collector"}),
+    (_cluster_fault(2, xid=13, severity="unknown"),
+     {"severity": "warning", "xid": "13", "fault_id": _fid(2)}),
+    (_cluster_fault(3, xid=-1, severity="unknown"), {"severity": "warning", "fault_id": _fid(3)}),  # no xid
 ])
 def test_fault_labels(fault: query_pb2.ClusterFault, labels: dict[str, str]) -> None:
     got = fault_labels(fault, {"cluster": "eu"})
@@ -451,7 +463,7 @@ def test_fault_annotations_name_the_pods_the_meaning_and_the_message() -> None:
     a = fault_annotations(_cluster_fault(pods=("train-0", "eval-1")))
     assert a["pods"] == "team-a/train-0, team-a/eval-1"
     assert a["meaning"] == "GPU has fallen off the bus"
-    assert a["message"] == "pid=4242, name=python3, GPU has fallen off the bus."
+    assert a["message"] == "GPU has fallen off the bus."
     assert a["summary"] == ("Xid 79 on node n1 GPU 0: GPU has fallen off the bus; hit team-a/train-0, "
                             "team-a/eval-1")
     named = "PID 4242 (python3) in container trainer of pod team-a/train-0 (named by the driver)"
@@ -466,13 +478,31 @@ def test_a_fault_is_one_alert_ending_fault_hold_s_after_it(am: FakeAlertmanager,
         pusher.offer_fault(first)
         pusher.offer_fault(second)  # the same Xid on the same GPU again: an alert of its own
         am.wait("both faults' alerts", lambda: len(am.alerts(alertname="GhostGPUXid")) == 2)
-        alert = am.alerts(fault_id="1")[0]
+        alert = am.alerts(fault_id=_fid(1))[0]
         starts = _unix(alert["startsAt"])
         assert abs(starts - first.ts_unix_ns / 1e9) < 0.002
         assert abs(_unix(alert["endsAt"]) - starts - 7200.0) < 0.002
         assert alert["annotations"]["pods"] == "team-a/train-0"
     finally:
         pusher.stop()
+
+
+@pytest.mark.parametrize(("late_s", "hold_from"), [
+    (0.0, "fault"),  # stored as it was read: held from the fault
+    (3 * 3600.0, "stored"),  # spooled through a 3 h outage, longer than the hold: held from its storing
+])
+def test_a_fault_delivered_late_is_held_from_when_it_was_stored(late_s: float, hold_from: str) -> None:
+    book = AlertBook(["am"], {}, resend_s=60.0, resolved_keep_s=60.0, settle_s=0.0)
+    book.fault_hold_s = 3600.0
+    stored_ns = time.time_ns()
+    cf = _cluster_fault(ts_unix_ns=stored_ns - int(late_s * 1e9), stored_unix_ns=stored_ns)
+    assert book.apply_faults([cf], time.monotonic())
+    (body,) = [a.body for a in book.alerts.values()]
+    starts, ends = _unix(str(body["startsAt"])), _unix(str(body["endsAt"]))
+    assert abs(starts - cf.ts_unix_ns / 1e9) < 0.002  # it started when the driver wrote it
+    held_from = {"fault": cf.ts_unix_ns, "stored": stored_ns}[hold_from] / 1e9
+    assert abs(ends - held_from - 3600.0) < 0.002
+    assert ends > time.time()  # not ended on arrival: Alertmanager notifies
 
 
 def test_a_fault_waits_for_its_pod_names_then_settle_s(am: FakeAlertmanager, table: FindingTable) -> None:
@@ -482,15 +512,15 @@ def test_a_fault_waits_for_its_pod_names_then_settle_s(am: FakeAlertmanager, tab
         wait_until(lambda: pusher.stats().pending == 1, "the fault held for its names")
         assert am.alerts(alertname="GhostGPUXid") == []
         pusher.offer_fault(_cluster_fault(1))  # CRI answered: the fault book offers it again
-        am.wait("the fault with its pods", lambda: am.alerts(fault_id="1"))
-        assert am.alerts(fault_id="1")[0]["annotations"]["pods"] == "team-a/train-0"
+        am.wait("the fault with its pods", lambda: am.alerts(fault_id=_fid(1)))
+        assert am.alerts(fault_id=_fid(1))[0]["annotations"]["pods"] == "team-a/train-0"
     finally:
         pusher.stop()
     quick = _pusher(table, [am.url], settle_s=0.2)
     try:
         quick.offer_fault(_cluster_fault(5, pending=True))
-        am.wait("the fault sent without names after settle_s", lambda: am.alerts(fault_id="5"))
-        assert am.alerts(fault_id="5")[0]["annotations"]["pods"] == "container aaaaaaaaaaaaa"
+        am.wait("the fault sent without names after settle_s", lambda: am.alerts(fault_id=_fid(5)))
+        assert am.alerts(fault_id=_fid(5))[0]["annotations"]["pods"] == "container aaaaaaaaaaaaa"
     finally:
         quick.stop()
 
@@ -500,7 +530,7 @@ def test_a_fault_alert_is_forgotten_after_it_ended_and_was_taken(am: FakeAlertma
     pusher = _pusher(table, [am.url], resend_s=0.1, fault_hold_s=0.3, resolved_keep_s=0.2)
     try:
         pusher.offer_fault(_cluster_fault(1))
-        am.wait("the fault's alert", lambda: am.alerts(fault_id="1"))
+        am.wait("the fault's alert", lambda: am.alerts(fault_id=_fid(1)))
         wait_until(lambda: not pusher._book.alerts and pusher.stats().pending == 0,
                    "the pusher to forget the ended fault alert", 5)
     finally:

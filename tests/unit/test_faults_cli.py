@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from ghostgpu.cli.faults import fault_json, faults_table, hit_note, pods_text, render
 from ghostgpu.cli.main import main
+from ghostgpu.collector import query
 
 from ghostgpu.v1 import query_pb2
 from tests.helpers.collector_env import running_collector
@@ -38,7 +39,8 @@ def _fault(*hits: query_pb2.FaultHit, xid: int = 79, gpu: int = 0, fid: int = 1,
     cf = query_pb2.ClusterFault(id=fid, node="gpu-node-1", ts_unix_ns=ts_unix_ns)
     f = cf.fault
     f.xid, f.gpu, f.gpu_uuid, f.severity = xid, gpu, "GPU-0", "critical"
-    f.meaning, f.message = "GPU has fallen off the bus", "pid=4242, name=python3, GPU has fallen off the bus."
+    # The message as tracer/xid.py hands it on: the driver's pid= and name= fields read apart.
+    f.meaning, f.message = "GPU has fallen off the bus", "GPU has fallen off the bus."
     f.raw = "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python3, GPU has fallen off the bus."
     cf.hits.extend(hits)
     return cf
@@ -64,7 +66,7 @@ def test_hit_note_says_what_became_of_it(hit: query_pb2.FaultHit, note: str) -> 
 @pytest.mark.parametrize(("hits", "text"), [
     ((RUNNING, EXITED), "ml/train-7, ml/eval-2 (container exited)"),
     ((RUNNING, RUNNING), "ml/train-7"),  # one pod once
-    ((GONE, HOST), "3c3c3c3c3c3c3 (exited, container gone), host"),
+    ((GONE, HOST), "container 3c3c3c3c3c3c3 (exited, container gone), host"),
     ((), "-"),
 ])
 def test_pods_text_names_each_pod_once_named_first(hits: tuple[query_pb2.FaultHit, ...], text: str) -> None:
@@ -80,7 +82,7 @@ def test_table_has_one_row_per_fault_oldest_first_and_wide_adds_pids_containers_
     assert "gpu-node-1  -    ?    critical  line did not parse" in lines[2]
     wide = faults_table([_fault(RUNNING)], wide=True).splitlines()
     assert wide[0].split()[-3:] == ["PIDS", "CONTAINERS", "MESSAGE"]
-    assert wide[1].endswith("4242(python3)  trainer     pid=4242, name=python3, GPU has fallen off the bus.")
+    assert wide[1].endswith("4242(python3)  trainer     GPU has fallen off the bus.")
     assert faults_table([]).splitlines()[-1] == "(no GPU faults in this window)"
 
 
@@ -123,6 +125,7 @@ def test_faults_names_the_pods_a_fault_hit(tmp_path: Path, capsys: pytest.Captur
 @pytest.mark.parametrize(("argv", "line"), [
     (["--since", "soon"], "ghostgpu: --since 'soon'"),
     (["--limit", "-1"], "ghostgpu: --limit -1: must be 0 (the collector's default) or more"),
+    (["-o", "yaml"], "ghostgpu: -o 'yaml': not an output of ghostgpu faults; use one of table, wide, json"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(argv: list[str], line: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,3 +137,30 @@ def test_an_unreachable_collector_is_one_line_and_exit_1(capsys: pytest.CaptureF
     code, _, err = _run(capsys, "--collector", "127.0.0.1:1")
     assert code == 1 and err.count("\n") == 1
     assert err.startswith("ghostgpu: cannot reach the collector at 127.0.0.1:1")
+
+
+def test_faults_left_out_by_the_answer_size_are_said(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    one = fault_event(1, fault_record()).ByteSize()
+    monkeypatch.setattr(query, "EVENTS_RESPONSE_BYTES", 2 * one + 200)  # room for the newest two
+    with running_collector(tmp_path, resolver_factory=Names) as c:
+        with SimTracer(c.address, "gpu-node-1") as t:
+            t.connect()
+            events = [fault_event(s, fault_record(xid=s), ts_unix_ns=s) for s in (1, 2, 3, 4)]
+            t.wait_acked(t.send_events(events))
+        code, out, err = _run(capsys, "--collector", c.address, "--since", "100000d", "-o", "json")
+        assert code == 0 and [r["xid"] for r in json.loads(out)] == [3, 4]  # the newest that fit
+        assert err == ("ghostgpu: 2 older faults left out to keep the answer within the message size: use "
+                       "--since/--limit for fewer\n")
+
+
+@pytest.mark.parametrize(("sizes", "budget", "kept"), [
+    ((), 100, 0),
+    ((10, 10, 10), 100, 3),  # each counts 8 bytes more (the field's tag and length)
+    ((40, 40, 40), 100, 2),
+    ((120, 10), 100, 1),  # one over the budget still goes alone
+])
+def test_within_bytes(sizes: tuple[int, ...], budget: int, kept: int) -> None:
+    items = [query_pb2.ClusterFault(node="n" * (n - 2)) for n in sizes]  # n bytes: tag, length, n-2 chars
+    assert [i.ByteSize() for i in items] == list(sizes)
+    assert query.within_bytes(items, budget) == kept

@@ -102,8 +102,10 @@ def test_a_planted_consumer_shows_on_a_real_scrape(collector: Collector) -> None
         t.connect()
         t.send_snapshot([hidden, gone], seq=0, info=info,
                         stats=stream_pb2.TracerStats(spool_dropped_total=3, ringbuf_dropped_total=2))
-        xid = fault_record(affected=(hit(4242, CID, named=True),))
-        t.wait_acked(t.send_events([resolved(1, gone), fault_event(2, xid), fault_event(3, xid)]))
+        # Two Xids of one kind on one GPU (two kernel log records), and the first sent again: counted once.
+        xid, again = (fault_record(affected=(hit(4242, CID, named=True),)) for _ in range(2))
+        t.wait_acked(t.send_events([resolved(1, gone), fault_event(2, xid), fault_event(3, again),
+                                    fault_event(4, xid)]))
 
         def planted() -> bool:
             infos = samples(scrape(collector)[0]).get("ghostgpu_nonvisible_consumer_info", [])

@@ -7,6 +7,8 @@ the commands write them into table cells and event lines.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 _MIB = 1 << 20
 
 # Container IDs in sentences, as docker ps, crictl and kubectl print them.
@@ -57,3 +59,34 @@ def memory_cell(nvml_bytes: int | None, allocated_bytes: int | None) -> str:
     if allocated_bytes is not None:
         return mib(allocated_bytes) + DRIVER_CALLS_MARK
     return "-"
+
+
+# ---- the processes a GPU fault hit (collector/alertbook.py's alert texts, cli/faults.py's table) ----
+
+
+def hit_where(namespace: str, pod: str, container_id: str) -> str:
+    """Where a hit process ran: namespace/pod when CRI named it, else "container" and the ID's
+    prefix, else "host"."""
+    if pod:
+        return f"{namespace}/{pod}"
+    if container_id:
+        return f"container {short_id(container_id, LISTING_ID_LEN)}"
+    return "host"
+
+
+def hit_notes(exited: bool, resolution: str, container_state: str, container_id: str) -> list[str]:
+    """What became of a hit process or its container by then ([] when it ran on), as findings say:
+    resolution and container_state are its K8sIdentity's (CRI's answer)."""
+    notes = ["exited"] if exited else []
+    if resolution == "not_found":
+        notes.append("container gone")
+    elif container_state in ("CONTAINER_EXITED", "CONTAINER_UNKNOWN"):
+        notes.append(f"container {container_state.removeprefix('CONTAINER_').lower()}")
+    elif resolution == "unresolved" and container_id:
+        notes.append("CRI did not answer")
+    return notes
+
+
+def hit_pods(hits: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (namespace, pod) pairs of the hits CRI named, each once, in hit order."""
+    return list(dict.fromkeys((ns, pod) for ns, pod in hits if pod))
