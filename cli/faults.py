@@ -22,7 +22,7 @@ from typing import Any
 from ghostgpu.cli.client import ClientError, Query
 from ghostgpu.cli.view import Column, table
 
-from ghostgpu.common.model.display import LISTING_ID_LEN, hit_notes, hit_pods, hit_where, short_id
+from ghostgpu.common.model.display import LISTING_ID_LEN, fault_id, hit_notes, hit_pods, hit_where, short_id
 from ghostgpu.common.model.durations import LOOK_BACK, parse_duration_s
 from ghostgpu.v1 import query_pb2
 
@@ -66,7 +66,8 @@ def fault_json(cf: query_pb2.ClusterFault) -> dict[str, Any]:
     return {"id": cf.id, "time": cf.ts_unix_ns / 1e9, "node": cf.node, "gpu": _opt(f.gpu),
             "gpu_uuid": f.gpu_uuid, "pci_bus_id": f.pci_bus_id, "xid": _opt(f.xid), "severity": f.severity,
             "meaning": f.meaning, "message": f.message, "pid": f.pid or None, "process_name": f.process_name,
-            "pods": pods, "hits": [hit_json(h) for h in cf.hits], "raw": f.raw, "kmsg_seq": f.kmsg_seq}
+            "pods": pods, "hits": [hit_json(h) for h in cf.hits], "raw": f.raw, "kmsg_seq": f.kmsg_seq,
+            "fault_id": fault_id(cf.boot_id, f.kmsg_seq, f.ts_ns)}
 
 
 def _stamp(unix_ns: int) -> str:

@@ -44,7 +44,7 @@ from ghostgpu.collector.enrich import NO_CONTAINER
 from ghostgpu.collector.store import CallOp, Store
 
 from ghostgpu.common.model.consumers import K8sInfo
-from ghostgpu.common.model.display import hit_pods
+from ghostgpu.common.model.display import fault_id, hit_pods
 from ghostgpu.common.wire.convert import k8s_to_proto
 from ghostgpu.v1 import query_pb2, stream_pb2
 
@@ -95,12 +95,9 @@ def hit_namespaces(cf: query_pb2.ClusterFault) -> list[str]:
 
 
 def fault_key(cf: query_pb2.ClusterFault) -> str:
-    """The fault's identity within its node, from the kernel log record it came from: the boot's first
-    8 characters and the record's /dev/kmsg sequence number (unique within a boot), or its kernel log
-    time for a line that came without one. The alert's fault_id label (collector/alertbook.py)."""
-    boot = cf.boot_id[:8] or "-"
-    f = cf.fault
-    return f"{boot}-{f.kmsg_seq}" if f.kmsg_seq else f"{boot}-t{f.ts_ns}"
+    """The fault's identity within its node, from its natural key (model/display.py fault_id): the
+    alert's fault_id label (collector/alertbook.py), `fault_id` in `ghostgpu faults -o json`."""
+    return fault_id(cf.boot_id, cf.fault.kmsg_seq, cf.fault.ts_ns)
 
 
 def fault_row(cf: query_pb2.ClusterFault) -> FaultRow:

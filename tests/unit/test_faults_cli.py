@@ -18,7 +18,7 @@ from tests.helpers.fault_events import TRAIN, Names, fault_event, fault_record, 
 from tests.helpers.sim_tracer import SimTracer
 
 JSON_KEYS = ["id", "time", "node", "gpu", "gpu_uuid", "pci_bus_id", "xid", "severity", "meaning", "message",
-             "pid", "process_name", "pods", "hits", "raw", "kmsg_seq"]
+             "pid", "process_name", "pods", "hits", "raw", "kmsg_seq", "fault_id"]
 HIT_KEYS = ["pid", "comm", "named", "exited", "gpu", "container_id", "namespace", "pod", "container",
             "resolution", "container_state", "note"]
 

@@ -87,6 +87,14 @@ def hit_notes(exited: bool, resolution: str, container_state: str, container_id:
     return notes
 
 
+def fault_id(boot_id: str, kmsg_seq: int, log_ts_ns: int) -> str:
+    """A GPU fault's identity within its node, from the kernel log record it came from: the boot's
+    first 8 characters and the record's /dev/kmsg sequence number (unique within a boot), or its kernel
+    log time for a line that came without one. The pushed alert's fault_id label."""
+    boot = boot_id[:8] or "-"
+    return f"{boot}-{kmsg_seq}" if kmsg_seq else f"{boot}-t{log_ts_ns}"
+
+
 def hit_pods(hits: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The (namespace, pod) pairs of the hits CRI named, each once, in hit order."""
     return list(dict.fromkeys((ns, pod) for ns, pod in hits if pod))
