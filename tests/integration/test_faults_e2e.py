@@ -125,7 +125,8 @@ def test_a_repeated_critical_xid_fires_the_shipped_rule_in_prometheus(tmp_path: 
             t.wait_acked(t.send_events([fault_event(1, xid)]))
             wait_until(lambda: prom.query('ghostgpu_xid_errors_total{node="gpu-node-9"} == 1'),
                        "the first fault scraped", DEADLINE_S)
-            t.wait_acked(t.send_events([fault_event(2, xid)]))  # the same Xid again on that GPU
+            again = fault_record(node="gpu-node-9", gpu=0, affected=(hit(4242),))  # its own kernel log record
+            t.wait_acked(t.send_events([fault_event(2, again)]))  # the same Xid again on that GPU
 
             def firing() -> list[dict[str, Any]]:
                 return [a for a in prom.alerts()
