@@ -1,7 +1,9 @@
 """GPU faults at the collector: stored once with the batch that carried them (a resend is a duplicate,
-a restart keeps them), each hit named through CRI (late names rewrite the row; a container gone says
-so), bounded with the drops counted, listed by ListFaults with its filters, the viewer role, and offered
-to the Alertmanager push again by a restarted collector while their alerts last."""
+the same kernel log record again is no new fault, a failed commit changes nothing and its resend is
+stored, told and counted once, a restart keeps them), each hit named through CRI (late names rewrite
+the row; a container gone says so), bounded with the drops counted, listed by ListFaults with its
+filters, the viewer role, offered to the Alertmanager push again by a restarted collector while their
+alerts last, and the counts of nodes gone past the retention dropped."""
 
 from __future__ import annotations
 
@@ -297,3 +299,21 @@ def test_a_restarted_collector_offers_the_faults_whose_alerts_have_not_ended(tmp
     with running_collector(tmp_path, **am):
         (pusher,) = Offered.made
         assert [(f.id, f.fault.xid) for f in pusher.faults] == [(2, 79)]  # the 2 h old one ended (1 h hold)
+
+
+def test_a_collector_drops_the_fault_counts_of_nodes_gone_past_its_retention(tmp_path: Path) -> None:
+    with running_collector(tmp_path, resolver_factory=Names) as c:
+        for node in ("gone", "back"):
+            with SimTracer(c.address, node) as t:
+                t.connect()
+                t.wait_acked(t.send_events([fault_event(1, fault_record(node=node))]))
+        assert [k[0] for k, _ in c.call(lambda: c.faults.count_rows())] == ["back", "gone"]
+    with sqlite3.connect(tmp_path / "collector.db") as conn:  # one not heard from for 30 days
+        conn.execute("UPDATE positions SET updated_unix_ns = ? WHERE node = 'gone'",
+                     (time.time_ns() - 30 * 86400 * 10**9,))
+    with running_collector(tmp_path, resolver_factory=Names, retention_days=7) as c:
+        wait_until(lambda: [k[0] for k, _ in c.call(lambda: c.faults.count_rows())] == ["back"],
+                   "the gone node's counts dropped")
+        assert c.call(lambda: c.faults.count_rows()) == [(("back", "1", "79"), 1)]  # a live one's: kept
+    with running_collector(tmp_path, resolver_factory=Names) as c:
+        assert [k[0] for k, _ in c.call(lambda: c.faults.count_rows())] == ["back"]  # the table too
