@@ -196,6 +196,13 @@ class Tracer:
         self._memory_dead_last_sweep = dead - doomed
         for pid in sorted(doomed):
             self._memory_exit(pid, boot_ns())
+        # And what is kept per process outside the holder table, for one no event reported gone:
+        # last-seen times (only a holder's exit is dated by them) and fork links of the dead.
+        for pid in [pid for pid in self._alive_ns if pid not in self.state.holders]:
+            del self._alive_ns[pid]
+        for pid in [pid for pid in self._forked_from if pid not in self.state.holders
+                    and not self.identities.alive(pid)]:
+            self._unlink_fork(pid)
 
     def _rescan(self) -> None:
         if self.scans.rescan():
@@ -356,7 +363,9 @@ class Tracer:
         """The agent's counters TracerStats carries, by field name (read from the stream's thread:
         plain int reads)."""
         return {"memory_objects_dropped_total": self.memory.dropped_objects_total,
-                "kmsg_unparsed_total": self.faults.kmsg_unparsed_total()}
+                "kmsg_unparsed_total": self.faults.kmsg_unparsed_total(),
+                "faults_dropped_total": self.faults.dropped_total,
+                "kmsg_records_lost_total": self.faults.reader.records_lost_total}
 
     def bpf_stats(self) -> dict[str, int]:
         """The kernel counters as last read (a dict replaced whole, so any thread may read it)."""
@@ -387,11 +396,12 @@ class Tracer:
             self._exit(ev, before)
             return
         if before is not None:
-            self._alive_ns[ev.pid] = max(self._alive_ns.get(ev.pid, 0), ev.ts_ns)
             self._note_for_faults(ev, before)
         gpus_before = _held_gpus(before) if ev.kind is EventKind.EXEC and before is not None else None
         changes = self.state.apply(ev)
         after = self.state.holders.get(ev.pid)
+        if (after or before) is not None:  # it made this event: alive then
+            self._alive_ns[ev.pid] = max(self._alive_ns.get(ev.pid, 0), ev.ts_ns)
         if ev.kind is EventKind.FORK and before is not None and ev.child_pid > 0 and ev.child_pid != ev.pid:
             self._unlink_fork(ev.child_pid)  # a pid reused: its old links go
             self._forked_from[ev.child_pid] = ev.pid
@@ -596,6 +606,11 @@ class Tracer:
         def lookup(pid: int) -> ProcessIdentity | None:
             info = self.identities.identify(pid, 0)
             return records.identity(info) if info is not None and info.alive else None
+
+        if self.bpf is not None:
+            # What the kernel queued before these lines were read (the exit of the job the fault
+            # killed, often just before its Xid) is applied first: the join then sees it as gone.
+            self._drain(0)
 
         for fault in self.faults.take(self.nvml, self.state.holders, lookup):
             self.sink.emit(fault)

@@ -15,11 +15,13 @@ faults. A container's /dev has no kmsg node unless the container is privileged, 
 in is refused by the container's device cgroup all the same: there, the lines have to come from
 another source (FaultWatch.offer takes a line from anywhere).
 
-TS_US is the printk clock (local_clock(), as CLOCK_MONOTONIC runs: it stops in suspend).
-printk_to_boot_ns() moves it to CLOCK_BOOTTIME, the holder timeline's clock, by the offset
-boottime - monotonic read at conversion. local_clock is not slewed by NTP as CLOCK_MONOTONIC is, so
-the two can drift apart over a long uptime: the caller also caps a record's time at the moment it
-was read.
+TS_US is the printk clock (local_clock(), kernel/printk/printk.c: it stops in suspend, as
+CLOCK_MONOTONIC does, but NTP does not slew it as it slews CLOCK_MONOTONIC): over a long uptime the
+two drift apart by tens of ppm, seconds after weeks. So the offset is not read, it is measured
+(PrintkClock): every record is read after it was logged, so (monotonic when read - its TS_US) is
+at least the true offset, and the least such value over the records read is the best estimate,
+early by at most the quickest read's latency. CLOCK_BOOTTIME, the holder timeline's clock, is
+monotonic plus the time spent suspended (boot_offset_ns), added at conversion.
 
 Lines that user space wrote to /dev/kmsg (facility != 0: the kernel forces LOG_USER on a write
 without one, devkmsg_write) are passed on like the kernel's; KmsgRecord.from_kernel tells them apart.
@@ -53,7 +55,6 @@ class KmsgRecord:
     seq: int
     ts_us: int  # printk clock, microseconds
     text: str
-    continuation: bool = False  # FLAGS '+' / 'c': a fragment of a longer line
 
     @property
     def from_kernel(self) -> bool:
@@ -62,7 +63,8 @@ class KmsgRecord:
 
 def parse_record(data: bytes) -> KmsgRecord | None:
     """One read() of /dev/kmsg -> KmsgRecord; None when the prefix is not `PRI,SEQ,TS,FLAGS;`.
-    Continuation lines (` KEY=VALUE`) are dropped: the text is the first line."""
+    Continuation lines (` KEY=VALUE`) are dropped: the text is the first line. FLAGS ('-', or 'c'
+    for a fragment the kernel could not merge) is not used: the driver logs an Xid as one line."""
     head, sep, body = data.partition(b";")
     if not sep:
         return None
@@ -73,11 +75,10 @@ def parse_record(data: bytes) -> KmsgRecord | None:
         pri, seq, ts_us = int(fields[0]), int(fields[1]), int(fields[2])
     except ValueError:
         return None
-    flags = fields[3] if len(fields) > 3 else b"-"
     text = body.split(b"\n", 1)[0]
     text = _ESCAPE.sub(lambda m: bytes([int(m[1], 16)]), text)
     return KmsgRecord(facility=pri >> 3, level=pri & 7, seq=seq, ts_us=ts_us,
-                      text=text.decode("utf-8", errors="replace"), continuation=flags in (b"c", b"+"))
+                      text=text.decode("utf-8", errors="replace"))
 
 
 def boot_offset_ns() -> int:
@@ -86,8 +87,26 @@ def boot_offset_ns() -> int:
 
 
 def printk_to_boot_ns(ts_us: int, offset_ns: int) -> int:
-    """A kmsg timestamp on the holder timeline's clock (CLOCK_BOOTTIME)."""
+    """A kmsg timestamp on the holder timeline's clock (CLOCK_BOOTTIME), given the offset."""
     return ts_us * 1000 + offset_ns
+
+
+class PrintkClock:
+    """The printk clock's offset to CLOCK_MONOTONIC, measured from the records read (see the module
+    doc): pure, one per reader, fed every record (not only the Xid lines) so that the estimate is
+    as tight as the quickest read."""
+
+    def __init__(self) -> None:
+        self.offset_ns: int | None = None  # min over the records of (monotonic when read - TS_US)
+
+    def to_boot_ns(self, ts_us: int, read_boot_ns: int, suspended_ns: int) -> int:
+        """A record's time on CLOCK_BOOTTIME. read_boot_ns: when it was read (CLOCK_BOOTTIME);
+        suspended_ns: boottime - monotonic then (boot_offset_ns). Never later than read_boot_ns."""
+        printk_ns = ts_us * 1000
+        sample = read_boot_ns - suspended_ns - printk_ns
+        if self.offset_ns is None or sample < self.offset_ns:
+            self.offset_ns = sample
+        return printk_ns + self.offset_ns + suspended_ns
 
 
 def open_failure(path: str, exc: OSError) -> str:

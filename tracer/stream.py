@@ -43,7 +43,8 @@ log = logging.getLogger("ghostgpu.stream")
 TRACE_QUEUE_MAX = 256  # trace batches waiting for the stream (~512 records each): then they are counted lost
 _STATE_KINDS = frozenset(("finding", "resolved", "info", "allocations"))  # what a Snapshot is made of
 # TracerStats fields the agent counts itself (StreamSink.counters)
-_AGENT_COUNTERS = frozenset(("memory_objects_dropped_total", "kmsg_unparsed_total"))
+_AGENT_COUNTERS = frozenset(("memory_objects_dropped_total", "kmsg_unparsed_total", "faults_dropped_total",
+                             "kmsg_records_lost_total"))
 
 
 class StreamSink:

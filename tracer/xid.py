@@ -133,7 +133,7 @@ def parse_xid(text: str) -> XidReport | None:
             if rest and not rest.startswith(" "):
                 rest = " " + rest
         elif not rest.startswith(" ") and rest:
-            return None  # "pid=12x": not a form the driver writes
+            return None  # "pid=12,x" (no space after the comma): not a form the driver writes
     message = rest[1:] if rest.startswith(" ") else rest
     message = message.rstrip()
     cause = _CAUSE.search(message)

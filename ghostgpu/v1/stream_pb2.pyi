@@ -147,7 +147,7 @@ class FaultConsumer(_message.Message):
     def __init__(self, process: _Optional[_Union[_node_pb2.Process, _Mapping]] = ..., named: _Optional[bool] = ..., exited: _Optional[bool] = ..., gpu: _Optional[int] = ...) -> None: ...
 
 class Fault(_message.Message):
-    __slots__ = ("ts_ns", "gpu", "gpu_uuid", "pci_bus_id", "xid", "severity", "meaning", "message", "pid", "process_name", "affected", "raw", "kmsg_seq")
+    __slots__ = ("ts_ns", "gpu", "gpu_uuid", "pci_bus_id", "xid", "severity", "meaning", "message", "pid", "process_name", "affected", "raw", "kmsg_seq", "origin")
     TS_NS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class Fault(_message.Message):
     AFFECTED_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     KMSG_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     ts_ns: int
     gpu: int
     gpu_uuid: str
@@ -174,7 +175,8 @@ class Fault(_message.Message):
     affected: _containers.RepeatedCompositeFieldContainer[FaultConsumer]
     raw: str
     kmsg_seq: int
-    def __init__(self, ts_ns: _Optional[int] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., xid: _Optional[int] = ..., severity: _Optional[str] = ..., meaning: _Optional[str] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ..., process_name: _Optional[str] = ..., affected: _Optional[_Iterable[_Union[FaultConsumer, _Mapping]]] = ..., raw: _Optional[str] = ..., kmsg_seq: _Optional[int] = ...) -> None: ...
+    origin: str
+    def __init__(self, ts_ns: _Optional[int] = ..., gpu: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., xid: _Optional[int] = ..., severity: _Optional[str] = ..., meaning: _Optional[str] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ..., process_name: _Optional[str] = ..., affected: _Optional[_Iterable[_Union[FaultConsumer, _Mapping]]] = ..., raw: _Optional[str] = ..., kmsg_seq: _Optional[int] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class NodeEvent(_message.Message):
     __slots__ = ("seq", "ts_unix_ns", "finding", "resolved", "holder", "notice", "allocations", "info", "fault")
@@ -221,20 +223,24 @@ class Snapshot(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., consumers: _Optional[_Iterable[_Union[_node_pb2.Consumer, _Mapping]]] = ..., allocations: _Optional[_Union[Allocations, _Mapping]] = ..., info: _Optional[_Union[NodeInfo, _Mapping]] = ..., ts_unix_ns: _Optional[int] = ..., stats: _Optional[_Union[TracerStats, _Mapping]] = ...) -> None: ...
 
 class TracerStats(_message.Message):
-    __slots__ = ("spool_events", "spool_dropped_total", "ringbuf_dropped_total", "reconnects_total", "memory_objects_dropped_total", "kmsg_unparsed_total")
+    __slots__ = ("spool_events", "spool_dropped_total", "ringbuf_dropped_total", "reconnects_total", "memory_objects_dropped_total", "kmsg_unparsed_total", "faults_dropped_total", "kmsg_records_lost_total")
     SPOOL_EVENTS_FIELD_NUMBER: _ClassVar[int]
     SPOOL_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RINGBUF_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RECONNECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_OBJECTS_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KMSG_UNPARSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KMSG_RECORDS_LOST_TOTAL_FIELD_NUMBER: _ClassVar[int]
     spool_events: int
     spool_dropped_total: int
     ringbuf_dropped_total: int
     reconnects_total: int
     memory_objects_dropped_total: int
     kmsg_unparsed_total: int
-    def __init__(self, spool_events: _Optional[int] = ..., spool_dropped_total: _Optional[int] = ..., ringbuf_dropped_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ..., memory_objects_dropped_total: _Optional[int] = ..., kmsg_unparsed_total: _Optional[int] = ...) -> None: ...
+    faults_dropped_total: int
+    kmsg_records_lost_total: int
+    def __init__(self, spool_events: _Optional[int] = ..., spool_dropped_total: _Optional[int] = ..., ringbuf_dropped_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ..., memory_objects_dropped_total: _Optional[int] = ..., kmsg_unparsed_total: _Optional[int] = ..., faults_dropped_total: _Optional[int] = ..., kmsg_records_lost_total: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("ts_unix_ns", "last_seq", "stats")

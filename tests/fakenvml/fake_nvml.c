@@ -17,6 +17,7 @@
  * with NVML_ERROR_DRIVER_NOT_LOADED, like a node whose nvidia.ko is not loaded.
  * Build: gcc -shared -fPIC -O2 -Wall -Werror -o libnvidia-ml.so.1 fake_nvml.c
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -316,28 +317,36 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *current, unsig
     return NVML_SUCCESS;
 }
 
-/* nvmlPciInfo_t has one layout from v2 on (busId replaced the reserved fields in NVML 9.0);
- * pynvml 13 calls _v3, older bindings and drivers the plain and _v2 names. A GPU without pci=
- * answers empty bus ids (a real one always has one: tests that join by bus id configure it). */
-static nvmlReturn_t pci_info(nvmlDevice_t dev, pci_info_t *pci) {
+/* nvmlPciInfo_t (nvml.h) is busIdLegacy[16], domain, bus, device, pciDeviceId, pciSubSystemId,
+ * busId[32]: what _v3 fills (pynvml 13 calls _v3). The plain and _v2 names are older, and their
+ * callers' struct is the one before NVML 9.0: busId[16] first (where busIdLegacy now is, in the same
+ * 4-digit-domain form), the same five numbers, then reserved fields where busId[32] now is
+ * (pynvml's nvmlPciInfo_t: "New busId replaced the long deprecated and reserved fields ... in 9.0").
+ * So they get the legacy id and the numbers only: nothing is written past pciSubSystemId. A GPU
+ * without pci= answers empty bus ids (a real one always has one: tests that join by bus id
+ * configure it). */
+static nvmlReturn_t pci_info(nvmlDevice_t dev, pci_info_t *pci, int legacy) {
     struct fake_state st;
     const struct fake_gpu *g;
     nvmlReturn_t ret = begin(&st, dev, "pci", &g);
     if (ret) return ret;
     if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
-    memset(pci, 0, sizeof(*pci));
-    if (!g->pci[0]) return NVML_SUCCESS;
-    snprintf(pci->busId, sizeof(pci->busId), "%s", g->pci);
-    sscanf(g->pci, "%x:%x:%x", &pci->domain, &pci->bus, &pci->device);
-    /* The legacy field keeps the old 4-digit domain format. */
-    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%04X:%02X:%02X.0", pci->domain & 0xFFFFU,
-             pci->bus & 0xFFU, pci->device & 0xFFU);
+    pci_info_t out;
+    memset(&out, 0, sizeof(out));
+    if (g->pci[0]) {
+        snprintf(out.busId, sizeof(out.busId), "%s", g->pci);
+        sscanf(g->pci, "%x:%x:%x", &out.domain, &out.bus, &out.device);
+        /* The legacy field keeps the old 4-digit domain format. */
+        snprintf(out.busIdLegacy, sizeof(out.busIdLegacy), "%04X:%02X:%02X.0", out.domain & 0xFFFFU,
+                 out.bus & 0xFFU, out.device & 0xFFU);
+    }
+    memcpy(pci, &out, legacy ? offsetof(pci_info_t, busId) : sizeof(out));
     return NVML_SUCCESS;
 }
 
-nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci); }
-nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci); }
-nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci); }
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci, 0); }
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci, 1); }
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, pci_info_t *pci) { return pci_info(dev, pci, 1); }
 
 /* NVML's two-call protocol: too small a count gets INSUFFICIENT_SIZE and the count needed. */
 static nvmlReturn_t list_procs(nvmlDevice_t dev, unsigned int *count, void *infos, int graphics,

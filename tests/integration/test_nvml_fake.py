@@ -363,6 +363,10 @@ def test_fake_answers_pci_info_per_gpu_in_every_version(fake: FakeNvml) -> None:
                             env=env, timeout=30, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[:3] == [f"0 {name} 0 00000000:17:00.0 0000:17:00.0 0 0x17 0" for name in
-                         ("nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo_v3")]
-    assert lines[3] == "1 nvmlDeviceGetPciInfo 0 00000001:3B:02.0 0001:3B:02.0 1 0x3b 2"
+    # The plain and _v2 names fill the struct before NVML 9.0: the legacy id where its busId[16] was,
+    # the numbers, and nothing where busId[32] now is (their callers' struct has reserved fields there).
+    assert lines[:3] == [f"0 {name} 0 {bus_id} 0000:17:00.0 0 0x17 0" for name, bus_id in
+                         (("nvmlDeviceGetPciInfo", ""), ("nvmlDeviceGetPciInfo_v2", ""),
+                          ("nvmlDeviceGetPciInfo_v3", "00000000:17:00.0"))]
+    assert lines[3] == "1 nvmlDeviceGetPciInfo 0  0001:3B:02.0 1 0x3b 2"
+    assert lines[5] == "1 nvmlDeviceGetPciInfo_v3 0 00000001:3B:02.0 0001:3B:02.0 1 0x3b 2"

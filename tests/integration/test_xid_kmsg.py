@@ -2,8 +2,8 @@
 GPU) reads real kernel log lines written to /dev/kmsg and joins each Xid to the processes in fake
 containers that held that GPU.
 
-Only root can write /dev/kmsg: the lines arrive with facility LOG_USER, which the fault's message
-says (tracer/faults.py). Each test marks its lines with a token of its own, so lines other tests
+Only root can write /dev/kmsg: the lines arrive with facility LOG_USER, which the fault's origin
+says ("user", tracer/faults.py). Each test marks its lines with a token of its own, so lines other tests
 (or the kernel) write meanwhile are told apart.
 """
 
@@ -18,6 +18,7 @@ import pytest
 
 from tests.helpers.container import FakeContainer
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
+from tests.helpers.polling import wait_until
 from tests.helpers.tracer_proc import TracerProcess
 from tests.integration.conftest import GPU0_UUID, GPU1_UUID
 
@@ -79,7 +80,7 @@ def test_xid_names_the_holders_of_that_gpu_the_named_process_first(tmp_path: Pat
         assert (rec["xid"], rec["gpu"], rec["gpu_uuid"], rec["pci_bus_id"]) == (79, 1, GPU1_UUID, GPU1_BUS)
         assert (rec["severity"], rec["meaning"]) == ("critical", "GPU has fallen off the bus")
         assert rec["pid"] == named.host_pid and rec["process_name"] == "gpuwork"
-        assert rec["message"].endswith("[written to /dev/kmsg by user space, facility 1]")
+        assert rec["origin"] == "user" and rec["message"] == f"GPU has fallen off the bus. {token}"
         hit = rec["affected"]
         assert [a["pid"] for a in hit] == [named.host_pid, also.host_pid]  # not the GPU 0 holder
         assert hit[0]["named"] is True and hit[1]["named"] is False
@@ -105,9 +106,12 @@ def test_a_holder_that_exited_just_before_is_still_hit(tmp_path: Path, two_gpus:
         job.wait_ready()
         tracer.wait_for(lambda r: r.get("event") == "open" and r.get("pid") == job.host_pid, what="open")
         job.release()
-        tracer.wait_for(lambda r: r.get("event") == "exit" and r.get("pid") == job.host_pid, what="exit")
+        # The Xid is logged as soon as the job is gone (exited tasks leave cgroup.procs at once), not
+        # once the tracer has reported the exit: the look-back is one second, end to end.
+        wait_until(lambda: job.host_pid not in c.pids(), "the job gone from its cgroup")
         # The driver's form when no process is known (570 on): no pid, no name.
         kmsg(f"NVRM: Xid (PCI:{GPU1_BUS}): 48, An uncorrectable double bit error {token}")
+        tracer.wait_for(lambda r: r.get("event") == "exit" and r.get("pid") == job.host_pid, what="exit")
         rec = tracer.wait_for(fault_with(token), what="fault record")
         assert rec["xid"] == 48 and rec["pid"] is None and rec["severity"] == "critical"
         assert [(a["pid"], a["exited"], a["named"], a["container_id"]) for a in rec["affected"]] == [

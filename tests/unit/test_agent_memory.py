@@ -391,3 +391,39 @@ def test_a_fork_that_let_the_file_go_inherits_nothing(node: Node) -> None:
     node.kernel_says(EventKind.EXIT, PID)
     node.tracer.step(0)
     assert node.tracer.memory.objects == 0 and node.tracer.memory.held(CHILD) == {}
+
+
+# --- exits and closes kept for the fault join (tracer/faults.py) ----------------------------------------
+
+def test_an_exit_settled_from_proc_is_dated_when_last_seen_alive(node: Node) -> None:
+    """/proc finds an exit late: the fault join's look-back runs from when the process was last seen
+    alive (here its OPEN), not from the moment /proc noticed."""
+    node.kernel_opens(PID, 3, node.gpu0)
+    open_ns = node.bpf.queued[-1].ts_ns
+    node.tracer.step(0)
+    node.die(PID)
+    node.tracer._settle_exit(PID)
+    (gone,) = [e for e in node.tracer.faults.exits if e.pid == PID]
+    assert (gone.exit_ns, gone.exited) == (open_ns, True)
+
+
+def test_a_full_scan_that_finds_a_holder_gone_notes_its_exit(node: Node) -> None:
+    """OTHER was found by the start scan; a later full scan reads its fds (alive then), the next finds
+    it gone: its exit is kept for the look-back, dated by that last scan."""
+    full_scan_step(node)
+    seen_ns = node.tracer._alive_ns[OTHER]
+    node.die(OTHER)
+    full_scan_step(node)
+    (gone,) = [e for e in node.tracer.faults.exits if e.pid == OTHER]
+    assert (gone.exit_ns, gone.exited, gone.held_since_ns.keys()) == (seen_ns, True, {0})
+
+
+def test_an_exec_that_closed_a_gpu_is_noted_as_a_close(node: Node) -> None:
+    node.kernel_opens(PID, 3, node.ctl)
+    node.kernel_opens(PID, 4, node.gpu0)
+    node.tracer.step(0)
+    node.spawn(PID, {3: node.ctl})  # the exec'd image: the GPU's fd was close-on-exec
+    node.kernel_says(EventKind.EXEC, PID)
+    node.tracer.step(0)
+    (closed,) = [e for e in node.tracer.faults.exits if e.pid == PID]
+    assert (closed.exited, closed.held_since_ns.keys()) == (False, {0})

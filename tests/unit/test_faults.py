@@ -39,9 +39,9 @@ def no_proc(_pid: int) -> ProcessIdentity | None:
 
 def join(line: str, holders: list[Holder], exits: RecentExits | None = None,
          lookup: Callable[[int], ProcessIdentity | None] = no_proc, nvml: NvmlView = NVML,
-         facility: int = 0) -> FaultRecord:
+         origin: str = "kernel") -> FaultRecord:
     return fault_record("node-a", line, XID_TS, nvml, {h.pid: h for h in holders}, exits or RecentExits(),
-                        lookup, seq=7, facility=facility, wall_ts=1.5)
+                        lookup, seq=7, origin=origin, wall_ts=1.5)
 
 
 def test_gpu_by_bus_id_compares_numbers_not_spellings() -> None:
@@ -133,9 +133,46 @@ def test_unknown_xid_number_is_reported_by_number() -> None:
 
 
 def test_a_line_written_by_user_space_says_so() -> None:
-    rec = join(LINE_79.format(pid=200), [holder(200, 1)], facility=1)
-    assert rec.message == "GPU has fallen off the bus. [written to /dev/kmsg by user space, facility 1]"
-    assert rec.affected[0].pid == 200
+    """The record's facility says who wrote it (0: the kernel): origin, never a mark in the message."""
+    watch = FaultWatch("node-a", path="/nonexistent/kmsg")
+    watch.offer(LINE_79.format(pid=200), XID_TS, seq=1, facility=1)
+    watch.offer(LINE_79.format(pid=200), XID_TS, seq=2)
+    user, kernel = watch.take(NVML, {200: holder(200, 1)}, no_proc)
+    assert (user.origin, kernel.origin) == ("user", "kernel")
+    assert user.message == kernel.message == "GPU has fallen off the bus."
+    assert user.affected[0].pid == 200
+    assert join(LINE_79.format(pid=200), []).origin == "kernel"
+    assert join("NVRM: Xid (PCI:0000:3b:00): x", [], origin="user").origin == "user"
+
+
+def test_a_close_and_then_the_exit_reads_as_the_exit() -> None:
+    exits = RecentExits()
+    job = holder(810, 1)
+    exits.note(job, XID_TS - S // 2, only_path="/dev/nvidia1")
+    exits.note(job, XID_TS - S // 4)
+    rec = join(LINE_79.format(pid=810), [], exits)
+    assert [(c.pid, c.named, c.exited) for c in rec.affected] == [(810, True, True)]
+
+
+def test_the_named_process_is_taken_from_the_exits_only_within_the_look_back() -> None:
+    """A PID the driver names that exited long before the Xid is not that process: its PID may be
+    reused, so /proc says who it is now."""
+    exits = RecentExits()
+    exits.note(holder(820, 0, container="old"), XID_TS - 10 * S)
+    rec = join(LINE_79.format(pid=820), [], exits, lookup=lambda pid: ProcessIdentity(comm="new"))
+    first = rec.affected[0]
+    assert (first.pid, first.named, first.exited) == (820, True, False)
+    assert first.process == ProcessIdentity(comm="new")
+
+
+def test_recent_exits_expire_by_age() -> None:
+    exits = RecentExits(max_entries=100, max_age_ns=10 * S)
+    exits.note(holder(1, 0), 100 * S)
+    exits.note(holder(2, 0), 105 * S)
+    exits.note(holder(3, 0), 111 * S)  # 1 is past the age now
+    assert [e.pid for e in exits] == [2, 3]
+    exits.expire(116 * S)
+    assert [e.pid for e in exits] == [3]
 
 
 def test_recent_exits_are_bounded() -> None:

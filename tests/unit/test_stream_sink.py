@@ -442,11 +442,13 @@ def test_the_snapshot_carries_the_agents_counters(collector: FakeCollector, sink
     kernel log lines that did not parse) beside the stream's; a counter read that fails is 0, never a
     broken stream."""
     sink = sinks(collector.target, StreamOptions(info_wait_s=0.0))
-    sink.counters = lambda: {"memory_objects_dropped_total": 7, "kmsg_unparsed_total": 2, "not_a_field": 1}
+    sink.counters = lambda: {"memory_objects_dropped_total": 7, "kmsg_unparsed_total": 2,
+                             "faults_dropped_total": 3, "kmsg_records_lost_total": 4, "not_a_field": 1}
     sink.emit(INFO)
     wait_until(lambda: collector.messages("snapshot"), "a snapshot")
     stats = collector.messages("snapshot")[0].msg.snapshot.stats
-    assert (stats.memory_objects_dropped_total, stats.kmsg_unparsed_total) == (7, 2)
+    assert (stats.memory_objects_dropped_total, stats.kmsg_unparsed_total, stats.faults_dropped_total,
+            stats.kmsg_records_lost_total) == (7, 2, 3, 4)
 
     def broken() -> dict[str, int]:
         raise RuntimeError("the agent is gone")

@@ -10,7 +10,14 @@ import socket
 import threading
 
 import pytest
-from ghostgpu.tracer.kmsg import KmsgReader, KmsgRecord, open_failure, parse_record, printk_to_boot_ns
+from ghostgpu.tracer.kmsg import (
+    KmsgReader,
+    KmsgRecord,
+    PrintkClock,
+    open_failure,
+    parse_record,
+    printk_to_boot_ns,
+)
 
 from tests.helpers.polling import wait_until
 
@@ -24,7 +31,7 @@ from tests.helpers.polling import wait_until
     (b"6,7,8,-;text\n SUBSYSTEM=pci\n DEVICE=+pci:0000:3b:00.0\n", KmsgRecord(0, 6, 7, 8, "text")),
     # escaped bytes come back; a backslash is escaped too, so this is unambiguous
     (b"6,7,8,-;tab\\x09here \\x5c end\n", KmsgRecord(0, 6, 7, 8, "tab\there \\ end")),
-    (b"6,7,8,c;part\n", KmsgRecord(0, 6, 7, 8, "part", continuation=True)),
+    (b"6,7,8,c;part\n", KmsgRecord(0, 6, 7, 8, "part")),  # a fragment: FLAGS are not used
     (b"6,7,8,-,caller=T1;with extra field\n", KmsgRecord(0, 6, 7, 8, "with extra field")),
     (b"no prefix\n", None),
     (b"x,7,8,-;bad\n", None),
@@ -41,6 +48,35 @@ def test_record_from_kernel_or_user_space() -> None:
 def test_printk_time_moves_to_the_boot_clock() -> None:
     assert printk_to_boot_ns(5_000_000, 0) == 5_000_000_000
     assert printk_to_boot_ns(5_000_000, 7) == 5_000_000_007
+
+
+S = 1_000_000_000
+
+
+def test_the_printk_offset_is_the_least_over_the_records_read() -> None:
+    """Each record is read after it was logged: (read - logged) bounds the offset from above, and the
+    quickest read bounds it best. A record read late is dated by the tightest offset seen, not by its
+    read; the error is bounded by the quickest read's latency, not by the clocks' drift."""
+    clock = PrintkClock()
+    true_offset = 7 * S  # monotonic - printk: what a long uptime's drift made it
+    # Logged at printk 100 s, read 300 ms later: the first estimate is 300 ms high (dated late, never
+    # after its read).
+    assert clock.to_boot_ns(100_000_000, 100 * S + true_offset + 300_000_000, 0) == \
+        100 * S + true_offset + 300_000_000
+    # Logged at 200 s, read 50 us later: the estimate tightens.
+    assert clock.to_boot_ns(200_000_000, 200 * S + true_offset + 50_000, 0) == 200 * S + true_offset + 50_000
+    # Logged at 250 s and read 5 s late (the reader was behind): dated by the tight offset.
+    assert clock.to_boot_ns(250_000_000, 255 * S + true_offset, 0) == 250 * S + true_offset + 50_000
+    assert clock.offset_ns == true_offset + 50_000
+
+
+def test_suspended_time_is_added_at_conversion() -> None:
+    """The printk clock stops in suspend, as CLOCK_MONOTONIC does; CLOCK_BOOTTIME does not: the
+    offset is measured against monotonic, and the time spent suspended is added to each record."""
+    clock = PrintkClock()
+    clock.to_boot_ns(100_000_000, 100 * S + 1000, 0)
+    asleep = 3600 * S
+    assert clock.to_boot_ns(101_000_000, 101 * S + asleep + 1000, asleep) == 101 * S + asleep + 1000
 
 
 def test_open_failure_says_what_is_lost_and_what_to_do() -> None:

@@ -179,6 +179,7 @@ class FaultRecord(JsonForm):
     affected: tuple[FaultConsumer, ...] = ()  # the named process first
     raw: str = ""
     kmsg_seq: int = 0
+    origin: str = "kernel"  # kernel | user: a line user space wrote to /dev/kmsg (a drill, a test)
 
 
 # The NVIDIA device plugin's time-slicing and MPS sharing advertise replica N of a device as `<ID>::N`.

@@ -194,7 +194,8 @@ def fault_to_proto(rec: FaultRecord) -> stream_pb2.Fault:
     msg = stream_pb2.Fault(
         ts_ns=rec.ts_ns, gpu=opt_to_pb(rec.gpu, -1), gpu_uuid=rec.gpu_uuid, pci_bus_id=rec.pci_bus_id,
         xid=opt_to_pb(rec.xid, -1), severity=rec.severity, meaning=rec.meaning, message=rec.message,
-        pid=rec.pid or 0, process_name=rec.process_name, raw=rec.raw, kmsg_seq=rec.kmsg_seq)
+        pid=rec.pid or 0, process_name=rec.process_name, raw=rec.raw, kmsg_seq=rec.kmsg_seq,
+        origin=rec.origin)
     for a in rec.affected:
         hit = msg.affected.add(named=a.named, exited=a.exited, gpu=opt_to_pb(a.gpu, -1))
         _process_into(hit.process, a.pid, a.process or _NO_IDENTITY)
@@ -206,7 +207,7 @@ def fault_from_proto(m: stream_pb2.Fault, node: str, ts: float) -> FaultRecord:
         ts=ts, node=node, ts_ns=m.ts_ns, xid=opt_from_pb(m.xid, -1), gpu=opt_from_pb(m.gpu, -1),
         gpu_uuid=m.gpu_uuid, pci_bus_id=m.pci_bus_id, severity=m.severity, meaning=m.meaning,
         message=m.message, pid=m.pid or None, process_name=m.process_name, raw=m.raw, kmsg_seq=m.kmsg_seq,
-        affected=tuple(_fault_consumer_from_proto(a) for a in m.affected))
+        affected=tuple(_fault_consumer_from_proto(a) for a in m.affected), origin=m.origin or "kernel")
 
 
 def _fault_consumer_from_proto(a: stream_pb2.FaultConsumer) -> FaultConsumer:
