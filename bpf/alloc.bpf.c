@@ -293,28 +293,27 @@ static __always_inline void gg_alloc_ioctl(u32 tgid, u32 tid, s32 fd, u32 dev_id
     if (nr != GG_ESC_RM_ALLOC && nr != GG_ESC_RM_ALLOC_MEMORY && nr != GG_ESC_RM_ALLOC_OBJECT &&
         nr != GG_ESC_RM_VID_HEAP_CONTROL && nr != GG_ESC_RM_FREE && nr != GG_ESC_RM_DUP_OBJECT)
         return;
-    if (nr == GG_ESC_RM_FREE || nr == GG_ESC_RM_DUP_OBJECT) { /* no allocation: nothing for alloc_work */
-        gg_mem_stash(tid, fd, dev_id, nr, size, block);
-        return;
-    }
     /* The first 16 bytes: function@8 (NVOS32) and hClass@12 (every alloc block), at the same
-     * offsets in every driver release compared (docs/reference/nvidia-ioctl-abi.md §3, §5.2). */
+     * offsets in every driver release compared (docs/reference/nvidia-ioctl-abi.md §3, §5.2).
+     * RM_FREE and RM_DUP_OBJECT need none of it. */
     u32 head[4] = {};
-    if (bpf_probe_read_user(head, sizeof(head), (const void *)block) != 0)
+    bool alloc = nr != GG_ESC_RM_FREE && nr != GG_ESC_RM_DUP_OBJECT;
+    if (alloc && bpf_probe_read_user(head, sizeof(head), (const void *)block) != 0)
         return;
+    /* VID_HEAP_CONTROL: only ALLOC_SIZE and FREE are memory calls (INFO, ... are not). */
+    if (nr != GG_ESC_RM_VID_HEAP_CONTROL || head[2] == GG_HEAP_ALLOC_SIZE || head[2] == GG_NVOS32_FUNCTION_FREE)
+        gg_mem_stash(tid, fd, dev_id, nr, size, block); /* one call site: see ioctl.bpf.c */
+    if (!alloc)
+        return; /* no allocation: nothing for alloc_work */
     u32 cls = head[3], cat;
     if (nr == GG_ESC_RM_VID_HEAP_CONTROL) {
-        if (head[2] == GG_HEAP_ALLOC_SIZE || head[2] == GG_NVOS32_FUNCTION_FREE)
-            gg_mem_stash(tid, fd, dev_id, nr, size, block);
         if (head[2] != GG_HEAP_ALLOC_SIZE && head[2] != GG_HEAP_ALLOC_OS_DESCRIPTOR)
             return; /* INFO, FREE, ...: no allocation */
         cls = head[2];
         cat = GG_AC_MEMORY;
     } else if (nr == GG_ESC_RM_ALLOC_MEMORY) {
-        gg_mem_stash(tid, fd, dev_id, nr, size, block);
         cat = GG_AC_MEMORY; /* whatever the class: it allocates or describes memory for RM */
     } else {
-        gg_mem_stash(tid, fd, dev_id, nr, size, block);
         cat = gg_alloc_category(cls);
     }
     gg_alloc_record(tgid, cat, ((u64)nr << 32) | cls);

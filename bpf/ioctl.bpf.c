@@ -19,17 +19,20 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
         return 0;
     struct gg_fd_key fk = {.tgid = tgid, .fd = fd};
     struct gg_fd_val *fv = fds.lookup(&fk);
+    bool inherited = false; /* a traced fork child's fd, not seeded yet: no counter of its own */
     if (!fv) {
-        if ((fv = gg_trace_inherited_fd(tgid, fd))) {
-            gg_trace_ioctl_enter(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
-            gg_alloc_ioctl(tgid, (u32)id, fd, fv->dev_id, (u32)args->cmd, (u64)args->arg);
-        }
-        return 0;
+        fv = gg_trace_inherited_fd(tgid, fd);
+        if (!fv)
+            return 0;
+        inherited = true;
     }
     u32 dev_id = fv->dev_id;
+    /* One call site each: every inlined copy is compiled by bcc at each tracer start. */
     gg_trace_ioctl_enter(tgid, (u32)id, fd, dev_id, (u32)args->cmd, (u64)args->arg);
     /* After the GPU-fd check, so a non-GPU call pays nothing for it. */
     gg_alloc_ioctl(tgid, (u32)id, fd, dev_id, (u32)args->cmd, (u64)args->arg);
+    if (inherited)
+        return 0;
     /* The request word is 32 bits in the ioctl ABI; the tracepoint widens it to 64. */
     struct gg_ioctl_key ik = {.tgid = tgid, .fd = fd, .dev_id = dev_id, .cmd = (u32)args->cmd};
     u64 *count = ioctls.lookup(&ik);
