@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 log = logging.getLogger("ghostgpu.tracer")
 
 # Every stage the agent loop contains, so the metric shows each at 0 before anything goes wrong.
-STAGES = ("event", "scan", "nvml", "ioctl", "classify", "sweep")
+STAGES = ("event", "scan", "nvml", "ioctl", "classify", "sweep", "fault", "memory", "info")
 
 T = TypeVar("T")
 
