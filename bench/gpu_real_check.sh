@@ -8,7 +8,8 @@
 # tracer/memcall_decode.py and the accountant (tracer/gpu_memory.py), compares (goal: within 5%),
 # checks CARD_INFO's minors against the device instances, prints a table and writes
 # bench/results/gpu_real.json. Needs: the NVIDIA driver (with nvidia-smi and libcuda.so.1),
-# python3, gcc or cc. Run from anywhere; about a minute (the deadline for the program is 5 min).
+# python3, gcc or cc. Run from anywhere; about a minute (the program must hold within
+# PROGRAM_DEADLINE_S, 4 min).
 #
 #   bash bench/gpu_real_check.sh [--cuda-c] [--gib 1,4,16] [--free 4] [--device N] [--out FILE]
 #        [--keep DIR]   # DIR gets the recording (gzip), nvidia-smi's CSVs, the snapshot, the program's output
@@ -53,6 +54,19 @@ while [ $# -gt 0 ]; do
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done
+
+# Sizes in GiB, comma-separated; each --free size one of the --gib sizes, written the same way (or
+# "none"): checked here, before anything is built or allocated.
+NUMBER='[0-9]+([.][0-9]+)?'
+[[ "$GIB_LIST" =~ ^$NUMBER(,$NUMBER)*$ ]] || die "--gib $GIB_LIST: give sizes in GiB separated by commas, e.g. --gib 1,4,16"
+if [ "$FREE_LIST" != none ]; then
+    [[ "$FREE_LIST" =~ ^$NUMBER(,$NUMBER)*$ ]] \
+        || die "--free $FREE_LIST: give sizes from --gib separated by commas, e.g. --free 4, or --free none"
+    for f in ${FREE_LIST//,/ }; do
+        [[ ",$GIB_LIST," == *",$f,"* ]] || die "--free $f is not one of --gib $GIB_LIST: free only what was allocated"
+    done
+fi
+[[ "$DEVICE" =~ ^[0-9]+$ ]] || die "--device $DEVICE: give the GPU's index, e.g. --device 0"
 
 PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null || die "no python3: install python3 (3.11 or newer)"

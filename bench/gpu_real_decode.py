@@ -157,18 +157,11 @@ def nvml_apps(csv_path: Path) -> dict[int, dict[str, int]]:
     return out
 
 
-def nvml_of(listed: dict[int, dict[str, int]], pid: int) -> tuple[int, dict[str, int], str]:
-    """The PID NVML knows the process by, NVML's figures for it, and a note when they had to be
-    found another way: NVML reports PIDs as the driver's (host) PID namespace sees them, so a check
-    run in a container of its own sees another number; then the only process NVML lists stands
-    for it."""
-    if pid in listed:
-        return pid, listed[pid], ""
-    if len(listed) == 1:
-        (other, apps), = listed.items()
-        return other, apps, (f"NVML lists no PID {pid} but one process, PID {other} (another PID "
-                             "namespace): compared with that one")
-    return pid, {}, f"NVML lists no PID {pid} among {sorted(listed)}: nothing to compare with"
+def nvml_of(listed: dict[int, dict[str, int]], pid: int) -> dict[str, int] | None:
+    """NVML's figures for the process; None when NVML does not list its PID. NVML reports PIDs as
+    the driver's (host) PID namespace sees them: a check run in a PID namespace of its own sees
+    another number, and any other process NVML lists is not this one, so nothing is compared."""
+    return listed.get(pid)
 
 
 def nvml_gpus(csv_path: Path) -> list[dict[str, Any]]:
@@ -185,15 +178,34 @@ def nvml_gpus(csv_path: Path) -> list[dict[str, Any]]:
     return gpus
 
 
-def truth_held(truth_path: Path, pid: int) -> dict[int, int]:
-    """The FUSE fake driver's state file -> {GPU: bytes} held by the clients of pid."""
-    state = json.loads(truth_path.read_text())
+def read_truth(truth_path: Path) -> dict[str, Any]:
+    """The FUSE fake driver's state file (fake-record's truth.json); ValueError, one line, when it is
+    not one."""
+    try:
+        state = json.loads(truth_path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--truth {truth_path}: cannot read it ({exc.strerror or exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--truth {truth_path}: not JSON ({exc.msg}, line {exc.lineno}): give the fake "
+                         "driver's state file (fake-record's truth.json)") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("clients", []), list):
+        raise ValueError(f"--truth {truth_path}: not the fake driver's state file (no \"clients\" list): "
+                         "give fake-record's truth.json")
+    return state
+
+
+def truth_held(state: dict[str, Any], pid: int) -> dict[int, int]:
+    """The FUSE fake driver's state -> {GPU: bytes} held by the clients of pid."""
     out: dict[int, int] = {}
-    for client in state.get("clients", []):
-        if int(client.get("pid", -1)) != pid:
-            continue
-        for gpu, held in (client.get("gpus") or {}).items():
-            out[int(gpu)] = out.get(int(gpu), 0) + int(held)
+    try:
+        for client in state.get("clients", []):
+            if int(client.get("pid", -1)) != pid:
+                continue
+            for gpu, held in (client.get("gpus") or {}).items():
+                out[int(gpu)] = out.get(int(gpu), 0) + int(held)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"--truth: a client entry is not the fake driver's ({exc}): give fake-record's "
+                         "truth.json") from exc
     return out
 
 
@@ -268,13 +280,21 @@ def cmd_decode(args: argparse.Namespace) -> int:
         bus_of_minor.setdefault(g["index"], g["pci_bus_id"])
     if args.truth:
         reference_name = "fake driver's state file"
-        nvml_pid, nvml_note = pid, ""
-        reference = truth_held(Path(args.truth), pid)
-        fake_version = json.loads(Path(args.truth).read_text()).get("driver", "?")
+        try:
+            state = read_truth(Path(args.truth))
+            reference = truth_held(state, pid)
+        except ValueError as exc:
+            return fail(str(exc))
+        fake_version = state.get("driver", "?")
         apps: dict[str, int] = {}
     elif args.nvml_apps:
         reference_name = "NVML per-process used memory (nvidia-smi --query-compute-apps, MiB)"
-        nvml_pid, apps, nvml_note = nvml_of(nvml_apps(Path(args.nvml_apps)), pid)
+        listed = nvml_apps(Path(args.nvml_apps))
+        found_apps = nvml_of(listed, pid)
+        if found_apps is None:
+            return fail(f"NVML lists no PID {pid} (it lists {sorted(listed) or 'none'}): run the check in "
+                        "the host's PID namespace, or pass --pid with the PID NVML shows for the program")
+        apps = found_apps
         minor_of_bus = {bus: minor for minor, bus in bus_of_minor.items()}
         reference = {minor_of_bus.get(bus, -1): b for bus, b in apps.items()}
     else:
@@ -312,7 +332,6 @@ def cmd_decode(args: argparse.Namespace) -> int:
         "requested": json.loads(args.requested) if args.requested else None,
         "pid": pid,
         "reference": reference_name,
-        "reference_note": nvml_note,
         "goal": f"decoded within {GOAL_PCT:g}% of the reference",
         "per_gpu": per_gpu,
         "total": {"decoded_bytes": decoded_total, "reference_bytes": reference_total, "diff_pct": total_pct,
@@ -340,7 +359,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         "kernel_side": (json.loads(Path(args.kernel_check).read_text()) if args.kernel_check
                         else {"ran": False, "note": "not run: this check needs no BPF"}),
         "snapshot": snapshot_check(Path(args.snapshot) if args.snapshot else None, args.snapshot_error or "",
-                                   nvml_pid, apps, gpus, bus_of_minor) if not args.truth else
+                                   pid, apps, gpus, bus_of_minor) if not args.truth else
         {"ok": None, "error": "not run: the fake driver has no NVML (tests/fakenvml is another fake)"},
     }
     out = Path(args.out)
@@ -409,16 +428,19 @@ def start_kernel_side(prefix: Path) -> tuple[Any, str]:
     return source, ""
 
 
-def kernel_check(source: Any, note: str, held: bytes, pid: int, timeout_s: float = 5.0) -> dict[str, Any]:
+def kernel_check(source: Any, note: str, held: bytes, pid: int, driver_version: str,
+                 timeout_s: float = 5.0) -> dict[str, Any]:
     """The kernel side's MemCalls for pid against the decoder's from the recording (timestamps
-    aside: the kernel stamps at the syscall's entry, nvrecord just before it)."""
+    aside: the kernel stamps at the syscall's entry, nvrecord just before it). The decoder reads the
+    blocks with the layouts of the version the fake driver answered (tracer/nvabi.py), as the kernel
+    side does."""
     if source is None:
         return {"ran": False, "note": note}
     from dataclasses import asdict, replace
 
     from ghostgpu.tracer.memcall_decode import RecordingDecoder, parse_record
 
-    decoder = RecordingDecoder(None)
+    decoder = RecordingDecoder(driver_version)
     decoded = [c for c in (decoder.feed(r) for r in (parse_record(json.loads(line))
                                                      for line in held.decode().splitlines() if line.strip())
                            if r is not None) if c is not None]
@@ -466,7 +488,7 @@ def cmd_fake_record(args: argparse.Namespace) -> int:
                     truth = driver.state().raw
                     held = recording.read_bytes()  # every call so far: nvrecord writes before returning
                     (out_dir / "truth.json").write_text(json.dumps({**truth, "pid": plan.pid}, indent=1))
-                    check = kernel_check(source, kernel_note, held, plan.pid)
+                    check = kernel_check(source, kernel_note, held, plan.pid, driver.driver)
                     (out_dir / "kernel_check.json").write_text(json.dumps(check, indent=1))
                     plan.finish()
             finally:

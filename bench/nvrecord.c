@@ -14,7 +14,8 @@
  * when an intercepted open, openat or dup returns it, and at the first ioctl or close on an fd not
  * known yet (one opened through a path not intercepted, such as fopen's internal open). Closes
  * (close, and dup2/dup3 over a device fd) are recorded, since RM frees the clients of a file when
- * it is released (docs/reference/nvidia-ioctl-abi.md §3.1). close_range() is not intercepted.
+ * it is released (nvidia_close, kernel-open/nvidia/nv.c, then rm_cleanup_file_private ->
+ * RmFreeUnusedClients, src/nvidia/arch/nvalloc/unix/src/osapi.c). close_range() is not intercepted.
  *
  * Lines (keys read by tracer/memcall_decode.py parse_record):
  *   {"ev":"start","pid","ppid","exe","driver"}        at load; driver from /sys/module/nvidia/version
@@ -282,6 +283,29 @@ static void closing(int fd)
     emit(&l);
 }
 
+/* read_user's fallback where process_vm_readv is refused (a seccomp filter, as some container
+ * runtimes install): the kernel copies from `addr` into a pipe, and an unreadable address is EFAULT
+ * there, as the driver's own copy_from_user makes it, never a crash of the program as a memcpy
+ * would. NVR_MAX_BLOCK fits a pipe's default capacity (64 KiB), so one write takes it whole. Raw
+ * syscalls: close is intercepted here, and this is not the program's fd to record. */
+static size_t read_user_via_pipe(uint64_t addr, size_t len, unsigned char *dst)
+{
+    int p[2];
+    if (syscall(SYS_pipe2, p, O_CLOEXEC | O_NONBLOCK) != 0)
+        return 0;
+    long n = syscall(SYS_write, p[1], (const void *)(uintptr_t)addr, len);
+    size_t got = 0;
+    while (n > 0 && got < (size_t)n) {
+        long r = syscall(SYS_read, p[0], dst + got, (size_t)n - got);
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    syscall(SYS_close, p[0]);
+    syscall(SYS_close, p[1]);
+    return got;
+}
+
 /* Reads up to `len` bytes of this process's memory at `addr`; the number read (0: unreadable). */
 static size_t read_user(uint64_t addr, size_t len, unsigned char *dst)
 {
@@ -291,12 +315,8 @@ static size_t read_user(uint64_t addr, size_t len, unsigned char *dst)
         len = NVR_MAX_BLOCK;
     struct iovec local = {dst, len}, remote = {(void *)(uintptr_t)addr, len};
     ssize_t n = process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
-    if (n < 0 && (errno == ENOSYS || errno == EPERM)) {
-        /* A seccomp filter that refuses the call (some container runtimes): read it directly.
-         * The pointer is the one the caller hands the driver, which reads it the same way. */
-        memcpy(dst, (const void *)(uintptr_t)addr, len);
-        return len;
-    }
+    if (n < 0 && (errno == ENOSYS || errno == EPERM))
+        return read_user_via_pipe(addr, len, dst); /* a seccomp filter refuses the call */
     return n > 0 ? (size_t)n : 0;
 }
 

@@ -435,3 +435,38 @@ def test_gpu_real_decode_on_a_recording(tmp_path: Path, truth_bytes: int, rc: in
     assert result["recording"]["memcalls"] == {"ALLOC": 6, "FREE": 1}  # the refused one is not there
     assert result["recording"]["decode_errors_total"] == 0 and result["incomplete"] == ""
     assert result["instances_vs_minors"]["device_instances_allocated"] == [0]
+
+
+def decode_argv(recording: Path, out: Path, *more: str) -> list[str]:
+    return [sys.executable, str(REPO / "bench" / "gpu_real_decode.py"), "decode", "--recording",
+            str(recording), "--out", str(out), *more]
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("{not json", "not JSON"),
+    ('["a list"]', "not the fake driver's state file"),
+    ('{"clients": [{"pid": "x"}]}', "a client entry is not the fake driver's"),
+    (None, "cannot read it"),
+])
+def test_gpu_real_decode_bad_truth_is_one_line(tmp_path: Path, text: str | None, says: str) -> None:
+    recording, truth, out = tmp_path / "rec.jsonl", tmp_path / "truth.json", tmp_path / "out.json"
+    recording.write_text("".join(json.dumps(line) + "\n" for line in recording_lines()))
+    if text is not None:
+        truth.write_text(text)
+    proc = subprocess.run(decode_argv(recording, out, "--truth", str(truth)), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and says in proc.stderr and "--truth" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_gpu_real_decode_fails_when_nvml_does_not_list_the_process(tmp_path: Path) -> None:
+    """Another process NVML lists is not this one (another PID namespace, or another job): nothing is
+    compared, the check fails naming what NVML listed."""
+    recording, apps, out = tmp_path / "rec.jsonl", tmp_path / "apps.csv", tmp_path / "out.json"
+    recording.write_text("".join(json.dumps(line) + "\n" for line in recording_lines()))
+    apps.write_text(f"{PID + 7}, 00000000:17:00.0, 17408\n")
+    proc = subprocess.run(decode_argv(recording, out, "--nvml-apps", str(apps)), capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert f"NVML lists no PID {PID} (it lists [{PID + 7}])" in proc.stderr and proc.stderr.count("\n") == 1
