@@ -4,7 +4,8 @@
 
 One row per fault: when the tracer read it, the node, the GPU, the Xid, its severity and meaning
 from the tracer's Xid catalogue, and the pods it hit (namespace/pod, the process the driver named
-first). `-o wide` adds the PIDs, the containers and the driver's message; `-o json` is a list of
+first); a line user space wrote to /dev/kmsg (a drill, a test: origin "user") says so in MEANING.
+`-o wide` adds the PIDs, the containers, the ORIGIN and the driver's message; `-o json` is a list of
 objects with the keys of `fault_json` (README.md, "ghostgpu faults"). A collector that cannot be
 reached is one line and exit status 1; a bad flag one line and exit status 2. When the collector left
 older faults out of its answer to keep it within the message size, a line on stderr says so.
@@ -67,7 +68,20 @@ def fault_json(cf: query_pb2.ClusterFault) -> dict[str, Any]:
             "gpu_uuid": f.gpu_uuid, "pci_bus_id": f.pci_bus_id, "xid": _opt(f.xid), "severity": f.severity,
             "meaning": f.meaning, "message": f.message, "pid": f.pid or None, "process_name": f.process_name,
             "pods": pods, "hits": [hit_json(h) for h in cf.hits], "raw": f.raw, "kmsg_seq": f.kmsg_seq,
-            "fault_id": fault_id(cf.boot_id, f.kmsg_seq, f.ts_ns)}
+            "fault_id": fault_id(cf.boot_id, f.kmsg_seq, f.ts_ns), "origin": origin(cf)}
+
+
+def origin(cf: query_pb2.ClusterFault) -> str:
+    """Who wrote the fault's kernel log line: "kernel" (the driver; unset from an older tracer) or
+    "user" (user space wrote it to /dev/kmsg: tracer/faults.py)."""
+    return cf.fault.origin or "kernel"
+
+
+def meaning_text(cf: query_pb2.ClusterFault) -> str:
+    f = cf.fault
+    text = f.meaning or ("line did not parse" if f.xid < 0 else "-")
+    # A drill's line must not read as the driver's: the table says it in the row itself.
+    return f"{text} (written by user space)" if origin(cf) == "user" else text
 
 
 def _stamp(unix_ns: int) -> str:
@@ -81,7 +95,7 @@ def _columns(wide: bool) -> list[Column[query_pb2.ClusterFault]]:
         ("GPU", lambda cf: "-" if cf.fault.gpu < 0 else str(cf.fault.gpu)),
         ("XID", lambda cf: "?" if cf.fault.xid < 0 else str(cf.fault.xid)),
         ("SEVERITY", lambda cf: cf.fault.severity or "unknown"),
-        ("MEANING", lambda cf: cf.fault.meaning or ("line did not parse" if cf.fault.xid < 0 else "-")),
+        ("MEANING", meaning_text),
         ("PODS", pods_text),
     ]
     if wide:
@@ -91,6 +105,7 @@ def _columns(wide: bool) -> list[Column[query_pb2.ClusterFault]]:
             ("CONTAINERS", lambda cf: ",".join(dict.fromkeys(
                 h.k8s.container or short_id(h.consumer.process.container_id, LISTING_ID_LEN) or "-"
                 for h in cf.hits)) or "-"),
+            ("ORIGIN", origin),
             ("MESSAGE", lambda cf: cf.fault.message or cf.fault.raw or "-"),
         ]
     return cols

@@ -30,7 +30,7 @@ from ghostgpu.collector.faults import names_pending as hit_names_pending
 
 from ghostgpu.common.model.display import hit_notes, hit_where
 from ghostgpu.common.wire.convert import class_from_proto
-from ghostgpu.v1 import query_pb2
+from ghostgpu.v1 import query_pb2, stream_pb2
 
 log = logging.getLogger("ghostgpu.alertpush")
 
@@ -100,7 +100,7 @@ PLACEHOLDERS = ("node", "gpu", "gpu_uuid", "namespace", "pod", "container", "pid
 FAULT_ALERT = "GhostGPUXid"
 FAULT_SEVERITIES = frozenset({"critical", "warning", "info"})
 BUILTIN_LABELS = ("alertname", "severity", "node", "gpu", "gpu_uuid", "class", "namespace", "pod",
-                  "container", "pid", "comm", "source", "xid", "fault_id")
+                  "container", "pid", "comm", "source", "xid", "fault_id", "origin")
 MAX_FAULT_ALERTS = 10_000  # fault alerts kept for re-sending; past this the oldest go first
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # the legacy charset every Alertmanager accepts
 MAX_RESOLVED_ALERTS = 10_000  # resolved alerts kept for re-sending; past this the oldest go first
@@ -143,13 +143,22 @@ def fault_labels(cf: query_pb2.ClusterFault, extra: dict[str, str]) -> dict[str,
     """A fault's alert labels (empty values left out): where, which Xid, how bad, and its identity from
     the kernel log record (collector/faults.py fault_key), so that each fault is an alert of its own
     (two Xids of one kind on one GPU are two events) and one fault is one alert, however often it is
-    offered (a restart, new pod names)."""
+    offered (a restart, new pod names). `origin` says who wrote the kernel log line: "kernel" (the
+    driver) or "user" (user space wrote it to /dev/kmsg: a drill or a test; tracer/faults.py), so a
+    route can keep drills from paging."""
     f = cf.fault
     severity = f.severity if f.severity in FAULT_SEVERITIES else "warning"
     labels = {"alertname": FAULT_ALERT, "severity": severity, "node": cf.node,
               "gpu": "" if f.gpu < 0 else str(f.gpu), "gpu_uuid": f.gpu_uuid,
-              "xid": "" if f.xid < 0 else str(f.xid), "fault_id": fault_key(cf), "source": SOURCE, **extra}
+              "xid": "" if f.xid < 0 else str(f.xid), "fault_id": fault_key(cf), "origin": fault_origin(f),
+              "source": SOURCE, **extra}
     return {k: v for k, v in labels.items() if v}
+
+
+def fault_origin(f: stream_pb2.Fault) -> str:
+    """Who wrote the fault's kernel log line: "kernel" (unset on the wire from an older tracer: the
+    driver) or "user"."""
+    return f.origin or "kernel"
 
 
 def hit_name(hit: query_pb2.FaultHit) -> str:
@@ -184,10 +193,15 @@ def fault_annotations(cf: query_pb2.ClusterFault) -> dict[str, str]:
     meaning = f.meaning or "not in the Xid catalogue"
     pods = hit_pods(cf)
     hits = "; ".join(hit_detail(h) for h in cf.hits) or "no process held the GPU"
+    user = fault_origin(f) == "user"
+    # A line user space wrote to /dev/kmsg is not the driver's word: the texts say so up front.
+    writer = (f"A line user space (not the driver) wrote to node {cf.node}'s kernel log names" if user
+              else f"The NVIDIA driver on node {cf.node} reported")
+    drill = "User-written line: " if user else ""
     return {
-        "summary": f"{xid} on node {cf.node} {gpu}: {meaning}; hit {pods}",
+        "summary": f"{drill}{xid} on node {cf.node} {gpu}: {meaning}; hit {pods}",
         "description": (
-            f"The NVIDIA driver on node {cf.node} reported {xid} for {where}: {meaning}. Its message: "
+            f"{writer} {xid} for {where}: {meaning}. Its message: "
             f"{f.message or f.raw or '(none)'}. It hit {hits}. See NVIDIA's Xid catalogue for what to do; "
             f"`ghostgpu faults --node {cf.node} -o wide` lists it with the pods."),
         "pods": pods,

@@ -24,7 +24,9 @@ consumer does. Every change is handed to the listeners.
 Bounded: the table keeps the newest `max_kept` faults (CollectorConfig.faults_max); a fault past it
 drops the oldest, counted in `dropped_total`. Per (node, gpu, xid), `counts` holds how many faults
 the collector has ever stored (the `fault_counts` table, which the bound does not touch, read back at
-start): ghostgpu_xid_errors_total, which a restart never lowers. A node gone (no stream, nothing heard)
+start): ghostgpu_xid_errors_total, which a restart never lowers. Not per origin (a line user space
+wrote to /dev/kmsg counts too): the table's key is (node, gpu, xid), and the alert push and ListFaults
+carry each fault's origin. A node gone (no stream, nothing heard)
 longer than the store's retention (--retention-days, as its stream positions) has its counts dropped
 (`prune_gone`): its series ends, as a node's does; a node still heard from keeps them. Runs on the
 collector's event loop; the store's reads and writes run on its writer thread.

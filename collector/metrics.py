@@ -34,6 +34,7 @@ from ghostgpu.collector.metrics_render import (
     render_info,
     render_status,
     render_xid_errors,
+    tracer_stats_values,
 )
 from ghostgpu.collector.nodes import NodeView
 from prometheus_client import (
@@ -147,8 +148,13 @@ class CollectorMetrics:
                 ns = NodeView(name)
             ingested, spool, ringbuf, duplicates = ns.counters()
             connected += ns.connected
+            # The tracer's counts are known once it reported them: a node known only from the database
+            # (before its tracer reconnects) has none, and a 0 there would read as a counter reset.
+            stats = ns.stats
+            known = stats.ByteSize() > 0 or ns.state_seq > 0
             status.append(NodeStatus(name, ns.connected, ns.last_heartbeat_unix_ns, ingested, spool, ringbuf,
-                                     duplicates, opened.get(name, ()), resolved.get(name, ())))
+                                     duplicates, opened.get(name, ()), resolved.get(name, ()),
+                                     tracer_stats_values(stats) if known else None))
             identity[name] = (ns.hello.tracer_version if ns.hello is not None else None, ns.info)
         faults = self.faults
         xid_errors = faults.count_rows() if faults is not None else []

@@ -51,6 +51,21 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
         "counter", "Events the node's tracers lost: spool overflow (collector away too long) or BPF "
         "ring-buffer drops"),
     "ghostgpu_tracer_events_duplicate_total": ("counter", "Events received again (after a reconnect)"),
+    # The tracer's own drop counters (TracerStats, proto/ghostgpu/v1/stream.proto), as its latest
+    # heartbeat or snapshot said: one tracer process's counts, so they restart from 0 with the tracer
+    # (Prometheus reads that as a counter reset). Absent until the node's tracer reported them.
+    "ghostgpu_tracer_memory_objects_dropped_total": (
+        "counter", "RM memory objects the node's tracer did not track because its object table was full "
+        "(their holders' allocated_bytes become unknown), as the tracer last reported"),
+    "ghostgpu_tracer_kmsg_unparsed_total": (
+        "counter", "NVRM Xid kernel log lines the node's tracer could not parse (each kept raw as a fault "
+        "with xid \"\"), as the tracer last reported"),
+    "ghostgpu_tracer_faults_dropped_total": (
+        "counter", "Xid lines the node's tracer lost because its queue to its loop was full, as the tracer "
+        "last reported"),
+    "ghostgpu_tracer_kmsg_records_lost_total": (
+        "counter", "Kernel log records overwritten before the node's tracer read them (an Xid among them "
+        "is lost), as the tracer last reported"),
     "ghostgpu_findings_opened_total": ("counter", "Findings opened since the collector started"),
     "ghostgpu_findings_resolved_total": ("counter", "Findings resolved since the collector started"),
     "ghostgpu_cri_resolution_failures_total": ("counter", "CRI calls for the node that did not answer"),
@@ -93,10 +108,17 @@ PROCESS_FAMILIES = (INFO, MEMORY, ALLOCATED)  # the per-process families, under 
 INFO_FAMILIES = ("ghostgpu_gpu_info", "ghostgpu_gpu_memory_total_bytes",
                  "ghostgpu_gpu_memory_unaccounted_bytes", "ghostgpu_tracer_info",
                  "ghostgpu_tracer_bpf_attached", "ghostgpu_tracer_nvml_available")
+# TracerStats field -> its per-node family, in page order.
+TRACER_STATS_FIELDS = (("memory_objects_dropped_total", "ghostgpu_tracer_memory_objects_dropped_total"),
+                       ("kmsg_unparsed_total", "ghostgpu_tracer_kmsg_unparsed_total"),
+                       ("faults_dropped_total", "ghostgpu_tracer_faults_dropped_total"),
+                       ("kmsg_records_lost_total", "ghostgpu_tracer_kmsg_records_lost_total"))
+TRACER_STATS_FAMILIES = tuple(name for _, name in TRACER_STATS_FIELDS)
 STATUS_FAMILIES = ("ghostgpu_tracer_connected", "ghostgpu_tracer_last_heartbeat_timestamp_seconds",
                    "ghostgpu_tracer_events_ingested_total", "ghostgpu_tracer_events_lost_total",
                    "ghostgpu_tracer_events_duplicate_total", "ghostgpu_findings_opened_total",
-                   "ghostgpu_findings_resolved_total", "ghostgpu_cri_resolution_failures_total")
+                   "ghostgpu_findings_resolved_total", "ghostgpu_cri_resolution_failures_total",
+                   *TRACER_STATS_FAMILIES)
 NODE_FAMILIES = CONSUMER_FAMILIES + INFO_FAMILIES + STATUS_FAMILIES + ("ghostgpu_xid_errors_total",)
 _FINDING_CLASSES = frozenset(FINDING_CLASSES)
 
@@ -255,6 +277,13 @@ class NodeStatus(NamedTuple):
     duplicates_total: int
     opened: Sequence[tuple[str, int]]  # (class, findings opened), classes seen only
     resolved: Sequence[tuple[str, int]]
+    # The TracerStats counts in TRACER_STATS_FIELDS order; None until the node's tracer reported them
+    tracer_stats: tuple[int, ...] | None = None
+
+
+def tracer_stats_values(stats: stream_pb2.TracerStats) -> tuple[int, ...]:
+    """NodeStatus.tracer_stats from a TracerStats message."""
+    return tuple(getattr(stats, f) for f, _ in TRACER_STATS_FIELDS)
 
 
 def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[str, ...]:
@@ -269,10 +298,13 @@ def render_status(s: NodeStatus, cri_failures_total: int) -> tuple[str, ...]:
                       for c, n in s.opened])
     resolved = "".join([f'ghostgpu_findings_resolved_total{{{nl},class="{escape(c)}"}} {n}\n'
                         for c, n in s.resolved])
+    stats = s.tracer_stats
+    tracer = (tuple(f"{name}{{{nl}}} {n}\n" for name, n in zip(TRACER_STATS_FAMILIES, stats, strict=True))
+              if stats is not None else ("",) * len(TRACER_STATS_FAMILIES))
     return (f"ghostgpu_tracer_connected{{{nl}}} {int(s.connected)}\n", heartbeat,
             f"ghostgpu_tracer_events_ingested_total{{{nl}}} {s.ingested_total}\n", lost,
             f"ghostgpu_tracer_events_duplicate_total{{{nl}}} {s.duplicates_total}\n", opened, resolved,
-            f"ghostgpu_cri_resolution_failures_total{{{nl}}} {cri_failures_total}\n")
+            f"ghostgpu_cri_resolution_failures_total{{{nl}}} {cri_failures_total}\n", *tracer)
 
 
 def render_xid_errors(counts: Iterable[tuple[tuple[str, str, str], int]]) -> bytes:

@@ -424,13 +424,14 @@ def _fid(kmsg_seq: int) -> str:
 
 def _cluster_fault(fid: int = 1, *, xid: int = 79, severity: str = "critical",
                    pods: tuple[str, ...] = ("train-0",), pending: bool = False,
-                   ts_unix_ns: int = 0, stored_unix_ns: int = 0) -> query_pb2.ClusterFault:
+                   ts_unix_ns: int = 0, stored_unix_ns: int = 0, origin: str = "") -> query_pb2.ClusterFault:
     cf = query_pb2.ClusterFault(id=fid, node="n1", ts_unix_ns=ts_unix_ns or time.time_ns(), boot_id=BOOT_ID,
                                 stored_unix_ns=stored_unix_ns or ts_unix_ns or time.time_ns())
     f = cf.fault
     f.kmsg_seq = fid  # one kernel log record per fault
     f.xid, f.gpu, f.gpu_uuid, f.pci_bus_id, f.severity = xid, 0, "GPU-0", "0000:3b:00", severity
     f.meaning = "GPU has fallen off the bus" if xid == 79 else ""
+    f.origin = origin  # "": unset, as from a tracer that predates the field (the driver's)
     f.message = "GPU has fallen off the bus."  # as tracer/xid.py hands it on: pid= and name= read apart
     for i, pod in enumerate(pods):
         h = cf.hits.add()
@@ -447,8 +448,9 @@ def _cluster_fault(fid: int = 1, *, xid: int = 79, severity: str = "critical",
 
 @pytest.mark.parametrize(("fault", "labels"), [
     (_cluster_fault(), {"alertname": "GhostGPUXid", "severity": "critical", "node": "n1", "gpu": "0",
-                        "gpu_uuid": "GPU-0", "xid": "79", "fault_id": _fid(1),
+                        "gpu_uuid": "GPU-0", "xid": "79", "fault_id": _fid(1), "origin": "kernel",
                         "source": "ghostgpu-collector"}),
+    (_cluster_fault(4, origin="user"), {"severity": "critical", "origin": "user", "fault_id": _fid(4)}),
     (_cluster_fault(2, xid=13, severity="unknown"),
      {"severity": "warning", "xid": "13", "fault_id": _fid(2)}),
     (_cluster_fault(3, xid=-1, severity="unknown"), {"severity": "warning", "fault_id": _fid(3)}),  # no xid
@@ -468,6 +470,13 @@ def test_fault_annotations_name_the_pods_the_meaning_and_the_message() -> None:
                             "team-a/eval-1")
     named = "PID 4242 (python3) in container trainer of pod team-a/train-0 (named by the driver)"
     assert named in a["description"]
+
+
+def test_the_annotations_of_a_user_written_line_say_it_is_not_the_drivers() -> None:
+    a = fault_annotations(_cluster_fault(origin="user"))
+    assert a["summary"].startswith("User-written line: Xid 79 on node n1 GPU 0")
+    assert a["description"].startswith("A line user space (not the driver) wrote to node n1's kernel log")
+    assert not fault_annotations(_cluster_fault(origin="kernel"))["summary"].startswith("User")
     assert fault_annotations(_cluster_fault(pods=()))["pods"] == "no process held the GPU"
 
 

@@ -18,7 +18,7 @@ from tests.helpers.fault_events import TRAIN, Names, fault_event, fault_record, 
 from tests.helpers.sim_tracer import SimTracer
 
 JSON_KEYS = ["id", "time", "node", "gpu", "gpu_uuid", "pci_bus_id", "xid", "severity", "meaning", "message",
-             "pid", "process_name", "pods", "hits", "raw", "kmsg_seq", "fault_id"]
+             "pid", "process_name", "pods", "hits", "raw", "kmsg_seq", "fault_id", "origin"]
 HIT_KEYS = ["pid", "comm", "named", "exited", "gpu", "container_id", "namespace", "pod", "container",
             "resolution", "container_state", "note"]
 
@@ -81,9 +81,19 @@ def test_table_has_one_row_per_fault_oldest_first_and_wide_adds_pids_containers_
     assert "gpu-node-1  0    79   critical  GPU has fallen off the bus  ml/train-7, ml/eval-2" in lines[1]
     assert "gpu-node-1  -    ?    critical  line did not parse" in lines[2]
     wide = faults_table([_fault(RUNNING)], wide=True).splitlines()
-    assert wide[0].split()[-3:] == ["PIDS", "CONTAINERS", "MESSAGE"]
-    assert wide[1].endswith("4242(python3)  trainer     GPU has fallen off the bus.")
+    assert wide[0].split()[-4:] == ["PIDS", "CONTAINERS", "ORIGIN", "MESSAGE"]
+    assert wide[1].endswith("4242(python3)  trainer     kernel  GPU has fallen off the bus.")
     assert faults_table([]).splitlines()[-1] == "(no GPU faults in this window)"
+
+
+def test_a_user_written_line_says_so_in_the_table_wide_and_json() -> None:
+    drill = _fault(RUNNING)
+    drill.fault.origin = "user"
+    line = faults_table([drill]).splitlines()[1]
+    assert "GPU has fallen off the bus (written by user space)  ml/train-7" in line
+    assert "  user    GPU has fallen off the bus." in faults_table([drill], wide=True).splitlines()[1]
+    assert fault_json(drill)["origin"] == "user"
+    assert fault_json(_fault(RUNNING))["origin"] == "kernel"  # unset (an older tracer): the driver's
 
 
 def test_json_is_a_list_of_objects_with_stable_keys() -> None:
@@ -110,12 +120,13 @@ def test_faults_names_the_pods_a_fault_hit(tmp_path: Path, capsys: pytest.Captur
         with SimTracer(c.address, "gpu-node-1") as t:
             t.connect()
             xid = fault_record(affected=(hit(4242, TRAIN, named=True), hit(7)))
-            other = fault_record(xid=13, severity="warning", affected=(hit(7),))
+            other = fault_record(xid=13, severity="warning", affected=(hit(7),), origin="user")
             t.wait_acked(t.send_events([fault_event(1, xid), fault_event(2, other)]))
         code, out, err = _run(capsys, "--collector", c.address, "-o", "json")
         assert (code, err) == (0, "")
         rows: list[dict[str, Any]] = json.loads(out)
-        assert [(r["xid"], r["pods"]) for r in rows] == [(79, ["ml/train-7"]), (13, [])]
+        assert [(r["xid"], r["pods"], r["origin"]) for r in rows] == [(79, ["ml/train-7"], "kernel"),
+                                                                     (13, [], "user")]
         code, out, _ = _run(capsys, "--collector", c.address, "-n", "ml")
         assert code == 0 and len(out.splitlines()) == 2 and "ml/train-7, host" in out
         code, out, _ = _run(capsys, "--collector", c.address, "--since", "1s", "--node", "other")

@@ -121,6 +121,7 @@ def busy_world() -> World:
     w.drop(gone)  # opened and resolved on n2
     w.node("n3").info = None  # connected, no NodeInfo yet
     w.nodes["n1"].info.gpus[0].unaccounted_bytes = 1 << 30  # n1's GPU 1 and n2's: not known
+    w.nodes["n1"].set_stats(stream_pb2.TracerStats(memory_objects_dropped_total=2, kmsg_records_lost_total=5))
     return w
 
 
@@ -333,6 +334,36 @@ def test_node_counters_sum_every_tracer_instance() -> None:
     lost = {s["reason"]: v for s, v in got["ghostgpu_tracer_events_lost_total"]}
     assert lost == {"spool_overflow": 7 + 2, "ringbuf": 3}  # a gap and the spool count are one loss
     assert got["ghostgpu_tracer_info"] == [({"node": "n1", "version": "0.5"}, 1)]
+
+
+TRACER_STATS = ("ghostgpu_tracer_memory_objects_dropped_total", "ghostgpu_tracer_kmsg_unparsed_total",
+                "ghostgpu_tracer_faults_dropped_total", "ghostgpu_tracer_kmsg_records_lost_total")
+
+
+def test_tracer_drop_counters_are_the_tracers_latest_report_and_absent_before_one() -> None:
+    w = World()
+    reported = w.node("n1")
+    reported.set_stats(stream_pb2.TracerStats(memory_objects_dropped_total=7, kmsg_unparsed_total=1,
+                                              faults_dropped_total=2, kmsg_records_lost_total=3))
+    w.node("n2")  # its stream opened, no snapshot nor heartbeat yet: the counts are not known
+    quiet = w.node("n3")
+    quiet.apply_snapshot(stream_pb2.Snapshot(seq=4))  # a snapshot without stats: nothing dropped
+    w.nodes["n4"] = NodeView("n4")  # known from the database only, its tracer not back yet
+    m = w.metrics()
+
+    def counts() -> dict[tuple[str, str], float]:
+        got = samples(m.render_nodes())
+        return {(name, s["node"]): v for name in TRACER_STATS for s, v in got.get(name, [])}
+
+    assert counts() == {
+        **{(name, "n1"): v for name, v in zip(TRACER_STATS, (7, 1, 2, 3), strict=True)},
+        **{(name, "n3"): 0 for name in TRACER_STATS}}
+    # A new tracer process counts from 0 again: the series says so (Prometheus reads a reset).
+    reported.begin(stream_pb2.Hello(node="n1", tracer_version="0.5"), Position("n1", "boot", "i2"))
+    assert counts()[("ghostgpu_tracer_memory_objects_dropped_total", "n1")] == 7  # its last report stands
+    reported.apply_snapshot(stream_pb2.Snapshot(seq=1, stats=stream_pb2.TracerStats(kmsg_unparsed_total=4)))
+    got = counts()
+    assert [got[(name, "n1")] for name in TRACER_STATS] == [0, 4, 0, 0]
 
 
 def test_cri_call_latency_histogram_counts_each_call() -> None:
