@@ -43,6 +43,8 @@ from tests.unit.test_metrics import samples
 NODE = "node-faults"
 NS, POD = "ml-faults", "trainer-0"
 BUS_ID = "00000000:3B:00.0"  # NVML's form; the driver writes the same address as PCI:0000:3b:00
+TRACER_DROPS = ("ghostgpu_tracer_memory_objects_dropped_total", "ghostgpu_tracer_kmsg_unparsed_total",
+                "ghostgpu_tracer_faults_dropped_total", "ghostgpu_tracer_kmsg_records_lost_total")
 DEADLINE_S = 30.0  # a tracer start (bcc compiles) and a CRI lookup, on a VM shared with other tests
 
 
@@ -98,15 +100,21 @@ def test_a_kernel_log_xid_names_the_pod_that_held_the_gpu(tmp_path: Path) -> Non
                 (row,) = faults_json(col.address, "-n", NS)
                 assert (row["node"], row["gpu"], row["xid"], row["severity"]) == (NODE, 0, 79, "critical")
                 assert row["gpu_uuid"] == GPU0_UUID and row["pid"] == job.host_pid
+                assert row["origin"] == "user"  # this test, not the driver, wrote the line to /dev/kmsg
                 assert row["pods"] == [f"{NS}/{POD}"]
                 first = row["hits"][0]
                 assert (first["pid"], first["named"], first["namespace"], first["pod"]) == (
                     job.host_pid, True, NS, POD)
                 assert first["container"] == "main"
                 table = ghostgpu_cli("faults", "--collector", col.address).stdout
-                assert f"{NS}/{POD}" in table and "GPU has fallen off the bus" in table
-                got = scrape(metrics)["ghostgpu_xid_errors_total"]
-                assert ({"node": NODE, "gpu": "0", "xid": "79"}, 1) in got
+                assert f"{NS}/{POD}" in table and "fallen off the bus (written by user space)" in table
+                page = scrape(metrics)
+                assert ({"node": NODE, "gpu": "0", "xid": "79"}, 1) in page["ghostgpu_xid_errors_total"]
+                # The tracer's own drop counters, from its snapshot's and heartbeats' TracerStats: one
+                # series each for the node (other tests' kernel log lines may count: values not pinned).
+                for name in TRACER_DROPS:
+                    assert len([v for labels, v in page[name] if labels == {"node": NODE}]) == 1, name
+                assert page[TRACER_DROPS[0]] == [({"node": NODE}, 0)]  # a few objects: the table held them
     finally:
         cri.close()
 
