@@ -302,7 +302,10 @@ def summarize(rounds: dict[str, list[dict[str, float]]], mode: str, ref: str, op
     rows = rounds[op]
     best = {m: min(r[m] for r in rows) for m in (mode, ref, "none")}
     added, added_ref = best[mode] - best["none"], best[ref] - best["none"]
-    per_round = sorted((r[mode] - r["none"]) / max(r[ref] - r["none"], 1e-9) for r in rows)
+    # A round where the reference added nothing measurable (it ran no slower than no BPF) has no ratio.
+    per_round = sorted((r[mode] - r["none"]) / (r[ref] - r["none"]) for r in rows if r[ref] > r["none"])
+    if not per_round:
+        per_round = [float("nan")]
     # The spread of the per-round ratios: on a shared VM one loop's time jitters by tens of ns, as
     # much as the few ns a filter adds over the empty programs; a ratio is only as good as this.
     quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else [per_round[0]] * 3

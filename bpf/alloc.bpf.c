@@ -301,7 +301,8 @@ static __always_inline void gg_alloc_ioctl(u32 tgid, u32 tid, s32 fd, u32 dev_id
     if (alloc && bpf_probe_read_user(head, sizeof(head), (const void *)block) != 0)
         return;
     /* VID_HEAP_CONTROL: only ALLOC_SIZE and FREE are memory calls (INFO, ... are not). */
-    if (nr != GG_ESC_RM_VID_HEAP_CONTROL || head[2] == GG_HEAP_ALLOC_SIZE || head[2] == GG_NVOS32_FUNCTION_FREE)
+    if (nr != GG_ESC_RM_VID_HEAP_CONTROL || head[2] == GG_HEAP_ALLOC_SIZE ||
+        head[2] == GG_NVOS32_FUNCTION_FREE)
         gg_mem_stash(tid, fd, dev_id, nr, size, block); /* one call site: see ioctl.bpf.c */
     if (!alloc)
         return; /* no allocation: nothing for alloc_work */
