@@ -247,8 +247,11 @@ ROWS: dict[str, list[Figure]] = {
         fig("best of {}", "syscall_cost", lambda d: len(d["rounds"]["ioctl"])),
         fig("+{:.0f} ns", "syscall_cost", "added_ns_ghostgpu.ioctl"),
         fig("+{:.0f} ns", "syscall_cost", "added_ns_empty.ioctl"),
-        fig("{:.2f}x", "syscall_cost", "ratio_ghostgpu_vs_empty.ioctl"),
-        fig("<= {}x", "syscall_cost", "goal_ratio"),
+        fig("{:.2f}x (median of rounds {:.2f}x)", "syscall_cost", "ratio_ghostgpu_vs_empty.ioctl",
+            "ratio_ghostgpu_vs_empty_median_of_rounds.ioctl"),
+        fig("<= {}x ({})", "syscall_cost", "goal_ratio_ioctl", lambda d: "met" if max(
+            d["ratio_ghostgpu_vs_empty"]["ioctl"], d["ratio_ghostgpu_vs_empty_median_of_rounds"]["ioctl"])
+            <= d["goal_ratio_ioctl"] else "missed"),
     ],
     "added cost per `openat`+`close`": [
         fig("+{:.0f} ns", "syscall_cost", "added_ns_ghostgpu.open"),
@@ -260,6 +263,17 @@ ROWS: dict[str, list[Figure]] = {
         fig("<= {}x, < {:g}x opensnoop ({})", "syscall_cost", "goal_ratio", "goal_vs_opensnoop_below",
             lambda d: "met" if d["ratio_ghostgpu_vs_empty"]["open"] <= d["goal_ratio"]
             and d["ratio_ghostgpu_vs_opensnoop"]["open"] < d["goal_vs_opensnoop_below"] else "missed"),
+    ],
+    "a holder's non-allocating GPU `ioctl`": [
+        fig("previous main's programs ({})", "syscall_cost", "base_rev"),
+        fig("+{:.0f} ns", "syscall_cost", "added_ns_ghostgpu.gpu"),
+        fig("{}'s programs +{:.0f} ns", "syscall_cost", "base_rev", "added_ns_ghostgpu_base.gpu"),
+        fig("a non-GPU `ioctl` +{:.0f} ns", "syscall_cost", "added_ns_vs_base.ioctl"),
+        fig("| +{:.0f} ns |", "syscall_cost", "added_ns_vs_base.gpu"),
+        fig("<= +{} ns ({}", "syscall_cost", "goal_gpu_added_ns_vs_base", lambda d: "met"
+            if d["added_ns_vs_base"]["gpu"] <= d["goal_gpu_added_ns_vs_base"] else "missed"),
+        fixed("about 70 ns", "an empty program on sys_exit_ioctl alone, measured by hand with bench_syscall_cost's "
+              "loop (the empty set's added ioctl cost before and after the exit joined it)"),
     ],
     "full `/proc` scan": [
         fig("{:,} procs x {} fds", "scan", "procs", "fds_per_proc"),
