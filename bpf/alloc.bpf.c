@@ -39,6 +39,10 @@
 #define GG_HEAP_ALLOC_SIZE 2u          /* NVOS32_FUNCTION_ALLOC_SIZE (nvos.h) */
 #define GG_NVOS32_FUNCTION_FREE 3u      /* NVOS32_FUNCTION_FREE (nvos.h) */
 #define GG_HEAP_ALLOC_OS_DESCRIPTOR 27u /* NVOS32_FUNCTION_ALLOC_OS_DESCRIPTOR (nvos.h) */
+/* NVOS32_ALLOC_FLAGS_VIRTUAL (src/common/sdk/nvidia/inc/nvos.h) in AllocSize.flags: RM makes an
+ * NV50_MEMORY_VIRTUAL object, a VA reservation with no memory behind it. */
+#define GG_NVOS32_ALLOC_FLAGS_VIRTUAL 0x00080000u
+#define GG_NV50_MEMORY_VIRTUAL 0x50A0u /* cl50a0.h */
 
 /* Categories: tracer/gpu_work.py Category mirrors these numbers. From GG_AC_MEMORY up a call is
  * work: memory, a VA space, a channel, a compute/copy/3D engine. */
@@ -388,6 +392,10 @@ static __always_inline void gg_mem_exit(u32 tgid, u32 tid, s64 ret, bool had_bit
         r.h_object = w[11];      /* AllocSize/Free.hMemory: data@40 + 4 */
         if (r.mkind == GG_MC_HEAP_ALLOC) {
             r.attr = w[14];      /* AllocSize.attr: data@40 + 16 */
+            /* AllocSize.flags: data@40 + 12. The class RM chose; 0: the attr's location decides
+             * (tracer/gpu_memory.py counts()). */
+            if (w[13] & GG_NVOS32_ALLOC_FLAGS_VIRTUAL)
+                r.h_class = GG_NV50_MEMORY_VIRTUAL;
             r.size = buf[11];    /* AllocSize.size: data@40 + 48, what RM really allocated */
         }
         break;

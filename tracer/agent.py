@@ -118,9 +118,17 @@ class Tracer:
         if not self.nvml.available:
             self._notice("nvml", f"{self.nvml.error}; classes that need NVML are reported as unknown")
         # Read from now on (no replay): an Xid logged during the first scan is joined once it is done.
-        kmsg_off = self.faults.start()
-        if kmsg_off:
-            self._notice("kmsg", kmsg_off)
+        # The one choice of where Xid lines come from: with BPF, the printk tracepoint
+        # (bpf/printk.bpf.c: no /dev/kmsg, which a pod's container lacks, and no CAP_SYSLOG); without
+        # it, /dev/kmsg (tracer/kmsg.py).
+        if self.bpf is None:
+            kmsg_off = self.faults.start()
+            if kmsg_off:
+                self._notice("kmsg", kmsg_off)
+        elif not self.bpf.log_origin_known:
+            self._notice("kmsg", "Xid lines are read from printk, but this kernel does not let the "
+                                 "tracer tell one that user space wrote to /dev/kmsg (needs x86_64, Linux "
+                                 "5.15+ and kernel BTF): every line reads as the kernel's")
         # BPF is attached before the first scan, so nothing opened in between slips through;
         # what both see is merged by the holder table.
         self.errors.run("scan", self._scan, True)
@@ -258,6 +266,8 @@ class Tracer:
         kernel = self._kernel()
         events = self.errors.run("event", kernel.poll, timeout_ms) or ()
         calls = self.errors.run("memory", kernel.take_memcalls) or ()
+        for ts_ns, text, facility in kernel.take_log_lines():  # Xid lines only: joined in step()
+            self.faults.offer(text, ts_ns, facility=facility)
         i = 0
         for ev in events:
             while i < len(calls) and calls[i].ts_ns <= ev.ts_ns:

@@ -17,7 +17,7 @@ from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.common.system.settings import default_of
 
 BPF_FILES = ("ghostgpu.h", "trace.bpf.c", "alloc.bpf.c", "open.bpf.c", "fd.bpf.c", "ioctl.bpf.c",
-             "sched.bpf.c")
+             "sched.bpf.c", "printk.bpf.c")
 
 
 def find_bpf_dir(source_root: Path | None = None, data_root: Path | None = None) -> Path:
@@ -107,9 +107,11 @@ def build_cflags(
     ringbuf_pages: int = default_of(TracerConfig, "bpf_ringbuf_pages"),
     pid_max: int = PID_MAX_LIMIT, have_group_dead: bool = True, syscalls: Iterable[str] = (),
     bpf_dir: Path = BPF_DIR, holder_filter: bool = True, driver_version: str | None = None,
+    kmsg_origin: bool = False,
 ) -> list[str]:
     """The -D/-I flags that configure bpf/*.bpf.c. Constants are never spliced into the text.
-    driver_version: the node's NVIDIA driver (None: unknown), for RM_ALLOC's status offsets."""
+    driver_version: the node's NVIDIA driver (None: unknown), for RM_ALLOC's status offsets.
+    kmsg_origin: bpf/printk.bpf.c may tell user-written lines (kmsg_origin_supported)."""
     if not 1 <= len(prefixes) <= MAX_PREFIXES:
         raise ValueError(f"need 1 to {MAX_PREFIXES} device prefixes, got {len(prefixes)}")
     for prefix in prefixes:
@@ -135,7 +137,19 @@ def build_cflags(
     flags += [f"-DGG_HAVE_SYS_{name.upper()}=1" for name in sorted(set(syscalls))]
     if not holder_filter:
         flags.append("-DGG_NO_HOLDER_FILTER=1")
+    if kmsg_origin:
+        flags.append("-DGG_KMSG_ORIGIN=1")
     return flags
+
+
+def kmsg_origin_supported(release: str, machine: str, have_btf: bool) -> bool:
+    """Whether bpf/printk.bpf.c can read the writer's syscall: bpf_task_pt_regs since Linux 5.15,
+    bpf_get_current_task_btf (kernel BTF), and the syscall number where the program looks for it
+    (orig_ax: x86_64 only)."""
+    m = re.match(r"(\d+)\.(\d+)", release)
+    if m is None or machine != "x86_64" or not have_btf:
+        return False
+    return (int(m[1]), int(m[2])) >= (5, 15)
 
 
 def program_text(bpf_dir: Path = BPF_DIR) -> str:

@@ -26,6 +26,7 @@ from ghostgpu.tracer.bpf_build import (
     find_tracefs,
     format_has_field,
     has_caps,
+    kmsg_origin_supported,
     program_text,
 )
 from ghostgpu.tracer.config import TracerConfig
@@ -58,6 +59,9 @@ MEMCALL = struct.Struct("=QQIIIiIIIIIIQIIIIII")
 MCF_INSTANCE = 1  # GG_MCF_INSTANCE
 SLOW_PATHS = (b"gg_settle", b"gg_open_match")
 KHEADERS = "/sys/kernel/kheaders.tar.xz"
+# struct gg_log_line (bpf/printk.bpf.c): boot ns, text bytes (NUL included), user flag, text.
+LOG_LINE = struct.Struct("=QII248s")
+FACILITY_USER = 1  # LOG_USER: what devkmsg_write gives a line user space wrote (kernel/printk/printk.c)
 
 
 class BpfUnavailable(RuntimeError):
@@ -116,6 +120,18 @@ def decode_memcall(data: bytes) -> MemCall | None:
                    src_object=src_object)
 
 
+def decode_log_line(data: bytes) -> tuple[int, str, int] | None:
+    """One bpf/printk.bpf.c record -> (boot ns, text, facility): facility 0 for the kernel's own
+    line, FACILITY_USER for one written to /dev/kmsg (the kernel side saw its writer inside a
+    write syscall). None for a short record. The text loses its NUL; bytes that are not UTF-8 are
+    replaced, not fatal."""
+    if len(data) < LOG_LINE.size:
+        return None
+    ts_ns, length, user, raw = LOG_LINE.unpack_from(data)
+    text = raw[:max(0, min(length, len(raw)) - 1)].split(b"\0", 1)[0].decode(errors="replace")
+    return ts_ns, text.rstrip("\n"), FACILITY_USER if user else 0
+
+
 def read_module_version(sys_root: str = "/sys") -> str | None:
     """The loaded nvidia module's version (/sys/module/nvidia/version), None when not loaded."""
     text = _read(f"{sys_root}/module/nvidia/version").strip()
@@ -151,6 +167,8 @@ class BpfSource:
         self._bpf: Any = None
         self._records: list[bytes] = []
         self._memcalls: list[MemCall] = []  # decoded by poll(), handed out by take_memcalls()
+        self._log_lines: list[tuple[int, str, int]] = []  # Xid lines from printk, by poll()
+        self.log_origin_known = False  # a user-written Xid line is told apart (bpf/printk.bpf.c)
         self._leader_exits: dict[int, SourceEvent] = {}  # tgid -> EXIT waiting for the group to die
         self._holder_map: mmap.mmap | None = None
         self._touched_map: mmap.mmap | None = None
@@ -182,6 +200,9 @@ class BpfSource:
         self.have_group_dead = format_has_field(exit_format, "group_dead")
         present = [n for n in OPTIONAL_SYSCALLS if os.path.isdir(f"{tracefs}/events/syscalls/sys_enter_{n}")]
         pid_max = _read("/proc/sys/kernel/pid_max").strip()
+        uname = os.uname()
+        self.log_origin_known = kmsg_origin_supported(uname.release, uname.machine,
+                                                      os.path.exists("/sys/kernel/btf/vmlinux"))
         if self.driver_version is None:
             from ghostgpu.tracer.call_decode import read_driver_version
 
@@ -192,6 +213,7 @@ class BpfSource:
                 pid_max=int(pid_max) if pid_max.isdigit() else PID_MAX_LIMIT,
                 have_group_dead=self.have_group_dead, syscalls=present, bpf_dir=self.bpf_dir,
                 holder_filter=self.holder_filter, driver_version=self.driver_version,
+                kmsg_origin=self.log_origin_known,
             )
             self._bpf = bcc.BPF(text=program_text(self.bpf_dir).encode(), cflags=cflags)
         except ValueError as exc:  # a prefix the kernel matcher cannot take
@@ -204,6 +226,7 @@ class BpfSource:
                 prog = self._bpf.load_func(name, bcc.BPF.TRACEPOINT)
                 self._bpf[b"slow"][ctypes.c_int(slot)] = ctypes.c_int(prog.fd)
             self._bpf[b"events"].open_ring_buffer(self._on_record)
+            self._bpf[b"log_lines"].open_ring_buffer(self._on_log_line)
             holder = self._bpf[b"holder_bytes"]  # one byte per tgid, see gg_maybe_holder()
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             self._holder_map = mmap.mmap(holder.map_fd, len(holder) * 4096, mmap.MAP_SHARED, prot)
@@ -247,6 +270,19 @@ class BpfSource:
             self._bpf.cleanup()
             self._bpf = None
         self.programs_attached = 0
+
+    def _on_log_line(self, _ctx: Any, data: Any, size: int) -> int:  # bcc's ring buffer callback
+        line = decode_log_line(ctypes.string_at(data, size))
+        if line is not None:
+            self._log_lines.append(line)
+        return 0
+
+    def take_log_lines(self) -> list[tuple[int, str, int]]:
+        """The Xid lines printk stored since the last take, as poll() read them: (boot ns, text,
+        facility), facility 0 for the kernel's own and FACILITY_USER for a line user space wrote
+        to /dev/kmsg (tracer/faults.py FaultWatch.offer takes the three)."""
+        lines, self._log_lines = self._log_lines, []
+        return lines
 
     def _write_alloc_classes(self) -> None:
         """The category of every RM class id, for bpf/alloc.bpf.c (written once, 256 pages)."""

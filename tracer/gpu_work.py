@@ -123,9 +123,10 @@ class ClassBit(IntEnum):
 
 CATEGORY_MASK = 0x07  # GG_CATEGORY_MASK
 CLASS_BITS: dict[ClassBit, tuple[int, ...]] = {
-    # NV01_MEMORY_SYSTEM (cl003e.h), NV01_MEMORY_LOCAL_PRIVILEGED (cl003f.h), NV01_MEMORY_LOCAL_USER
-    # (cl0040.h): their allocation parameters are NV_MEMORY_ALLOCATION_PARAMS.
-    ClassBit.MEM_PARAMS: (0x003E, 0x003F, 0x0040),
+    # NV01_MEMORY_SYSTEM (cl003e.h) and NV01_MEMORY_LOCAL_USER (cl0040.h): their allocation
+    # parameters are NV_MEMORY_ALLOCATION_PARAMS. NV01_MEMORY_LOCAL_PRIVILEGED (0x3F) takes none
+    # (RS_NONE in src/nvidia/src/kernel/rmapi/resource_list.h), so there is nothing to read.
+    ClassBit.MEM_PARAMS: (0x003E, 0x0040),
     ClassBit.INSTANCE: (0x0080, 0x2080),  # NV01_DEVICE_0 (cl0080.h), NV20_SUBDEVICE_0 (cl2080.h)
     # NV01_ROOT, NV01_ROOT_NON_PRIV and NV01_ROOT_CLIENT; RM writes every one back as 0x41 (§3.1).
     ClassBit.CLIENT: (0x0000, 0x0001, 0x0041),

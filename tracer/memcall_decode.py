@@ -66,8 +66,14 @@ HEAP_FREE = 3
 # NVOS32_PARAMETERS.data sits @40 (§3.5); AllocSize: hMemory@4, attr@16, size@48 (u64); Free:
 # hMemory@4 (nvos.h, compiled offsets) -> absolute offsets in the 184-byte block.
 HEAP_HMEMORY_AT = 44
+HEAP_FLAGS_AT = 52
 HEAP_ATTR_AT = 56
 HEAP_SIZE_AT = 88
+# NVOS32_ALLOC_FLAGS_VIRTUAL (nvos.h) in AllocSize.flags: RM makes an NV50_MEMORY_VIRTUAL object
+# (cl50a0.h), a VA reservation with no memory behind it. The HEAP_ALLOC then names that class;
+# h_class 0 leaves it to the attr's location (tracer/gpu_memory.py counts()).
+NVOS32_ALLOC_FLAGS_VIRTUAL = 0x00080000
+NV50_MEMORY_VIRTUAL = 0x50A0
 
 # Which RM_ALLOC classes have what read from pAllocParms after the call, and which are clients:
 # tracer/gpu_work.py CLASS_BITS, the one list the kernel side is given too. ClassBit.MEM_PARAMS:
@@ -195,7 +201,9 @@ def decode_ioctl(rec: RecordedIoctl, offsets: StatusOffsets) -> MemCall | None:
                        src_object=_u32(block, 16), **base)
     function = _u32(block, 8)  # VID_HEAP_CONTROL: NVOS32 function@8
     if function == HEAP_ALLOC_SIZE:
+        virtual = _u32(block, HEAP_FLAGS_AT) & NVOS32_ALLOC_FLAGS_VIRTUAL
         return MemCall(MemCallKind.HEAP_ALLOC, h_object=_u32(block, HEAP_HMEMORY_AT),
+                       h_class=NV50_MEMORY_VIRTUAL if virtual else 0,
                        attr=_u32(block, HEAP_ATTR_AT), size_bytes=_u64(block, HEAP_SIZE_AT), **base)
     if function == HEAP_FREE:
         return MemCall(MemCallKind.HEAP_FREE, h_object=_u32(block, HEAP_HMEMORY_AT), **base)

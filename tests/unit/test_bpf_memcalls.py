@@ -167,7 +167,7 @@ def test_memory_maps_are_bounded() -> None:
     [
         (0x0040, ClassBit.MEM_PARAMS, Category.MEMORY),  # NV01_MEMORY_LOCAL_USER
         (0x003E, ClassBit.MEM_PARAMS, Category.MEMORY),  # NV01_MEMORY_SYSTEM
-        (0x003F, ClassBit.MEM_PARAMS, Category.MEMORY),  # NV01_MEMORY_LOCAL_PRIVILEGED
+        (0x003F, 0, Category.MEMORY),  # NV01_MEMORY_LOCAL_PRIVILEGED: RS_NONE, no parameters
         (0x0080, ClassBit.INSTANCE, Category.QUERY),  # NV01_DEVICE_0
         (0x2080, ClassBit.INSTANCE, Category.QUERY),  # NV20_SUBDEVICE_0
         (0x0041, ClassBit.CLIENT, Category.QUERY),  # NV01_ROOT_CLIENT

@@ -59,11 +59,13 @@ def mem_params(size_bytes: int, attr: int = 0) -> bytes:  # NV_MEMORY_ALLOCATION
     return bytes(block)
 
 
-def nvos32(function: int, h_memory: int, size_bytes: int = 0, attr: int = 0, status: int = 0) -> bytes:
-    block = bytearray(184)  # §3.5; data@40: AllocSize hMemory@+4, attr@+16, size@+48
+def nvos32(function: int, h_memory: int, size_bytes: int = 0, attr: int = 0, status: int = 0,
+           flags: int = 0) -> bytes:
+    block = bytearray(184)  # §3.5; data@40: AllocSize hMemory@+4, flags@+12, attr@+16, size@+48
     struct.pack_into("<IIII", block, 0, HC, HD, function, 0)
     struct.pack_into("<I", block, 20, status)
     struct.pack_into("<I", block, 44, h_memory)
+    struct.pack_into("<I", block, 52, flags)
     struct.pack_into("<I", block, 56, attr)
     struct.pack_into("<Q", block, 88, size_bytes)
     return bytes(block)
@@ -148,6 +150,12 @@ ACCEPTED: list[tuple[str, str, RecordedIoctl, MemCall]] = [
     ("VID_HEAP_CONTROL ALLOC_SIZE: hMemory@44, attr@56, size@88 after the call", V595,
      rec(iowr(0x4A, 184), nvos32(2, HM, 16 * GIB, attr=1 << 25)),
      call(MemCallKind.HEAP_ALLOC, h_object=HM, size_bytes=16 * GIB, attr=1 << 25)),
+    ("ALLOC_SIZE with NVOS32_ALLOC_FLAGS_VIRTUAL (flags@52): an NV50_MEMORY_VIRTUAL reservation", V595,
+     rec(iowr(0x4A, 184), nvos32(2, HM, 16 * GIB, flags=0x00080000)),
+     call(MemCallKind.HEAP_ALLOC, h_object=HM, h_class=0x50A0, size_bytes=16 * GIB)),
+    ("ALLOC_SIZE with other flags only: no class, the location decides", V595,
+     rec(iowr(0x4A, 184), nvos32(2, HM, GIB, flags=0x00000400 | 0x00000100)),
+     call(MemCallKind.HEAP_ALLOC, h_object=HM, size_bytes=GIB)),
     ("VID_HEAP_CONTROL FREE: hMemory@44", V595,
      rec(iowr(0x4A, 184), nvos32(3, HM)),
      call(MemCallKind.HEAP_FREE, h_object=HM)),
