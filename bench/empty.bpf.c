@@ -1,8 +1,8 @@
 /* empty.bpf.c: the ghostgpu tracepoint set with programs that do nothing, for
  * bench/bench_syscall_cost.py: the cost of merely having BPF on these tracepoints (syscall
  * tracepoint slow path, perf trace buffer, program dispatch), against which the work done by the
- * ghostgpu programs is measured. Keep the set in step with bpf/open.bpf.c, fd.bpf.c, ioctl.bpf.c
- * and sched.bpf.c, including their GG_HAVE_* guards (trace.bpf.c's own hooks, the mmap exit and
+ * ghostgpu programs is measured. Keep the set in step with bpf/open.bpf.c, fd.bpf.c, ioctl.bpf.c,
+ * sched.bpf.c and printk.bpf.c, including their GG_HAVE_* guards (trace.bpf.c's own hooks, the mmap exit and
  * munmap, are attached only while a trace session runs; the ioctl exit in ioctl.bpf.c is always
  * attached; alloc.bpf.c has none). */
 
@@ -35,3 +35,4 @@ TRACEPOINT_PROBE(task, task_rename) { return 0; }
 TRACEPOINT_PROBE(sched, sched_process_fork) { return 0; }
 TRACEPOINT_PROBE(sched, sched_process_exec) { return 0; }
 TRACEPOINT_PROBE(sched, sched_process_exit) { return 0; }
+TRACEPOINT_PROBE(printk, console) { return 0; }

@@ -17,10 +17,12 @@ then running with exactly NEEDED and with NEEDED less one, and records what brok
   (uid 0) cannot list the fds of a process running as another user.
 - CAP_CHECKPOINT_RESTORE: /proc/PID/map_files/* (the device number of a GPU mapping whose fd was
   closed) needs it; without it a mapping-only hold is matched by its path alone.
-- CAP_SYSLOG: opening /dev/kmsg for reading with kernel.dmesg_restrict=1 (Debian's default; kernel/
-  printk/printk.c check_syslog_permissions, which also accepts CAP_SYS_ADMIN) needs it; without it
-  the driver's Xid reports are not read (tracer/kmsg.py). With dmesg_restrict=0 nothing is needed,
-  so a probe on such a kernel sees no difference.
+- CAP_SYSLOG, only with --bpf off: opening /dev/kmsg for reading with kernel.dmesg_restrict=1
+  (Debian's default; kernel/printk/printk.c check_syslog_permissions, which also accepts
+  CAP_SYS_ADMIN) needs it; without it the driver's Xid reports are not read (tracer/kmsg.py). With
+  dmesg_restrict=0 nothing is needed. While BPF runs the Xid lines come from the printk:console
+  tracepoint (bpf/printk.bpf.c), which CAP_BPF and CAP_PERFMON cover: the DaemonSet (no /dev/kmsg
+  in its container anyway) grants the five others only.
 
 Not needed on Linux >= 5.11: CAP_SYS_ADMIN (tracefs is mounted by the host and readable by uid 0;
 CAP_BPF+CAP_PERFMON cover BPF), CAP_SYS_RESOURCE and CAP_IPC_LOCK (BPF memory is charged to the
@@ -56,6 +58,7 @@ class Need:
     without: str
     covered_by: tuple[str, ...] = ()  # broader capabilities that grant the same (the kernel's own checks)
     bpf_only: bool = False  # irrelevant with --bpf off
+    no_bpf_only: bool = False  # needed only with --bpf off: the kernel side does the same without it
     dmesg_restricted_only: bool = False  # irrelevant when kernel.dmesg_restrict is 0
 
     @property
@@ -81,11 +84,13 @@ NEEDED: tuple[Need, ...] = (
          "/proc/PID/map_files cannot be read: a GPU mapping whose fd was closed is matched by its path "
          "only, not by its device number (a renamed device node is missed or misattributed)",
          covered_by=("CAP_SYS_ADMIN",)),
-    Need("CAP_SYSLOG", "read the kernel log (/dev/kmsg) for the driver's Xid reports (dmesg_restrict=1)",
+    Need("CAP_SYSLOG", "read the kernel log (/dev/kmsg) for the driver's Xid reports (dmesg_restrict=1, "
+         "--bpf off)",
          "Xid faults are not read from the kernel log (/dev/kmsg is refused with kernel.dmesg_restrict=1)",
-         covered_by=("CAP_SYS_ADMIN",), dmesg_restricted_only=True),
+         covered_by=("CAP_SYS_ADMIN",), dmesg_restricted_only=True, no_bpf_only=True),
 )
-NEEDED_NAMES: tuple[str, ...] = tuple(n.name for n in NEEDED)
+# What the tracer needs with BPF on, as the DaemonSet runs it: its capabilities, exactly.
+NEEDED_NAMES: tuple[str, ...] = tuple(n.name for n in NEEDED if not n.no_bpf_only)
 
 
 def mask_of(names: Iterable[str]) -> int:
@@ -117,7 +122,8 @@ def missing(mask: int, bpf: bool = True, dmesg_restricted: bool = True) -> list[
     """The needs not met by mask: neither the capability nor a broader one that covers it."""
     out = []
     for need in NEEDED:
-        if (need.bpf_only and not bpf) or (need.dmesg_restricted_only and not dmesg_restricted):
+        if (need.bpf_only and not bpf) or (need.no_bpf_only and bpf) or \
+                (need.dmesg_restricted_only and not dmesg_restricted):
             continue
         if mask & mask_of((need.name, *need.covered_by)):
             continue

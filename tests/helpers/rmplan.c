@@ -34,8 +34,9 @@
  *                                with NV_MEMORY_ALLOCATION_PARAMS.size = BYTES, under GPU's
  *                                device (none: under the client); xfer: inside
  *                                NV_ESC_IOCTL_XFER_CMD; nvos64: the NVOS64 block
- *   heap-alloc GPU BYTES [xfer] [handle=H]
- *                                RM_VID_HEAP_CONTROL ALLOC_SIZE under GPU's device
+ *   heap-alloc GPU BYTES [xfer] [handle=H] [flags=F]
+ *                                RM_VID_HEAP_CONTROL ALLOC_SIZE under GPU's device; F:
+ *                                AllocSize.flags (0x80000: NVOS32_ALLOC_FLAGS_VIRTUAL)
  *   heap-free REF                RM_VID_HEAP_CONTROL FREE of hMemory REF
  *   alloc-memory GPU BYTES [class=C]
  *                                RM_ALLOC_MEMORY (NVOS02 + fd, on nvidiaGPU): limit BYTES-1
@@ -510,13 +511,15 @@ static void step_heap(char **w, int n, int is_free, const char *as) {
         parent = clients[c].handle;
         wr32(b, 8, 3); /* NVOS32_FUNCTION_FREE */
     } else {
-        if (n < 3) bad_step("want heap-alloc GPU BYTES [xfer] [handle=H]");
+        if (n < 3) bad_step("want heap-alloc GPU BYTES [xfer] [handle=H] [flags=F]");
         parent = parent_for_gpu(w[1], &gpu);
         bytes = num(w[2], "bytes");
         const char *h_s = opt_value(w, n, "handle");
         h_in = h_s ? resolve(h_s) : 0;
         wr32(b, 8, 2); /* NVOS32_FUNCTION_ALLOC_SIZE */
         wr64(b, 88, bytes);
+        const char *flags_s = opt_value(w, n, "flags");
+        wr32(b, 52, flags_s ? (uint32_t)num(flags_s, "flags") : 0); /* AllocSize.flags: data+12 */
     }
     wr32(b, 0, clients[c].handle);
     wr32(b, 4, parent);
@@ -530,7 +533,8 @@ static void step_heap(char **w, int n, int is_free, const char *as) {
     if (!is_free) {
         field(", \"gpu\": ");
         field(gpu < 0 ? "null" : "%d", gpu);
-        field(", \"requested_bytes\": %" PRIu64 ", \"size_bytes\": %" PRIu64, bytes, rd64(b, 88));
+        field(", \"requested_bytes\": %" PRIu64 ", \"size_bytes\": %" PRIu64 ", \"flags\": %u", bytes,
+              rd64(b, 88), rd32(b, 52));
     }
     end();
     if (!is_free && ok(r, b, 20)) {

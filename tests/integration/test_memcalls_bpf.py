@@ -219,8 +219,9 @@ def expected_calls(pid: int, records: list[dict[str, Any]]) -> list[MemCall]:
         elif op == "alloc-memory":
             out.append(MemCall(K.ALLOC_MEMORY, **{**base, "fd": r["fd"]}, h_class=r["class"],
                                size_bytes=r["size_bytes"]))
-        elif op == "heap-alloc":
-            out.append(MemCall(K.HEAP_ALLOC, **base, size_bytes=r["size_bytes"]))
+        elif op == "heap-alloc":  # NVOS32_ALLOC_FLAGS_VIRTUAL: an NV50_MEMORY_VIRTUAL reservation
+            h_class = 0x50A0 if r["flags"] & 0x00080000 else 0
+            out.append(MemCall(K.HEAP_ALLOC, **base, h_class=h_class, size_bytes=r["size_bytes"]))
         elif op == "heap-free":
             out.append(MemCall(K.HEAP_FREE, **base))
         elif op == "free":
@@ -238,7 +239,7 @@ def test_each_accepted_call_is_reported_exactly(fuse_rig: FuseRig) -> None:
         "open ctl", "open gpu 0", "client as c1", "device 0", "subdevice",
         f"alloc-mem 0 {MIB} attr={ATTR:#x} as m1",  # rounded up by the driver to its 2 MiB granule
         f"alloc-mem 0 {4 * MIB} nvos64 attr={ATTR:#x}", f"alloc-mem 0 {MIB} xfer attr={ATTR:#x}",
-        f"heap-alloc 0 {3 * MIB} as h1", f"heap-alloc 0 {MIB} xfer", "alloc-memory 0 10000",
+        f"heap-alloc 0 {3 * MIB} as h1", f"heap-alloc 0 {MIB} xfer flags=0x80000", "alloc-memory 0 10000",
         "alloc-object 0x3e",
         "client as c2", "device 1", "dup $m1 from $c1 gpu 1", "use $c1", "free $m1", "heap-free $h1",
         "control", "use $c2", "free $c2",
