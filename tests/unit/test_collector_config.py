@@ -51,7 +51,8 @@ def test_a_good_file_sets_its_keys(text: str, expected: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("text", "line"), [
-    ("retention_dayz = 3\n", "--config c.toml: retention_dayz: unknown key; known keys: alert_fault_hold_s, alert_labels, "),
+    ("retention_dayz = 3\n",
+     "--config c.toml: retention_dayz: unknown key; known keys: alert_fault_hold_s, alert_labels, "),
     ("node_name = 'n1'\n", "--config c.toml: node_name: unknown key"),  # code sets it (`up`), not the file
     ("retention_days = '3'\n", "--config c.toml: retention_days: expected a number, got a string"),
     ("event_log_max = 1.5\n", "--config c.toml: event_log_max: expected a whole number, got a number"),

@@ -272,8 +272,9 @@ ROWS: dict[str, list[Figure]] = {
         fig("| +{:.0f} ns |", "syscall_cost", "added_ns_vs_base.gpu"),
         fig("<= +{} ns ({}", "syscall_cost", "goal_gpu_added_ns_vs_base", lambda d: "met"
             if d["added_ns_vs_base"]["gpu"] <= d["goal_gpu_added_ns_vs_base"] else "missed"),
-        fixed("about 70 ns", "an empty program on sys_exit_ioctl alone, measured by hand with bench_syscall_cost's "
-              "loop (the empty set's added ioctl cost before and after the exit joined it)"),
+        fixed("about 70 ns", "an empty program on sys_exit_ioctl alone, measured by hand with "
+              "bench_syscall_cost's loop (the empty set's added ioctl cost before and after the exit "
+              "joined it)"),
     ],
     "full `/proc` scan": [
         fig("{:,} procs x {} fds", "scan", "procs", "fds_per_proc"),
