@@ -2,9 +2,10 @@
 GPU) reads real kernel log lines written to /dev/kmsg and joins each Xid to the processes in fake
 containers that held that GPU.
 
-Only root can write /dev/kmsg: the lines arrive with facility LOG_USER, which the fault's origin
-says ("user", tracer/faults.py). Each test marks its lines with a token of its own, so lines other tests
-(or the kernel) write meanwhile are told apart.
+Only root can write /dev/kmsg. With BPF on the lines come through the printk:console tracepoint
+(bpf/printk.bpf.c), which tells a line written from a write syscall as origin "user"; through
+/dev/kmsg (BPF off) the LOG_USER facility says the same. Each test marks its lines with a token of
+its own, so lines other tests (or the kernel) write meanwhile are told apart.
 """
 
 from __future__ import annotations
