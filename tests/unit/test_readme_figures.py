@@ -276,6 +276,16 @@ ROWS: dict[str, list[Figure]] = {
               "bench_syscall_cost's loop (the empty set's added ioctl cost before and after the exit "
               "joined it)"),
     ],
+    "GPU memory per process from the driver's calls": [
+        fig("{}, {} and {} GiB allocated, {} GiB freed and a {} GiB allocation refused", "gpu_real",
+            "requested.alloc_gib.0", "requested.alloc_gib.1", "requested.alloc_gib.2", "requested.free_gib.0",
+            "requested.refused_gib.0"),
+        fig("{:,} bytes on GPU 0", "gpu_real", "per_gpu.0.decoded_bytes"),
+        fig("saw the same {} memory calls", "gpu_real", "kernel_side.kernel_memcalls"),
+        fig("state: {:,} bytes", "gpu_real", "per_gpu.0.reference_bytes"),
+        fig("{:.1f}% off", "gpu_real", "per_gpu.0.diff_pct"),
+        fixed("within 5%", "the goal bench/gpu_real_check.sh states in its JSON's `goal`"),
+    ],
     "full `/proc` scan": [
         fig("{:,} procs x {} fds", "scan", "procs", "fds_per_proc"),
         fig("best of {}", "scan", "runs"),
