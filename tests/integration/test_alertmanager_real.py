@@ -114,7 +114,7 @@ def test_a_fault_the_collector_stores_fires_in_alertmanager_naming_its_pods(
         assert alert["labels"] == {"alertname": "GhostGPUXid", "severity": "critical", "node": "gpu-node-7",
                                    "gpu": "1", "gpu_uuid": "GPU-00000001-0000-4000-8000-000000000000",
                                    "xid": "79", "fault_id": f"sim-boot-{xid.kmsg_seq}",  # boot, record
-                                   "source": "ghostgpu-collector"}
+                                   "source": "ghostgpu-collector", "origin": "kernel"}
         annotations = alert["annotations"]
         assert annotations["pods"] == "ml/train-7, host"
         assert annotations["meaning"] == "GPU has fallen off the bus"
