@@ -25,9 +25,11 @@ logfile="${GHOSTGPU_BOOTSTRAP_LOG:-/var/log/ghostgpu-bootstrap.log}"
 RUNTIME_PACKAGES=(python3-bpfcc python3-venv gcc libc6-dev util-linux)
 # What only the tests and benchmarks need: real containerd/runc/busybox for the CRI tests, Prometheus
 # and Alertmanager, chromium for the trace viewer, strace, fuser/lsof and iproute2 references,
-# fuse3 + libfuse3-dev + pkg-config for the fake NVIDIA driver (tests/helpers/fakedriver/).
+# fuse3 + libfuse3-dev + pkg-config for the fake NVIDIA driver (tests/helpers/fakedriver/),
+# postgresql for the collector's PostgreSQL store tests (tests/helpers/postgres.py starts its own
+# throwaway cluster from /usr/lib/postgresql/*/bin; Debian's own cluster is not used).
 TEST_PACKAGES=(python3-dev make psmisc lsof iproute2 strace containerd runc busybox-static
-  prometheus prometheus-alertmanager chromium fuse3 libfuse3-dev pkg-config)
+  prometheus prometheus-alertmanager chromium fuse3 libfuse3-dev pkg-config postgresql)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 
