@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.postgres import own_postgres, postgres, postgres_dsn, postgres_server  # noqa: F401 (fixtures)
+
 STRICT_ENV = "GHOSTGPU_REQUIRE_INTEGRATION"
 
 # Skip reasons (regular expressions, matched against the whole reason) that stay skips under
