@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from ghostgpu.collector.db import Conn
 from ghostgpu.collector.store import Store, StoreError
 
 from ghostgpu.common.audit.chain import (
@@ -95,11 +96,11 @@ class AuditRow(NamedTuple):
 
 
 def select_audit(since_unix_ns: int = 0, after_seq: int = 0,
-                 limit: int = 0) -> Callable[[sqlite3.Connection], list[AuditRow]]:
+                 limit: int = 0) -> Callable[[Conn], list[AuditRow]]:
     """A read for Store.read(): audit rows written at or after `since` with seq above `after_seq`,
     oldest first, at most `limit` (0: all)."""
 
-    def run(conn: sqlite3.Connection) -> list[AuditRow]:
+    def run(conn: Conn) -> list[AuditRow]:
         rows = conn.execute("SELECT * FROM audit WHERE ts_unix_ns >= ? AND seq > ? ORDER BY seq LIMIT ?",
                             (since_unix_ns, after_seq, limit or -1)).fetchall()
         return [AuditRow(*r) for r in rows]
@@ -107,7 +108,7 @@ def select_audit(since_unix_ns: int = 0, after_seq: int = 0,
     return run
 
 
-def select_audit_head(conn: sqlite3.Connection) -> AuditRow | None:
+def select_audit_head(conn: Conn) -> AuditRow | None:
     """A read for Store.read(): the newest audit row (where the chain goes on), or None."""
     row = conn.execute("SELECT * FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
     return AuditRow(*row) if row else None

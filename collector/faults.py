@@ -34,7 +34,6 @@ collector's event loop; the store's reads and writes run on its writer thread.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -42,6 +41,7 @@ from typing import NamedTuple
 
 from ghostgpu.collector.cri import PENDING_ERROR
 from ghostgpu.collector.cri_fetch import normalize_container_id
+from ghostgpu.collector.db import Conn, serialize_writers
 from ghostgpu.collector.enrich import NO_CONTAINER
 from ghostgpu.collector.store import CallOp, Store
 
@@ -55,6 +55,7 @@ Listener = Callable[[query_pb2.ClusterFault], None]
 # How long a fault waits for CRI's names of a hit whose lookup was still running; and how many such
 # faults are kept waiting at most (the oldest stop waiting first): an Xid storm on a node whose CRI is
 # slow must not keep every fault in memory.
+FAULT_ID_LOCK = 0x67686F7374786964  # "ghostxid": the next fault id, one replica at a time
 PENDING_KEEP_S = 60.0
 PENDING_MAX = 1000
 # (node, gpu label, xid label): gpu is "" (no GPU matched the PCI bus id) or the NVML index; xid is ""
@@ -120,30 +121,32 @@ class Taken:
         self.stored = False
         self.op: CallOp = Store.op_call(self._write(max_kept))
 
-    def _write(self, max_kept: int) -> Callable[[sqlite3.Connection], None]:
-        def run(conn: sqlite3.Connection) -> None:
+    def _write(self, max_kept: int) -> Callable[[Conn], None]:
+        def run(conn: Conn) -> None:
             self.stored = False  # a group retried after a rollback runs this again
             cf = self.cf
-            # IDs are handed out here, on the writer, in commit order: one per row, never reused.
+            # IDs are handed out here, on the writer, in commit order: one per row, never reused
+            # (replicas sharing PostgreSQL take them one transaction at a time).
+            serialize_writers(conn, FAULT_ID_LOCK)
             cf.id = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM faults").fetchone()[0]
             cf.stored_unix_ns = time.time_ns()
             row = fault_row(cf)
-            if conn.execute("INSERT OR IGNORE INTO faults VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            row).rowcount == 0:
+            if conn.execute("INSERT INTO faults VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                            "ON CONFLICT (node, boot_id, kmsg_seq, log_ts_ns) DO NOTHING", row).rowcount == 0:
                 return  # this kernel log record is stored already (natural key): not a new fault
             # The newest max_kept are the ids above this (dense: each is the one before plus one).
             conn.execute("DELETE FROM faults WHERE id <= ?", (row.id - max_kept,))
             # Counted apart from the rows, which the bound drops: the counter never goes back at a
             # restart (Prometheus would read a lower value as a reset, and increase() as new faults).
             conn.execute("INSERT INTO fault_counts VALUES (?, ?, ?, 1) ON CONFLICT (node, gpu, xid) "
-                         "DO UPDATE SET count = count + 1", (row.node, row.gpu, row.xid))
+                         "DO UPDATE SET count = fault_counts.count + 1", (row.node, row.gpu, row.xid))
             self.stored = True
 
         return run
 
 
-def _rewrite(row: FaultRow) -> Callable[[sqlite3.Connection], None]:
-    def run(conn: sqlite3.Connection) -> None:
+def _rewrite(row: FaultRow) -> Callable[[Conn], None]:
+    def run(conn: Conn) -> None:
         # UPDATE, not INSERT: a fault the bound dropped meanwhile stays dropped.
         conn.execute("UPDATE faults SET namespaces = ?, fault = ? WHERE id = ?",
                      (row.namespaces, row.fault, row.id))
@@ -151,21 +154,21 @@ def _rewrite(row: FaultRow) -> Callable[[sqlite3.Connection], None]:
     return run
 
 
-def _forget_counts(nodes: list[str]) -> Callable[[sqlite3.Connection], None]:
-    def run(conn: sqlite3.Connection) -> None:
+def _forget_counts(nodes: list[str]) -> Callable[[Conn], None]:
+    def run(conn: Conn) -> None:
         conn.executemany("DELETE FROM fault_counts WHERE node = ?", [(n,) for n in nodes])
 
     return run
 
 
 def select_unended(since_unix_ns: int,
-                   limit: int) -> Callable[[sqlite3.Connection], list[query_pb2.ClusterFault]]:
+                   limit: int) -> Callable[[Conn], list[query_pb2.ClusterFault]]:
     """A read for Store.read(): the faults read or stored at or after `since` (their alerts, held from
     the later of the two, have not ended), the newest `limit` stored, oldest first."""
     sql = ("SELECT fault FROM faults WHERE ts_unix_ns >= ? OR stored_unix_ns >= ? "
            "ORDER BY id DESC LIMIT ?")
 
-    def run(conn: sqlite3.Connection) -> list[query_pb2.ClusterFault]:
+    def run(conn: Conn) -> list[query_pb2.ClusterFault]:
         rows = conn.execute(sql, (since_unix_ns, since_unix_ns, limit)).fetchall()
         return [query_pb2.ClusterFault.FromString(blob) for (blob,) in reversed(rows)]
 
@@ -173,7 +176,7 @@ def select_unended(since_unix_ns: int,
 
 
 def select_faults(since_unix_ns: int, node: str, namespace: str,
-                  limit: int) -> Callable[[sqlite3.Connection], list[query_pb2.ClusterFault]]:
+                  limit: int) -> Callable[[Conn], list[query_pb2.ClusterFault]]:
     """A read for Store.read(): faults read at or after `since` (of `node`, that hit a pod of
     `namespace`), the newest `limit` of them, oldest first."""
     where = ["ts_unix_ns >= ?"]
@@ -188,7 +191,7 @@ def select_faults(since_unix_ns: int, node: str, namespace: str,
         args.append(f"%|{escaped}|%")
     sql = f"SELECT fault FROM faults WHERE {' AND '.join(where)} ORDER BY ts_unix_ns DESC, id DESC LIMIT ?"
 
-    def run(conn: sqlite3.Connection) -> list[query_pb2.ClusterFault]:
+    def run(conn: Conn) -> list[query_pb2.ClusterFault]:
         rows = conn.execute(sql, (*args, limit)).fetchall()
         return [query_pb2.ClusterFault.FromString(blob) for (blob,) in reversed(rows)]
 
@@ -209,7 +212,7 @@ class FaultBook:
         # fault ID -> (the fault, monotonic deadline) while a hit's names are pending; oldest first
         self._pending: OrderedDict[int, tuple[query_pb2.ClusterFault, float]] = OrderedDict()
 
-    def load(self, conn: sqlite3.Connection) -> None:
+    def load(self, conn: Conn) -> None:
         """Read how many faults are kept and the per-(node, gpu, xid) counts from the tables (at start,
         on the store's connection before its writer runs, as findings are loaded)."""
         self.kept = conn.execute("SELECT COUNT(*) FROM faults").fetchone()[0]

@@ -15,7 +15,6 @@ trace-operator rules' namespaces and maximum duration, and becomes `requested_by
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
@@ -25,6 +24,7 @@ from ghostgpu.collector.aio_handlers import Context
 from ghostgpu.collector.audit import AuditFn, record_from_row, select_audit
 from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable, Watcher
+from ghostgpu.collector.db import Conn, db_errors
 from ghostgpu.collector.faults import select_faults
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
@@ -56,7 +56,7 @@ TraceDenial = Callable[[Principal, str | None, float], str | None]
 
 
 def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequence[str],
-                    limit: int) -> Callable[[sqlite3.Connection], list[FindingRow]]:
+                    limit: int) -> Callable[[Conn], list[FindingRow]]:
     """A read for Store.read(): findings opened or resolved at or after `since`, or open now;
     the newest `limit` of them, oldest first."""
     where = ["(opened_unix_ns >= ? OR resolved_unix_ns >= ? OR resolved_unix_ns = 0)"]
@@ -70,7 +70,7 @@ def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequ
         args.extend(classes)
     sql = f"SELECT * FROM findings WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?"
 
-    def run(conn: sqlite3.Connection) -> list[FindingRow]:
+    def run(conn: Conn) -> list[FindingRow]:
         rows = conn.execute(sql, (*args, limit)).fetchall()
         return [FindingRow(*r) for r in reversed(rows)]
 
@@ -81,11 +81,11 @@ EventRow = tuple[str, str, str, int, bytes]  # node, boot_id, instance_id, codec
 
 
 def select_events(node: str, instance_id: str, after_seq: int,
-                  limit: int) -> Callable[[sqlite3.Connection], list[EventRow]]:
+                  limit: int) -> Callable[[Conn], list[EventRow]]:
     """A read for Store.read(): with instance_id, the stored rows of that instance holding seqs
     after `after_seq`, oldest first; without, the newest rows (enough for `limit` events)."""
 
-    def run(conn: sqlite3.Connection) -> list[EventRow]:
+    def run(conn: Conn) -> list[EventRow]:
         cols = "node, boot_id, instance_id, codec, blob, count"
         if instance_id:
             args: list[int | str] = [instance_id, after_seq]
@@ -337,10 +337,10 @@ class QueryService(query_pb2_grpc.QueryServicer):
                 result=row.result, detail_json=row.detail, prev_sha256=row.prev_sha256, sha256=row.sha256))
         return query_pb2.ListAuditResponse(records=out)
 
-    async def _read(self, read: Callable[[sqlite3.Connection], T], context: Context) -> T:
+    async def _read(self, read: Callable[[Conn], T], context: Context) -> T:
         try:
             return await asyncio.wrap_future(self.store.read(read))
-        except sqlite3.Error as e:
+        except db_errors() as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"collector cannot read its database "
                                 f"{self.store.path}: {e}")
             raise  # abort raised already; this line only tells type checkers so

@@ -1,4 +1,11 @@
-"""The collector's SQLite store: stream positions, the event log, the findings history and trace sessions.
+"""The collector's store: stream positions, the event log, the findings history and trace sessions.
+
+    store = Store("sqlite:///var/lib/ghostgpu/collector.db", event_log_max, retention_days)
+    store = Store("postgresql://ghostgpu@db/ghostgpu", ..., password_file=..., replica_id="collector-0")
+
+Two engines, one contract (collector/db.py; tests/integration/test_store_contract.py runs the same tests
+on both): SQLite, the embedded default of one collector, and PostgreSQL, which several replicas share
+(docs/REPLICAS.md). The schema is collector/migrations.py's, applied at start.
 
 One writer thread owns the connection. Callers queue write operations with `submit()`; the writer
 takes everything queued, runs it in one transaction (group commit) and only then calls each job's
@@ -19,6 +26,13 @@ The `faults` table holds the GPU faults (Xid) the tracers sent, each with the po
 batch that carried the fault; one row per kernel log record: node, boot, kmsg_seq and the record's
 time are unique); `fault_counts` how many were ever stored per node, GPU and Xid.
 
+With PostgreSQL a write that fails because the server restarts or cannot be reached is retried until
+it commits (the replica stops acknowledging meanwhile, so the tracers spool, as when the collector is
+down; `db_down_since` says since when, for /readyz and /metrics); with SQLite, and for any other error,
+a few tries and the store fails for good. A job submitted with a `fence` (node, token) commits only
+while that token still holds the node's lease (collector/leases.py): checked in the group's
+transaction, under a share lock on the lease row, so a replica that lost a node can never write it.
+
 The `audit` table holds the security audit trail (collector/audit.py writes it through `op_audit`
 beside its JSON lines file, and reads it): append-only, never pruned.
 """
@@ -37,62 +51,52 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
 
+from ghostgpu.collector.db import (
+    StoreUrl,
+    StoreUrlError,
+    connect_postgresql,
+    db_errors,
+    is_transient,
+    parse_store_url,
+    upsert_sql,
+)
+from ghostgpu.collector.migrations import FINDING_ID_BLOCK, SchemaError, migrate
+
 from ghostgpu.common.system.filemodes import FILE_MODE, private_file, tighten
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1"
 CODEC_RAW, CODEC_ZLIB = 0, 1
 _PRUNE_INTERVAL_S = 600.0
+_PG_PRUNE_INTERVAL_S = 60.0  # PostgreSQL bounds the event log here, not per group (several writers)
 _MAX_GROUP_JOBS = 4096
+_RETENTION_LOCK = 0x67686F7374726574  # "ghostret": one replica prunes at a time
+_RECONNECT_MAX_S = 2.0
 T = TypeVar("T")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS positions (
-  node TEXT NOT NULL, boot_id TEXT NOT NULL, instance_id TEXT NOT NULL,
-  delivered_seq INTEGER NOT NULL, ingested_total INTEGER NOT NULL, duplicates_total INTEGER NOT NULL,
-  gaps_total INTEGER NOT NULL, spool_dropped_total INTEGER NOT NULL, ringbuf_dropped_total INTEGER NOT NULL,
-  updated_unix_ns INTEGER NOT NULL, PRIMARY KEY (node, boot_id, instance_id));
-CREATE TABLE IF NOT EXISTS events (
-  id INTEGER PRIMARY KEY, node TEXT NOT NULL, boot_id TEXT NOT NULL, instance_id TEXT NOT NULL,
-  first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, count INTEGER NOT NULL,
-  stored_unix_ns INTEGER NOT NULL, codec INTEGER NOT NULL, blob BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS events_by_instance ON events (node, instance_id, last_seq);
-CREATE TABLE IF NOT EXISTS findings (
-  id INTEGER PRIMARY KEY, node TEXT NOT NULL, namespace TEXT NOT NULL, class TEXT NOT NULL,
-  consumer_key TEXT NOT NULL, opened_unix_ns INTEGER NOT NULL, resolved_unix_ns INTEGER NOT NULL,
-  consumer BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS findings_by_resolved ON findings (resolved_unix_ns);
-CREATE TABLE IF NOT EXISTS trace_sessions (
-  id TEXT PRIMARY KEY, started_unix_ns INTEGER NOT NULL, ended_unix_ns INTEGER NOT NULL,
-  session BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS trace_records (
-  id INTEGER PRIMARY KEY, session TEXT NOT NULL, node TEXT NOT NULL, first_seq INTEGER NOT NULL,
-  last_seq INTEGER NOT NULL, count INTEGER NOT NULL, codec INTEGER NOT NULL, blob BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS trace_records_by_session ON trace_records (session, id);
-CREATE TABLE IF NOT EXISTS trace_audit (
-  id INTEGER PRIMARY KEY, ts_unix_ns INTEGER NOT NULL, session TEXT NOT NULL, action TEXT NOT NULL,
-  who TEXT NOT NULL, detail TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS audit (
-  seq INTEGER PRIMARY KEY, ts_unix_ns INTEGER NOT NULL, action TEXT NOT NULL, subject TEXT NOT NULL,
-  result TEXT NOT NULL, detail TEXT NOT NULL, prev_sha256 TEXT NOT NULL, sha256 TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS audit_by_ts ON audit (ts_unix_ns);
-CREATE TABLE IF NOT EXISTS faults (
-  id INTEGER PRIMARY KEY, node TEXT NOT NULL, ts_unix_ns INTEGER NOT NULL, gpu TEXT NOT NULL,
-  xid TEXT NOT NULL, namespaces TEXT NOT NULL, fault BLOB NOT NULL, boot_id TEXT NOT NULL,
-  kmsg_seq INTEGER NOT NULL, log_ts_ns INTEGER NOT NULL, stored_unix_ns INTEGER NOT NULL,
-  UNIQUE (node, boot_id, kmsg_seq, log_ts_ns));
-CREATE INDEX IF NOT EXISTS faults_by_ts ON faults (ts_unix_ns);
-CREATE INDEX IF NOT EXISTS faults_by_stored ON faults (stored_unix_ns);
-CREATE TABLE IF NOT EXISTS fault_counts (
-  node TEXT NOT NULL, gpu TEXT NOT NULL, xid TEXT NOT NULL, count INTEGER NOT NULL,
-  PRIMARY KEY (node, gpu, xid));
-"""
+_POSITION_COLUMNS = ("node", "boot_id", "instance_id", "delivered_seq", "ingested_total", "duplicates_total",
+                     "gaps_total", "spool_dropped_total", "ringbuf_dropped_total", "updated_unix_ns")
+_FINDING_COLUMNS = ("id", "node", "namespace", "class", "consumer_key", "opened_unix_ns", "resolved_unix_ns",
+                    "consumer")
+_UPSERT_POSITION = upsert_sql("positions", _POSITION_COLUMNS, _POSITION_COLUMNS[:3])
+_UPSERT_FINDING = upsert_sql("findings", _FINDING_COLUMNS, ("id",))
+# DO NOTHING: the event log holds each (node, boot, instance, seq) once (PostgreSQL's events_seq_once
+# constraint); a slice a fenced-out replica could still send is dropped, never stored twice.
+_INSERT_EVENTS = ("INSERT INTO events (node, boot_id, instance_id, first_seq, last_seq, count, "
+                  "stored_unix_ns, codec, blob) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING")
 
 
 class StoreError(Exception):
     """The database cannot be opened or written: one line naming the path and what to do."""
+
+
+class LeaseLost(Exception):
+    """A fenced write refused: another replica holds the node's lease now (a newer token)."""
+
+    def __init__(self, node: str, token: int, current: int | None) -> None:
+        super().__init__(f"node {node}: its stream moved to another collector replica (lease token "
+                         f"{current if current is not None else 'gone'}, this replica held {token})")
+        self.node, self.token, self.current = node, token, current
 
 
 @dataclass
@@ -139,7 +143,7 @@ EventsOp = tuple[Literal["events"], str, str, str, int, int, int, bytes]
 PositionOp = tuple[Literal["position"], PositionRow]
 FindingOp = tuple[Literal["finding"], FindingRow]
 AuditOp = tuple[Literal["audit"], tuple[int | str, ...]]  # collector/audit.py's AuditRow
-CallOp = tuple[Literal["call"], Callable[[sqlite3.Connection], None]]
+CallOp = tuple[Literal["call"], Callable[[Any], None]]  # fn(a collector/db.py Conn)
 ReleaseOp = tuple[Literal["release"], int]  # bytes of blobs the group commits (back-pressure)
 Op = EventsOp | PositionOp | FindingOp | AuditOp | CallOp | ReleaseOp
 
@@ -148,11 +152,13 @@ Op = EventsOp | PositionOp | FindingOp | AuditOp | CallOp | ReleaseOp
 class _Job:
     ops: Sequence[Op] = ()
     done: Callable[[BaseException | None], None] | None = None
-    read: Callable[[sqlite3.Connection], Any] | None = None
+    read: Callable[[Any], Any] | None = None
     future: Future[Any] | None = None
+    fence: tuple[str, int] | None = None  # (node, lease token) the job's writes need (collector/leases.py)
+    write: bool = False  # a read that writes: run in its own transaction (read_write)
 
 
-def _open(path: str) -> sqlite3.Connection:
+def _open_sqlite(path: str) -> sqlite3.Connection:
     what = f"--db {path}"
     try:
         if path != ":memory:":
@@ -165,36 +171,63 @@ def _open(path: str) -> sqlite3.Connection:
         conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a commit survives a crash of this process
-        conn.executescript(_SCHEMA)
-        conn.execute("BEGIN IMMEDIATE")  # proves the file is writable now, not at the first event
-        row = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-        if row is None:
-            conn.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
-        conn.execute("COMMIT")
-    except (OSError, sqlite3.Error) as e:
+        migrate(conn, "sqlite", what)  # BEGIN IMMEDIATE: the file is writable now, not at the first event
+    except SchemaError as e:
+        raise StoreError(str(e)) from None
+    except (OSError, sqlite3.Error, ValueError) as e:
         raise StoreError(f"{what}: cannot open or write it ({e}); pass a writable file with --db, "
                          "or --db :memory: to keep nothing") from None
-    if row is not None and row[0] != SCHEMA_VERSION:
-        raise StoreError(f"{what}: written by another ghostgpu (schema {row[0]}, this one {SCHEMA_VERSION}); "
-                         "pass a new file with --db")
+    return conn
+
+
+def _open_postgresql(url: StoreUrl, password_file: str | None, application_name: str) -> Any:
+    try:
+        conn = connect_postgresql(url, password_file, application_name=application_name)
+        migrate(conn, "postgresql", url.flag)
+    except StoreUrlError as e:
+        raise StoreError(str(e)) from None
+    except SchemaError as e:
+        raise StoreError(str(e)) from None
+    except db_errors() as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StoreError(f"{url.flag}: cannot open the database ({first}); check the host, the database, "
+                         "the user and its password (--store-password-file), and that PostgreSQL 15+ runs "
+                         "there") from None
     return conn
 
 
 class Store:
     """See the module docstring. Every public method is thread-safe."""
 
-    def __init__(self, path: str, event_log_max: int, retention_days: float, compress: bool = True) -> None:
-        self.path = path
+    def __init__(self, path: str, event_log_max: int, retention_days: float, compress: bool = True, *,
+                 password_file: str | None = None, replica_id: str = "collector") -> None:
+        """path: a --db path or a --store URL (collector/db.py); password_file: PostgreSQL's password;
+        replica_id: this collector among the replicas (its lease owner name and application_name)."""
+        try:
+            self.url = parse_store_url(path)
+        except StoreUrlError as e:
+            raise StoreError(str(e)) from None
+        self.path = self.url.shown()
+        self.engine = self.url.engine
+        self.replica_id = replica_id
         self.event_log_max = event_log_max
         self.retention_s = retention_days * 86400.0
         self.compress = compress
-        self._conn = _open(path)
+        self._password_file = password_file
+        self._conn: Any = self._connect()
+        self._in_tx = False
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._log_events: int = self._conn.execute("SELECT COALESCE(SUM(count), 0) FROM events").fetchone()[0]
+        self._log_events: int = 0 if self.engine == "postgresql" else self._conn.execute(
+            "SELECT COALESCE(SUM(count), 0) FROM events").fetchone()[0]
         self._last_prune = 0.0
         self.failed: BaseException | None = None
+        self.db_down_since: float | None = None  # monotonic time the database went out of reach, or None
+        self.errors_total = 0  # failed tries of a group commit (transient ones included)
+        self.commit_seconds: list[float] = []  # group commit times since stats() last took them
+        self._id_next, self._id_end = 0, 0  # the finding id block in hand (next_finding_id)
+        self._id_spare: Future[tuple[int, int]] | None = None
         self._prune_retention()
         self._thread = threading.Thread(target=self._run, name="collector-store", daemon=True)
         self._thread.start()
@@ -209,13 +242,43 @@ class Store:
         rows = self._conn.execute("SELECT * FROM findings WHERE resolved_unix_ns = 0 ORDER BY id").fetchall()
         return [FindingRow(*r) for r in rows]
 
-    def load(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def load(self, fn: Callable[[Any], T]) -> T:
         """At start, before any write is queued: fn(connection), as the loaders above read."""
         return fn(self._conn)
 
     def max_finding_id(self) -> int:
         max_id: int = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM findings").fetchone()[0]
         return max_id
+
+    def next_finding_id(self) -> int:
+        """A finding id no other replica hands out. SQLite: the next after the highest stored. PostgreSQL:
+        from a block of FINDING_ID_BLOCK ids taken from the finding_ids sequence, the next block fetched
+        on the writer thread once this one is three quarters used (the event loop waits only when a
+        replica opens findings faster than one block per round trip)."""
+        if self._id_next >= self._id_end:
+            if self._id_spare is None:
+                self._id_spare = self._take_id_block()
+            try:
+                self._id_next, self._id_end = self._id_spare.result(30.0)
+            finally:
+                self._id_spare = None
+        elif self._id_spare is None and self._id_end - self._id_next < FINDING_ID_BLOCK // 4:
+            self._id_spare = self._take_id_block()
+        fid = self._id_next
+        self._id_next += 1
+        return fid
+
+    def _take_id_block(self) -> Future[tuple[int, int]]:
+        if self.engine == "sqlite":  # one writer: the ids after the highest stored are this collector's
+            fut: Future[tuple[int, int]] = Future()
+            fut.set_result((self.max_finding_id() + 1, 1 << 62))
+            return fut
+
+        def take(conn: Any) -> tuple[int, int]:
+            block = conn.execute("SELECT nextval('finding_ids')").fetchone()[0]
+            return block * FINDING_ID_BLOCK, (block + 1) * FINDING_ID_BLOCK
+
+        return self.read(take)
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -240,19 +303,21 @@ class Store:
         return ("audit", tuple(row))
 
     @staticmethod
-    def op_call(fn: Callable[[sqlite3.Connection], None]) -> CallOp:
+    def op_call(fn: Callable[[Any], None]) -> CallOp:
         """Run fn(connection) inside the group's transaction, after the group's other writes, in the
         order submitted; a sqlite3.Error rolls the group back and retries it as any write does."""
         return ("call", fn)
 
     def submit(self, ops: Sequence[Op],
-               done: Callable[[BaseException | None], None] | None = None, size_bytes: int = 0) -> None:
-        """Queue writes; `done(error)` runs on the writer thread once they are committed (or failed)."""
+               done: Callable[[BaseException | None], None] | None = None, size_bytes: int = 0,
+               fence: tuple[str, int] | None = None) -> None:
+        """Queue writes; `done(error)` runs on the writer thread once they are committed (or failed).
+        fence (node, token): commit only while that token holds the node's lease, else done(LeaseLost)."""
         if size_bytes:
             with self._lock:
                 self._pending_bytes += size_bytes
             ops = [*ops, ("release", size_bytes)]
-        self._queue.put(_Job(ops=ops, done=done))
+        self._queue.put(_Job(ops=ops, done=done, fence=fence))
 
     def encode_blob(self, blob: bytes) -> tuple[int, bytes]:
         return encode_blob(blob, self.compress)
@@ -262,10 +327,18 @@ class Store:
         """Bytes of event blobs queued and not yet committed (for back-pressure on ingest)."""
         return self._pending_bytes
 
-    def read(self, fn: Callable[[sqlite3.Connection], T]) -> Future[T]:
+    def read(self, fn: Callable[[Any], T]) -> Future[T]:
         """Run `fn(connection)` on the writer thread after every write queued before it is committed."""
         fut: Future[T] = Future()
         self._queue.put(_Job(read=fn, future=fut))
+        return fut
+
+    def read_write(self, fn: Callable[[Any], T]) -> Future[T]:
+        """Run `fn(connection)` in a transaction of its own on the writer thread (after every write
+        queued before it): a read that writes, such as taking a node's lease (collector/leases.py).
+        A transient PostgreSQL error fails the future (the caller decides whether to try again)."""
+        fut: Future[T] = Future()
+        self._queue.put(_Job(read=fn, future=fut, write=True))
         return fut
 
     def barrier(self) -> Future[None]:
@@ -276,8 +349,53 @@ class Store:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout_s)
-        with contextlib.suppress(sqlite3.Error):
+        with contextlib.suppress(*db_errors()):
             self._conn.close()
+
+    # ---- the connection ------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        if self.engine == "sqlite":
+            return _open_sqlite(self.url.target)
+        return _open_postgresql(self.url, self._password_file, f"ghostgpu-collector {self.replica_id}")
+
+    def _begin(self) -> None:
+        self._conn.execute("BEGIN")
+        self._in_tx = True
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+        self._in_tx = False
+
+    def _rollback(self) -> None:
+        self._in_tx = False
+        with contextlib.suppress(*db_errors()):  # a closed or broken connection cannot roll back
+            if self.engine == "postgresql" or self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")  # PostgreSQL: outside a transaction, only a warning
+
+    def _reconnect(self) -> None:
+        """PostgreSQL: a fresh connection after the old one broke; raises while the server is out of reach."""
+        with contextlib.suppress(*db_errors()):
+            self._conn.close()
+        self._conn = _open_postgresql(self.url, self._password_file, f"ghostgpu-collector {self.replica_id}")
+
+    def _wait_for_database(self, attempt: int) -> None:
+        """Back off, then try to reconnect (PostgreSQL); the down time is what /readyz reports."""
+        if self.db_down_since is None:
+            self.db_down_since = time.monotonic()
+            log.error("%s: the database is out of reach; not acknowledging events until it is back "
+                      "(the tracers spool meanwhile)", self.url.flag)
+        time.sleep(min(_RECONNECT_MAX_S, 0.1 * (2 ** min(attempt, 5))))
+        try:
+            self._reconnect()
+        except StoreError as e:
+            log.debug("%s", e)
+
+    def _database_back(self) -> None:
+        if self.db_down_since is not None:
+            log.warning("%s: the database is back after %.1f s", self.url.flag,
+                        time.monotonic() - self.db_down_since)
+            self.db_down_since = None
 
     # ---- the writer thread -------------------------------------------------------------------
 
@@ -299,56 +417,122 @@ class Store:
                     break
                 jobs.append(job)
             self._commit_group(jobs)
-            if time.monotonic() - self._last_prune > _PRUNE_INTERVAL_S:
+            interval_s = _PG_PRUNE_INTERVAL_S if self.engine == "postgresql" else _PRUNE_INTERVAL_S
+            if time.monotonic() - self._last_prune > interval_s and self.db_down_since is None:
                 self._prune_retention()
 
     def _commit_group(self, jobs: list[_Job]) -> None:
         writes = [j for j in jobs if j.read is None]
         error: BaseException | None = self.failed
+        refused: dict[int, LeaseLost] = {}
         released = sum(op[1] for j in writes for op in j.ops if op[0] == "release")
         if error is None and any(j.ops for j in writes):
-            error = self._write_retrying(writes)
+            error, refused = self._write_retrying(writes)
         if released:
             with self._lock:
                 self._pending_bytes -= released
         for j in writes:
             if j.done is not None:
                 try:
-                    j.done(error)
+                    j.done(refused.get(id(j), error))
                 except Exception:
                     log.exception("store: commit callback failed")
         for j in jobs:
             if j.read is not None and j.future is not None and j.future.set_running_or_notify_cancel():
                 try:
-                    j.future.set_result(j.read(self._conn))
+                    j.future.set_result(self._run_read(j))
                 except Exception as e:
                     j.future.set_exception(e)
 
-    def _write_retrying(self, jobs: list[_Job]) -> StoreError | None:
-        """Commit a group; a few tries (a busy lock, a moment of full disk), then fail for good.
+    def _run_read(self, job: _Job) -> Any:
+        assert job.read is not None
+        if not job.write:
+            try:
+                return job.read(self._conn)
+            except db_errors() as e:
+                if self.engine == "postgresql" and is_transient(e):
+                    with contextlib.suppress(StoreError):
+                        self._reconnect()
+                raise
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self._begin()
+            out = job.read(self._conn)
+            self._commit()
+            return out
+        except BaseException as e:
+            self._rollback()
+            if self.engine == "postgresql" and isinstance(e, db_errors()) and is_transient(e):
+                with contextlib.suppress(StoreError):
+                    self._reconnect()
+            raise
+
+    def _write_retrying(self, jobs: list[_Job]) -> tuple[StoreError | None, dict[int, LeaseLost]]:
+        """Commit a group: (error, the jobs refused by their fence, by id). PostgreSQL out of reach or
+        restarting: retried until it is back, acking nothing meanwhile. Any other error: a few tries
+        (a busy lock, a moment of full disk), then fail for good.
 
         The failure is sticky: every later write fails too, so no later batch can commit past
         one that was lost, and the streams end with UNAVAILABLE while tracers keep their spools."""
-        for attempt in range(3):
+        attempt, hard_tries = 0, 0
+        while True:
+            started = time.perf_counter()
             try:
-                self._write(jobs)
-                return None
-            except sqlite3.Error as e:
-                with contextlib.suppress(sqlite3.Error):  # a closed or broken connection cannot roll back
-                    if self._conn.in_transaction:
-                        self._conn.execute("ROLLBACK")
+                refused = self._write(jobs)
+                self._database_back()
+                self.commit_seconds.append(time.perf_counter() - started)
+                if len(self.commit_seconds) > 65536:  # nobody scrapes: keep the newest
+                    del self.commit_seconds[:32768]
+                return None, refused
+            except db_errors() as e:
+                self._rollback()
+                self.errors_total += 1
                 last = e
-                time.sleep(0.2 * (attempt + 1))
-        self.failed = StoreError(f"--db {self.path}: write failed ({last}); fix the disk or the file and "
+                if self.engine == "postgresql" and is_transient(e) and self.failed is None:
+                    attempt += 1
+                    self._wait_for_database(attempt)
+                    continue
+                hard_tries += 1
+                if hard_tries >= 3:
+                    break
+                time.sleep(0.2 * hard_tries)
+        first = str(last).strip().splitlines()[0] if str(last).strip() else type(last).__name__
+        self.failed = StoreError(f"{self.url.flag}: write failed ({first}); fix the disk or the database and "
                                  "restart the collector")
         log.error("%s", self.failed)
-        return self.failed
+        return self.failed, {}
 
-    def _write(self, jobs: list[_Job]) -> None:
+    def _fenced_out(self, jobs: list[_Job]) -> dict[int, LeaseLost]:
+        """In the group's transaction: the jobs whose lease token no longer holds their node. The
+        lease rows stay share-locked to the commit (PostgreSQL), so no lease moves under the group."""
+        held: dict[str, set[int]] = {}
+        for j in jobs:
+            if j.fence is not None:
+                held.setdefault(j.fence[0], set()).add(j.fence[1])
+        if not held:
+            return {}
+        nodes = sorted(held)
+        marks = ", ".join("?" * len(nodes))
+        lock = " ORDER BY node FOR SHARE" if self.engine == "postgresql" else ""
+        sql = f"SELECT node, token FROM node_leases WHERE node IN ({marks}){lock}"
+        current = dict(self._conn.execute(sql, nodes).fetchall())
+        refused: dict[int, LeaseLost] = {}
+        for j in jobs:
+            if j.fence is not None and current.get(j.fence[0]) != j.fence[1]:
+                refused[id(j)] = LeaseLost(j.fence[0], j.fence[1], current.get(j.fence[0]))
+        return refused
+
+    def _write(self, jobs: list[_Job]) -> dict[int, LeaseLost]:
+        conn = self._conn
+        self._begin()
+        refused = self._fenced_out(jobs)
+        if refused:
+            jobs = [j for j in jobs if id(j) not in refused]
         positions: dict[tuple[str, str, str], PositionRow] = {}
         findings: dict[int, FindingRow] = {}
         events: list[tuple[str, str, str, int, int, int, int, int, bytes]] = []
-        calls: list[Callable[[sqlite3.Connection], None]] = []
+        calls: list[Callable[[Any], None]] = []
         audits: list[tuple[int | str, ...]] = []
         now_ns = time.time_ns()
         for job in jobs:
@@ -365,32 +549,31 @@ class Store:
                     calls.append(op[1])
                 elif op[0] == "audit":
                     audits.append(op[1])
-        conn = self._conn
-        conn.execute("BEGIN")
         log_events = self._log_events
         if events:
-            conn.executemany("INSERT INTO events (node, boot_id, instance_id, first_seq, last_seq, count, "
-                             "stored_unix_ns, codec, blob) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", events)
-            log_events = self._prune_events(log_events + sum(e[5] for e in events))
+            conn.executemany(_INSERT_EVENTS, events)
+            if self.engine == "sqlite":  # PostgreSQL: bounded in _prune_retention (several writers)
+                log_events = self._prune_events(log_events + sum(e[5] for e in events))
         if positions:
-            conn.executemany("INSERT OR REPLACE INTO positions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                             list(positions.values()))
+            conn.executemany(_UPSERT_POSITION, list(positions.values()))
         if findings:
-            conn.executemany("INSERT OR REPLACE INTO findings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             list(findings.values()))
+            conn.executemany(_UPSERT_FINDING, list(findings.values()))
         if audits:
-            # OR IGNORE: a seq already stored (never, as collector/audit.py resumes after the newest)
+            # DO NOTHING: a seq already stored (never, as collector/audit.py resumes after the newest)
             # must not fail the group, and with it every ack, for good.
-            conn.executemany("INSERT OR IGNORE INTO audit VALUES (?, ?, ?, ?, ?, ?, ?, ?)", audits)
+            conn.executemany("INSERT INTO audit VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (seq) DO NOTHING",
+                             audits)
+        errors = db_errors()
         for fn in calls:
             try:
                 fn(conn)
-            except sqlite3.Error:
+            except errors:
                 raise  # the group rolls back and is retried
             except Exception:  # a bug in one caller's rows must not stop the writer (and every ack)
                 log.exception("store: a write function failed; its rows are skipped")
-        conn.execute("COMMIT")
+        self._commit()
         self._log_events = log_events
+        return refused
 
     def _prune_events(self, log_events: int) -> int:
         """Delete the oldest rows until the log holds at most event_log_max events; the new count."""
@@ -408,16 +591,37 @@ class Store:
         return log_events - freed
 
     def _prune_retention(self) -> None:
-        """Forget findings resolved, and stream positions not updated, more than retention_days ago."""
+        """Forget findings resolved, and stream positions not updated, more than retention_days ago;
+        with PostgreSQL also bound the event log and drop answered replica commands, on one replica at
+        a time (a transaction-scoped advisory lock: the others skip this round)."""
         self._last_prune = time.monotonic()
         cutoff_ns = time.time_ns() - int(self.retention_s * 1e9)
+        conn = self._conn
         try:
-            with self._conn:
-                self._conn.execute("DELETE FROM findings WHERE resolved_unix_ns > 0 AND resolved_unix_ns < ?",
-                                   (cutoff_ns,))
-                self._conn.execute("DELETE FROM positions WHERE updated_unix_ns < ?", (cutoff_ns,))
-        except sqlite3.Error as e:
-            log.error("--db %s: pruning old findings failed: %s", self.path, e)
+            self._begin()
+            if self.engine == "postgresql" and not conn.execute(
+                    "SELECT pg_try_advisory_xact_lock(?)", (_RETENTION_LOCK,)).fetchone()[0]:
+                self._rollback()
+                return
+            conn.execute("DELETE FROM findings WHERE resolved_unix_ns > 0 AND resolved_unix_ns < ?",
+                         (cutoff_ns,))
+            conn.execute("DELETE FROM positions WHERE updated_unix_ns < ?", (cutoff_ns,))
+            conn.execute("DELETE FROM replica_commands WHERE created_unix_ns < ?",
+                         (time.time_ns() - 3_600_000_000_000,))
+            if self.engine == "postgresql":
+                self._prune_events_shared()
+            self._commit()
+        except db_errors() as e:
+            self._rollback()
+            log.error("%s: pruning old findings failed: %s", self.url.flag, e)
+
+    def _prune_events_shared(self) -> None:
+        """PostgreSQL: the oldest event rows past event_log_max events, whoever wrote them."""
+        row = self._conn.execute(
+            "SELECT id FROM (SELECT id, SUM(count) OVER (ORDER BY id DESC) AS newer FROM events) t "
+            "WHERE newer > ? ORDER BY id DESC LIMIT 1", (self.event_log_max,)).fetchone()
+        if row is not None:
+            self._conn.execute("DELETE FROM events WHERE id <= ?", (row[0],))
 
     @property
     def event_log_count(self) -> int:

@@ -18,11 +18,11 @@ live as long as the findings history: the Store's retention).
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
+from ghostgpu.collector.db import Conn, upsert_sql
 from ghostgpu.collector.store import Store, decode_blob, encode_blob
 
 from ghostgpu.common.model.trace import TraceSession, TraceStatus
@@ -31,14 +31,16 @@ from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)
 
+_UPSERT_SESSION = upsert_sql("trace_sessions", ("id", "started_unix_ns", "ended_unix_ns", "session"), ("id",))
 RESTARTED = "collector restarted while it ran; records so far are kept"
 RecordRow = tuple[str, int, bytes]  # node, codec, blob (a serialized TraceBatch)
 
 
-def _records_sql(session: str) -> Callable[[sqlite3.Connection], list[RecordRow]]:
-    def run(conn: sqlite3.Connection) -> list[RecordRow]:
-        return conn.execute("SELECT node, codec, blob FROM trace_records WHERE session = ? ORDER BY id",
-                            (session,)).fetchall()
+def _records_sql(session: str) -> Callable[[Conn], list[RecordRow]]:
+    def run(conn: Conn) -> list[RecordRow]:
+        rows: list[RecordRow] = conn.execute(
+            "SELECT node, codec, blob FROM trace_records WHERE session = ? ORDER BY id", (session,)).fetchall()
+        return rows
 
     return run
 
@@ -52,7 +54,7 @@ def decode_records(rows: Iterable[RecordRow]) -> list[trace_pb2.TraceRecord]:
 
 
 def select_audit(session: str = "", since_unix_ns: int = 0,
-                 limit: int = 1000) -> Callable[[sqlite3.Connection], list[trace_pb2.TraceAuditEntry]]:
+                 limit: int = 1000) -> Callable[[Conn], list[trace_pb2.TraceAuditEntry]]:
     """A read for Store.read(): audit rows (of one session, or all), at or after `since`, the newest
     `limit` of them, oldest first. What a future `ghostgpu trace audit` would print."""
     where = ["ts_unix_ns >= ?"]
@@ -63,7 +65,7 @@ def select_audit(session: str = "", since_unix_ns: int = 0,
     sql = (f"SELECT ts_unix_ns, session, action, who, detail FROM trace_audit WHERE {' AND '.join(where)} "
            "ORDER BY id DESC LIMIT ?")
 
-    def run(conn: sqlite3.Connection) -> list[trace_pb2.TraceAuditEntry]:
+    def run(conn: Conn) -> list[trace_pb2.TraceAuditEntry]:
         rows = conn.execute(sql, (*args, limit)).fetchall()
         return [trace_pb2.TraceAuditEntry(ts_unix_ns=ts, session=s, action=a, who=w, detail=d)
                 for ts, s, a, w, d in reversed(rows)]
@@ -113,8 +115,8 @@ class TraceStore:
     def save(self, s: TraceSession) -> None:
         row = (s.id, s.started_unix_ns, s.ended_unix_ns, session_to_proto(s).SerializeToString())
 
-        def run(conn: sqlite3.Connection) -> None:
-            conn.execute("INSERT OR REPLACE INTO trace_sessions VALUES (?, ?, ?, ?)", row)
+        def run(conn: Conn) -> None:
+            conn.execute(_UPSERT_SESSION, row)
 
         self.store.submit([Store.op_call(run)])
 
@@ -123,7 +125,7 @@ class TraceStore:
         if self.on_audit is not None:
             self.on_audit(session, action, who, detail)
 
-        def run(conn: sqlite3.Connection) -> None:
+        def run(conn: Conn) -> None:
             conn.execute("INSERT INTO trace_audit (ts_unix_ns, session, action, who, detail) "
                          "VALUES (?, ?, ?, ?, ?)", row)
 
@@ -139,7 +141,7 @@ class TraceStore:
         self.counts[session] = self.counts.get(session, 0) + count
         self.total += count
 
-        def run(conn: sqlite3.Connection) -> None:
+        def run(conn: Conn) -> None:
             conn.execute("INSERT INTO trace_records (session, node, first_seq, last_seq, count, codec, blob) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
                          (session, node, first_seq, last_seq, count, *encode_blob(blob)))
@@ -177,14 +179,14 @@ class TraceStore:
         if not ids:
             return
 
-        def run(conn: sqlite3.Connection) -> None:
+        def run(conn: Conn) -> None:
             conn.executemany("DELETE FROM trace_records WHERE session = ?", ids)
             conn.executemany("DELETE FROM trace_sessions WHERE id = ?", ids)
 
         self.store.submit([Store.op_call(run)])
 
     def prune_audit(self, before_unix_ns: int) -> None:
-        def run(conn: sqlite3.Connection) -> None:
+        def run(conn: Conn) -> None:
             conn.execute("DELETE FROM trace_audit WHERE ts_unix_ns < ?", (before_unix_ns,))
 
         self.store.submit([Store.op_call(run)])
@@ -200,7 +202,7 @@ class TraceStore:
         return self.store.read(select_audit(session, since_unix_ns, limit))
 
 
-def _load(conn: sqlite3.Connection) -> tuple[list[bytes], dict[str, int]]:
+def _load(conn: Conn) -> tuple[list[bytes], dict[str, int]]:
     # Records whose session row is gone (none should be: both go in one transaction) would hold
     # room in the total bound for nobody: drop them.
     conn.execute("DELETE FROM trace_records WHERE session NOT IN (SELECT id FROM trace_sessions)")

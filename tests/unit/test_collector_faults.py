@@ -16,8 +16,8 @@ import grpc
 import pytest
 from ghostgpu.collector.cluster import Watcher
 from ghostgpu.collector.faults import FaultBook, FaultRow, fault_row, select_faults
+from ghostgpu.collector.migrations import migrate
 from ghostgpu.collector.policy import Policy
-from ghostgpu.collector.store import _SCHEMA as SCHEMA
 from ghostgpu.collector.store import Store
 
 from ghostgpu.common.transport.principal import Principal
@@ -266,8 +266,8 @@ ROWS = [_row(1, "n1", 10, ("ml",)), _row(2, "n1", 20, ("ml", "research")), _row(
     (0, "", "", 2, [3, 4]),  # the newest two, oldest first
 ])
 def test_select_faults(since: int, node: str, namespace: str, limit: int, ids: list[int]) -> None:
-    conn = sqlite3.connect(":memory:")
-    conn.executescript(SCHEMA)
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    migrate(conn, "sqlite", ":memory:")
     marks = ", ".join("?" * len(FaultRow._fields))
     conn.executemany(f"INSERT INTO faults VALUES ({marks})", [fault_row(cf) for cf in ROWS])
     assert [cf.id for cf in select_faults(since, node, namespace, limit)(conn)] == ids

@@ -189,7 +189,7 @@ def test_store_refuses_a_database_of_another_schema(tmp_path: Path) -> None:
 
     with sqlite3.connect(tmp_path / "c.db") as conn:
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema'")
-    with pytest.raises(StoreError, match="schema 99"):
+    with pytest.raises(StoreError, match="schema version 99"):
         Store(str(tmp_path / "c.db"), 10, 1)
 
 

@@ -1,0 +1,203 @@
+"""The two engines the collector's store runs on, behind one connection shape.
+
+    url = parse_store_url("postgresql://ghostgpu@db.example/ghostgpu?sslmode=verify-full")
+    url.engine            # "postgresql" ("sqlite" for sqlite:///PATH or a --db PATH)
+    conn = connect_postgresql(url, password_file="/etc/ghostgpu/db/password")
+    conn.execute("SELECT value FROM meta WHERE key = ?", ("schema",)).fetchone()
+
+SQLite is the embedded default (one collector, `--db PATH`); PostgreSQL (15+) is what several
+replicas share (`--store postgresql://...`). The store and its callers (collector/faults.py,
+trace_store.py, audit.py, query.py) write one SQL for both: `?` placeholders, which `PgConn` turns into
+psycopg's `%s`, and the SQL both engines speak (`INSERT ... ON CONFLICT (...) DO NOTHING | DO UPDATE`
+with `excluded.`, which SQLite has since 3.24).
+
+The PostgreSQL driver is psycopg 3 (bench/bench_pg_driver.py compares it with asyncpg side by side):
+the store's writes run on one writer thread, so a synchronous driver fits without a second event loop,
+and libpq gives the DSN's sslmode=verify-full, PGPASSFILE and service files the way operators expect.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
+
+Engine = Literal["sqlite", "postgresql"]
+
+
+class StoreUrlError(ValueError):
+    """A --store / GHOSTGPU_STORE / --db value that names no store this collector can open."""
+
+
+class Cursor(Protocol):
+    rowcount: int
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class Conn(Protocol):
+    """What the store's read and write functions get: sqlite3.Connection has this shape, PgConn too."""
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Any: ...
+
+    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]], /) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StoreUrl:
+    engine: Engine
+    target: str  # the SQLite path (":memory:" too), or the PostgreSQL DSN as given
+
+    def shown(self) -> str:
+        """The URL without its password, for logs and errors."""
+        if self.engine == "sqlite":
+            return self.target
+        parts = urlsplit(self.target)
+        if parts.password is None:
+            return self.target
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return parts._replace(netloc=netloc).geturl()
+
+    @property
+    def flag(self) -> str:
+        """How errors name the setting: --db for a SQLite path, --store for a URL."""
+        return f"--db {self.target}" if self.engine == "sqlite" else f"--store {self.shown()}"
+
+
+def parse_store_url(value: str) -> StoreUrl:
+    """`sqlite:///PATH`, `sqlite://:memory:`, a bare path (the --db form), or `postgresql://` /
+    `postgres://` (libpq's URI forms, query parameters such as sslmode kept as given)."""
+    if not value:
+        raise StoreUrlError("--store: empty; give sqlite:///PATH or postgresql://USER@HOST/DB")
+    if value.startswith(("postgresql://", "postgres://")):
+        parts = urlsplit(value)
+        if not parts.path.strip("/") and "dbname=" not in parts.query:
+            raise StoreUrlError(f"--store {StoreUrl('postgresql', value).shown()}: names no database; "
+                                "write postgresql://USER@HOST[:PORT]/DATABASE")
+        return StoreUrl("postgresql", value)
+    if value.startswith("sqlite://"):
+        path = value[len("sqlite://"):]
+        if path.startswith("/") and path != "/:memory:":
+            path = path[1:] if path.startswith("//") else path  # sqlite:///abs/path -> /abs/path
+        if path in (":memory:", "/:memory:"):
+            return StoreUrl("sqlite", ":memory:")
+        if not path:
+            raise StoreUrlError("--store sqlite://: names no file; write sqlite:///PATH")
+        return StoreUrl("sqlite", path)
+    if "://" in value:
+        scheme = value.split("://", 1)[0]
+        raise StoreUrlError(f"--store {scheme}://...: not a store this collector speaks; give "
+                            "sqlite:///PATH or postgresql://USER@HOST/DB")
+    return StoreUrl("sqlite", value)
+
+
+def read_password_file(path: str) -> str:
+    """The database password from --store-password-file (a mounted Secret): its first line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline().rstrip("\r\n")
+    except OSError as e:
+        raise StoreUrlError(f"--store-password-file {path}: cannot read it ({e.strerror}); mount the "
+                            "database password there") from None
+    if not line:
+        raise StoreUrlError(f"--store-password-file {path}: empty; write the database password on its "
+                            "first line")
+    return line
+
+
+_PLACEHOLDERS: dict[str, str] = {}
+
+
+def pg_sql(sql: str) -> str:
+    """The portable SQL's `?` placeholders as psycopg's `%s` (and a literal `%` doubled). The callers'
+    SQL holds no `?` or `%` inside string literals."""
+    out = _PLACEHOLDERS.get(sql)
+    if out is None:
+        out = sql.replace("%", "%%").replace("?", "%s")
+        if len(_PLACEHOLDERS) < 4096:  # the statements are a fixed set; a bound in case one is built per call
+            _PLACEHOLDERS[sql] = out
+    return out
+
+
+class PgConn:
+    """A psycopg 3 connection in autocommit mode (the store sends BEGIN/COMMIT itself), with
+    sqlite3.Connection's execute/executemany over the portable SQL."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, parameters: Sequence[Any] = (), /) -> Any:
+        return self.raw.execute(pg_sql(sql), parameters or None, prepare=None)
+
+    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]], /) -> Any:
+        cur = self.raw.cursor()
+        cur.executemany(pg_sql(sql), list(parameters))
+        return cur
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.raw.closed)
+
+
+def connect_postgresql(url: StoreUrl, password_file: str | None = None, *, application_name: str = "ghostgpu",
+                       connect_timeout_s: int = 5) -> PgConn:
+    """A PgConn to the URL's database; psycopg.OperationalError when it cannot be reached."""
+    import psycopg  # only with a postgresql:// store: the SQLite default needs no driver
+
+    kwargs: dict[str, Any] = {"autocommit": True, "application_name": application_name,
+                              "connect_timeout": connect_timeout_s}
+    if password_file:
+        kwargs["password"] = read_password_file(password_file)
+    # TCP keepalives: a replica cut off from the database (a partition, not a refused connection)
+    # learns it in seconds rather than at the kernel's two-hour default.
+    kwargs.update(keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3)
+    return PgConn(psycopg.connect(url.target, **kwargs))
+
+
+def db_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a store read or write can raise from either engine."""
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    try:
+        import psycopg
+    except ImportError:
+        return errors
+    return (*errors, psycopg.Error)
+
+
+def is_transient(error: BaseException) -> bool:
+    """A PostgreSQL error that passes: the server restarting or out of reach, a serialization failure
+    or deadlock (SQLSTATE class 08, 40, 57P0x, 53300). The store keeps retrying these without acking,
+    as the tracers keep spooling; anything else is a bug or a full disk, and fails the write."""
+    sqlstate = getattr(error, "sqlstate", None)
+    if sqlstate is None:
+        try:
+            import psycopg
+        except ImportError:
+            return False
+        return isinstance(error, psycopg.OperationalError)  # no SQLSTATE: the connection itself broke
+    return sqlstate.startswith(("08", "40", "57P0")) or sqlstate == "53300"
+
+
+def upsert_sql(table: str, columns: Sequence[str], key: Sequence[str]) -> str:
+    """INSERT of every column that replaces the row with the same key: SQLite's INSERT OR REPLACE in
+    the SQL both engines speak."""
+    rest = [c for c in columns if c not in key]
+    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+            f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in rest))
+
+
+def serialize_writers(conn: Conn, key: int) -> None:
+    """Serialize the transactions of several replicas that read-then-write one thing (the next fault id,
+    the audit chain's head): PostgreSQL's transaction-scoped advisory lock `key`, held to the commit.
+    SQLite has one writer already: nothing to do."""
+    if not isinstance(conn, sqlite3.Connection):
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (key,))
