@@ -233,6 +233,13 @@ def _add_collector_parser(sub: Any) -> None:
     coll.add_argument("--config", metavar="FILE", help="TOML config file (keys as in collector/config.py, "
                       "in a [collector] table or at the top level); a flag given wins over it")
     _add_collector_flags(coll)
+    # Replicas over a shared store (docs/REPLICAS.md): the collector's own flags; `up` stays on SQLite.
+    from ghostgpu.collector.config import CollectorConfig
+
+    from ghostgpu.common.system.settings import add_flag
+
+    for name in ("store_url", "store_password_file", "replica_id", "lease_ttl_s"):
+        add_flag(coll, CollectorConfig, name)
 
 
 def _add_ps_and_findings_parsers(sub: Any) -> None:

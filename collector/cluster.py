@@ -137,6 +137,9 @@ class ClusterTable:
         self.open: dict[str, dict[ConsumerKey, FindingRec]] = {}
         self.watchers: set[Watcher] = set()
         self._next_id = next_finding_id
+        self.id_source: Callable[[], int] | None = None  # set by the Collector: the store's finding ids
+        # (node) -> the lease fence its writes carry (collector/leases.py); None: unfenced (tests)
+        self.fence_for: Callable[[str], tuple[str, int] | None] | None = None
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
         # For /metrics (collector/metrics.py): the rows changed since its renderer last took this dict,
@@ -145,10 +148,11 @@ class ClusterTable:
         self.changed_rows: dict[str, set[ConsumerKey] | frozenset[ConsumerKey]] | None = None
         self.findings_opened: dict[tuple[str, str], int] = {}
         self.findings_resolved: dict[tuple[str, str], int] = {}
+        by_node: dict[str, list[FindingRow]] = {}
         for row in open_findings:  # still open when the collector stopped: the node's snapshot decides
-            cc = cluster_consumer_from_proto(query_pb2.ClusterConsumer.FromString(row.consumer))
-            rec = FindingRec(row.id, row.node, cc.consumer.key, row.cls, row.opened_unix_ns, cc)
-            self.open.setdefault(row.node, {})[rec.key] = rec
+            by_node.setdefault(row.node, []).append(row)
+        for node, rows in by_node.items():
+            self.adopt_open(node, rows)
 
     # ---- updates -----------------------------------------------------------------------------
 
@@ -265,8 +269,12 @@ class ClusterTable:
         if not is_finding or cc is None:
             return
         if rec is None:
-            rec = FindingRec(self._next_id, node, key, cls, now, cc)
-            self._next_id += 1
+            if self.id_source is not None:  # ids no other replica hands out (Store.next_finding_id)
+                fid = self.id_source()
+            else:
+                fid = self._next_id
+                self._next_id += 1
+            rec = FindingRec(fid, node, key, cls, now, cc)
             opens[key] = rec
             self.findings_opened[node, cls] = self.findings_opened.get((node, cls), 0) + 1
             self._emit(query_pb2.FindingEvent.KIND_OPENED, rec)
@@ -298,8 +306,35 @@ class ClusterTable:
 
     def _flush(self) -> None:
         if self._ops and self.store is not None:
-            self.store.submit(self._ops)
+            if self.fence_for is None:
+                self.store.submit(self._ops)
+            else:  # one job per node, each fenced by its lease: a node that moved writes nothing here
+                by_node: dict[str, list[tuple]] = {}
+                for op in self._ops:
+                    by_node.setdefault(op[1][1], []).append(op)  # ("finding", FindingRow): row.node
+                for node, ops in by_node.items():
+                    self.store.submit(ops, fence=self.fence_for(node))
         self._ops = []
+
+    # ---- nodes moving between replicas (collector/leases.py) --------------------------------------
+
+    def forget_node(self, node: str) -> None:
+        """Another replica applies `node` now: drop its rows and open findings from memory without
+        resolving them (the new owner adopts the open ones from the store)."""
+        self.rows.pop(node, None)
+        self.by_cid.pop(node, None)
+        for rec in self.open.pop(node, {}).values():
+            self._dirty.pop(rec.id, None)
+        self._ops = [op for op in self._ops if op[1][1] != node]
+
+    def adopt_open(self, node: str, open_findings: Iterable[FindingRow]) -> None:
+        """Take over `node`'s open findings as the store holds them (its previous owner's)."""
+        opens: dict[ConsumerKey, FindingRec] = {}
+        for row in open_findings:
+            cc = cluster_consumer_from_proto(query_pb2.ClusterConsumer.FromString(row.consumer))
+            rec = FindingRec(row.id, row.node, cc.consumer.key, row.cls, row.opened_unix_ns, cc)
+            opens[rec.key] = rec
+        self.open[node] = opens
 
     # ---- reads ---------------------------------------------------------------------------------
 

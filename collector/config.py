@@ -21,6 +21,8 @@ This module is imported when the parser is built, by every command: nothing heav
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -120,6 +122,22 @@ class CollectorConfig:
     db_path: str = setting(
         "/var/lib/ghostgpu/collector.db", flag="--db", dest="db",
         help="SQLite file for findings and the event log (default {default}; ':memory:' keeps nothing)")
+    store_url: str = setting(
+        "", flag="--store", dest="store", metavar="URL",
+        help="the store several replicas share: postgresql://USER@HOST[:PORT]/DB (libpq URI: "
+        "?sslmode=verify-full&sslrootcert=...), or sqlite:///PATH; env GHOSTGPU_STORE; default: --db "
+        "(docs/REPLICAS.md)")
+    store_password_file: str | None = setting(
+        flag="--store-password-file", metavar="PATH",
+        help="the PostgreSQL password, on the file's first line (a mounted Secret)")
+    replica_id: str = setting(
+        "", flag="--replica-id", metavar="ID",
+        help="this collector among the replicas sharing --store (default: HOSTNAME-PID; the pod name "
+        "in Kubernetes)")
+    lease_ttl_s: float = setting(
+        10.0, flag="--lease-ttl", check=_above_0("--lease-ttl"), type=float, metavar="SECONDS",
+        help="a replica that cannot renew its node leases this long ends their streams, so the tracers "
+        "move to a replica that reaches the database (default {default})")
     retention_days: float = setting(
         7.0, flag="--retention-days", check=_above_0("--retention-days"), type=float,
         help="keep findings resolved within this many days (default {default})")
@@ -228,6 +246,13 @@ class CollectorConfig:
                              "URL (alerts from Prometheus rules take labels from its external_labels)")
 
     # ---- the slices the components take ----
+
+    def store_location(self) -> str:
+        """Where the store is: --store, else GHOSTGPU_STORE, else --db (a SQLite path)."""
+        return self.store_url or os.environ.get("GHOSTGPU_STORE", "") or self.db_path
+
+    def replica_name(self) -> str:
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
     def security_options(self) -> SecurityOptions:
         """collector/security.py's SecurityOptions (TLS files from the settings, else GHOSTGPU_TLS_*)."""

@@ -7,9 +7,12 @@ parses them itself, so a malformed message is INVALID_ARGUMENT (gRPC's own deser
 INTERNAL), and a batch whose events are all new is stored as the very bytes that came in.
 
 The stream's rules: the first message must be a Hello of a supported API version naming a node;
-a new Hello for a node replaces (aborts) its older stream; a batch is validated whole before
-anything changes; events at or below the stored seq are duplicates (counted, not stored again); an
-Ack covers only committed events.
+a new Hello for a node replaces (aborts) its older stream, on this replica or, through the node's lease
+(collector/leases.py), on another replica sharing the store: the Hello takes the lease (a new fencing
+token) and reads the node's committed positions in that transaction, every write of the node carries
+the token, and a write refused for a moved token ends the old stream (ABORTED, naming the move); a
+batch is validated whole before anything changes; events at or below the stored seq are duplicates
+(counted, not stored again); an Ack covers only committed events.
 
 Trace sessions (docs/TRACE.md): TraceBatches and the answers to trace commands go to `traces`
 (collector/traces.py's TraceBook, which reads the same `sessions`), which also hears every stream's
@@ -32,10 +35,12 @@ import grpc
 from ghostgpu.collector.audit import AuditFn
 from ghostgpu.collector.authz import DenialFold, current_principal
 from ghostgpu.collector.cluster import ClusterTable
+from ghostgpu.collector.db import db_errors
 from ghostgpu.collector.faults import FaultBook, Taken
+from ghostgpu.collector.leases import Leases, TakenLease
 from ghostgpu.collector.nodes import BatchError, NodeView, validate_batch
 from ghostgpu.collector.relay import CriRelayClient
-from ghostgpu.collector.store import Op, Position, Store
+from ghostgpu.collector.store import LeaseLost, Op, Position, Store, StoreError
 from google.protobuf.message import DecodeError
 
 from ghostgpu import __version__
@@ -49,6 +54,7 @@ log = logging.getLogger(__name__)
 _ACK = object()
 MAX_INFLIGHT_BATCHES = 32  # per stream, uncommitted: past it the reader waits (back-pressure on the tracer)
 PENDING_BYTES_MAX = 64 << 20  # all streams: event bytes queued for the writer
+_STORE_ERRORS: tuple[type[BaseException], ...] = (*db_errors(), StoreError)
 
 
 class TraceSink(Protocol):
@@ -124,11 +130,13 @@ class Ingest:
     def __init__(self, nodes: dict[str, NodeView], cluster: ClusterTable, store: Store, event_log_max: int, *,
                  sessions: dict[str, IngestSession], traces: TraceSink | None = None,
                  audit: AuditFn | None = None, local_node: str | None = None,
-                 faults: FaultBook | None = None) -> None:
+                 faults: FaultBook | None = None, leases: Leases | None = None) -> None:
         """sessions: the connected streams by node, filled here (the trace book reads the same dict);
         traces: the trace session book; audit: AuditLog.append (collector/audit.py); local_node: the
         collector's own node (`ghostgpu up`), whose tracer may speak as a local uid; faults: the GPU
-        faults' book (collector/faults.py), whose rows commit with the batch that carried them."""
+        faults' book (collector/faults.py), whose rows commit with the batch that carried them; leases:
+        the node leases this replica takes at each Hello and fences its writes with (collector/leases.py;
+        None: unfenced, a lone collector in tests)."""
         self.nodes = nodes
         self.cluster = cluster
         self.store = store
@@ -138,6 +146,7 @@ class Ingest:
         self.traces = traces
         self.audit = audit
         self.faults = faults
+        self.leases = leases
         self.durable: dict[tuple[str, str, str], int] = {}  # committed seq per tracer instance
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once it runs (serve_on)
         self.local_node = local_node
@@ -147,7 +156,9 @@ class Ingest:
         self._refused = DenialFold()  # one tracer.refused record per (subject, reason) per 10 s
         self._done_lock = threading.Lock()
         self._drain_scheduled = False
-        for pos in store.load_positions():
+        # A shared store holds every replica's nodes: a replica reads a node's positions when it takes
+        # the node's lease, not at start (its /metrics and NodeStatus hold only the nodes it applies).
+        for pos in store.load_positions() if store.engine == "sqlite" else ():
             self.durable[pos.key] = pos.delivered_seq
             self.nodes.setdefault(pos.node, NodeView(pos.node)).positions[pos.key] = pos
 
@@ -258,23 +269,94 @@ class Ingest:
             if self.store.failed is not None:
                 raise StreamAbort(grpc.StatusCode.UNAVAILABLE,
                                   f"collector cannot store events: {self.store.failed}")
-            # What the older stream handed the writer is committed (or failed) before acked_seq is read.
-            await asyncio.wrap_future(self.store.barrier())
+            # What the older stream handed the writer is committed (or failed) before acked_seq is read:
+            # the lease is taken after it, in a transaction that reads the positions as committed.
+            taken = await self._take_lease(node)
             if self.sessions.get(node) is not session:
                 raise StreamAbort(grpc.StatusCode.ABORTED, f"replaced by a newer stream from node {node}")
         except BaseException:
             self._close(session)
             raise
+        if taken is not None:
+            self._adopt(state, taken)
         key = (node, hello.boot_id, hello.instance_id)
         for stale in state.forget_instances(key, time.time_ns() - int(self.store.retention_s * 1e9)):
             self.durable.pop(stale, None)
         pos = state.positions.get(key) or Position(node, hello.boot_id, hello.instance_id)
         pos.delivered_seq = self.durable.get(key, 0)
         state.begin(hello, pos)
-        self.store.submit([Store.op_position(pos)])
+        self.store.submit([Store.op_position(pos)], fence=self._fence(node))
         log.info("node %s connected (tracer %s, instance %s, acked seq %d)", node, hello.tracer_version,
                  hello.instance_id, pos.delivered_seq)
         return session
+
+    async def _take_lease(self, node: str) -> TakenLease | None:
+        if self.leases is None:
+            await asyncio.wrap_future(self.store.barrier())
+            return None
+        try:
+            return await asyncio.wrap_future(self.leases.take(node))
+        except _STORE_ERRORS as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StreamAbort(grpc.StatusCode.UNAVAILABLE, f"collector cannot reach its database to take "
+                              f"node {node}'s stream ({first}); the tracer retries") from None
+
+    def _adopt(self, state: NodeView, taken: TakenLease) -> None:
+        """The lease is this replica's: go on from what the store committed for the node. From another
+        replica's hands, its positions and open findings replace what this replica remembers of it."""
+        assert self.leases is not None
+        self.leases.adopt(taken)
+        if taken.previous_owner in ("", self.leases.owner):
+            return  # this replica's own memory is the committed state (or newer than the rows)
+        for pos in taken.positions:
+            state.positions[pos.key] = pos
+            self.durable[pos.key] = pos.delivered_seq
+        self.cluster.adopt_open(state.node, taken.open_findings)
+        log.info("node %s taken over from replica %s (lease token %d)", state.node, taken.previous_owner,
+                 taken.token)
+
+    def _fence(self, node: str) -> tuple[str, int] | None:
+        return self.leases.fence(node) if self.leases is not None else None
+
+    def moved(self, node: str, why: str) -> None:
+        """Another replica applies `node` now (or this one may no longer): end its stream here and drop
+        its state from memory, without resolving anything (the owner has it)."""
+        session = self.sessions.get(node)
+        if session is not None:
+            session.end(grpc.StatusCode.ABORTED, why)
+            self._close(session)
+        if self.leases is not None:
+            self.leases.drop(node)
+        self.cluster.forget_node(node)
+        if self.store.engine != "sqlite":
+            self.nodes.pop(node, None)
+
+    async def keep_leases(self) -> None:
+        """Renew this replica's leases every ttl/3; end the streams of nodes that moved; past a whole
+        ttl without reaching the database, end every stream (UNAVAILABLE) so the tracers move to a
+        replica that can write them."""
+        leases = self.leases
+        if leases is None:
+            return
+        while True:
+            await asyncio.sleep(leases.ttl_s / 3)
+            try:
+                lost = await asyncio.wrap_future(leases.renew())
+            except _STORE_ERRORS:
+                lost = []
+                if leases.overdue() and leases.held:
+                    log.error("cannot renew node leases for %.0f s (database out of reach): ending %d "
+                              "stream(s) so their tracers move to another replica", leases.ttl_s,
+                              len(leases.held))
+                    for node in leases.owned_nodes():
+                        session = self.sessions.get(node)
+                        if session is not None:
+                            session.end(grpc.StatusCode.UNAVAILABLE,
+                                        f"this collector replica lost its database for {leases.ttl_s:g} s; "
+                                        "reconnect (to another replica)")
+                        leases.drop(node)
+            for node in lost:
+                self.moved(node, f"node {node}: its stream moved to another collector replica")
 
     def _close(self, session: IngestSession) -> None:
         session.active = False
@@ -284,6 +366,8 @@ class Ingest:
         if self.sessions.get(session.node) is session:
             del self.sessions[session.node]
             session.state.end()
+            if self.leases is not None:  # a lease is held while its stream is applied here, no longer
+                self.leases.drop(session.node)
             log.info("node %s disconnected", session.node)
         who = session.who
         if who is not None:
@@ -335,7 +419,7 @@ class Ingest:
     def _store_position(self, state: NodeView) -> None:
         pos = state.position
         assert pos is not None  # NodeView.begin() set it at the stream's Hello
-        self.store.submit([Store.op_position(pos)])
+        self.store.submit([Store.op_position(pos)], fence=self._fence(state.node))
 
     def _handle(self, session: IngestSession, raw: bytes) -> None:
         msg = self._parse(raw)
@@ -405,7 +489,8 @@ class Ingest:
         ops.append(Store.op_position(pos))
         session.inflight += 1
         session.drained.clear()
-        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, seqs[-1], taken), size)
+        self.store.submit(ops, partial(self._committed_elsewhere, session, pos.key, seqs[-1], taken), size,
+                          fence=self._fence(session.node))
         if first_new < n:
             changes = state.apply_events(events, seqs, bodies, first_new)
             if changes.keys or changes.full:
@@ -435,7 +520,10 @@ class Ingest:
     def _committed(self, session: IngestSession, key: tuple[str, str, str], seq: int, taken: list[Taken],
                    error: BaseException | None) -> None:
         session.inflight -= 1
-        if error is not None:
+        if isinstance(error, LeaseLost):
+            if session.active:
+                self.moved(session.node, str(error))
+        elif error is not None:
             session.end(grpc.StatusCode.UNAVAILABLE, f"collector cannot store events: {error}")
         else:
             if taken and self.faults is not None:

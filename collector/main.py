@@ -33,6 +33,7 @@ from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.faults import FaultBook, select_unended
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
+from ghostgpu.collector.leases import Leases
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
@@ -108,7 +109,9 @@ class Collector:
 
     @property
     def db_path(self) -> str:
-        return self.config.db_path
+        """Where the store is, as logs show it (a PostgreSQL URL without its password)."""
+        store = getattr(self, "store", None)
+        return store.path if store is not None else self.config.store_location()
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -152,8 +155,13 @@ class Collector:
 
     def _open_store_and_security(self) -> None:
         cfg = self.config
-        self.store = Store(cfg.db_path, cfg.event_log_max, cfg.retention_days)
-        self.security = Security(self.security_options, self.store, cfg.db_path)
+        self.store = Store(cfg.store_location(), cfg.event_log_max, cfg.retention_days,
+                           password_file=cfg.store_password_file, replica_id=cfg.replica_name())
+        self.leases = Leases(self.store, self.store.replica_id, cfg.lease_ttl_s)
+        # The audit file beside a SQLite file by default; with a shared PostgreSQL store the chain is the
+        # database's (docs/SECURITY.md), and a file only where --audit-log names one.
+        beside = self.store.url.target if self.store.engine == "sqlite" else ""
+        self.security = Security(self.security_options, self.store, beside)
         self.security.check_listen(list(cfg.listen))
 
     def _build_cluster(self) -> None:
@@ -165,9 +173,13 @@ class Collector:
             from ghostgpu.collector.cri import CriResolver
 
             self.resolver = CriResolver(self.transport_for, self._on_cri_change, ttl_s=self.config.cri_ttl_s)
-        self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store,
-                                    self.store.max_finding_id() + 1, self.store.load_open_findings(),
+        # A shared store's open findings are adopted node by node, with each node's lease (ingest).
+        shared = self.store.engine != "sqlite"
+        self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store, 1,
+                                    () if shared else self.store.load_open_findings(),
                                     forget=getattr(self.resolver, "forget", None))
+        self.cluster.id_source = self.store.next_finding_id
+        self.cluster.fence_for = self.leases.fence
         # GPU faults (collector/faults.py): their hits named through the same resolver
         self.faults = FaultBook(self.store, self.resolver.get, self.config.faults_max)
         self.store.load(self.faults.load)
@@ -195,7 +207,7 @@ class Collector:
         # the local node: its uid peers are this node's tracer (docs/SECURITY.md)
         self.ingest = Ingest(self.nodes, self.cluster, self.store, self.config.event_log_max,
                              sessions=self.streams, traces=self.traces, audit=self.security.audit,
-                             local_node=self.config.node_name, faults=self.faults)
+                             local_node=self.config.node_name, faults=self.faults, leases=self.leases)
         self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
 
     def _build_query(self) -> None:
@@ -266,6 +278,7 @@ class Collector:
             self.cluster.watch(self.pusher.watcher, include_open=True)
             await self._offer_recent_faults()
         self.traces.start_ticking()
+        renewals = asyncio.create_task(self.ingest.keep_leases())
         self._ready.set()
         next_prune_mono = 0.0
         while True:
@@ -281,6 +294,7 @@ class Collector:
                 security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
                 if self.heap is not None:
                     self.heap.tick()
+        renewals.cancel()
         self.cluster.flush_changed()
         self.traces.shutdown()  # before the streams end: sessions end naming the collector, not a node
         self.ingest.shutdown()

@@ -38,8 +38,8 @@ RecordRow = tuple[str, int, bytes]  # node, codec, blob (a serialized TraceBatch
 
 def _records_sql(session: str) -> Callable[[Conn], list[RecordRow]]:
     def run(conn: Conn) -> list[RecordRow]:
-        rows: list[RecordRow] = conn.execute(
-            "SELECT node, codec, blob FROM trace_records WHERE session = ? ORDER BY id", (session,)).fetchall()
+        rows: list[RecordRow] = conn.execute("SELECT node, codec, blob FROM trace_records WHERE session = ? "
+                                             "ORDER BY id", (session,)).fetchall()
         return rows
 
     return run
