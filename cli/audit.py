@@ -25,6 +25,7 @@ from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
 
 from ghostgpu.common.audit.chain import AuditRecord, BadLine, Verdict, check, compare, parse_lines, verify
 from ghostgpu.common.transport.addresses import DEFAULT_COLLECTOR
+from ghostgpu.common.transport.collector_target import FORMS as COLLECTOR_FORMS
 
 if TYPE_CHECKING:
     from ghostgpu.cli.client import Query  # imports grpc: only when a collector is asked
@@ -40,7 +41,7 @@ def add_parser(sub: Any) -> None:
                        description="Read the collector's audit trail through the collector, its store "
                        "file or its JSON lines file; --verify checks that no record was edited or removed.")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
+    source.add_argument("--collector", help=f"collector address: {COLLECTOR_FORMS} "
                         f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR}); needs role admin")
     source.add_argument("--db", metavar="PATH", help="read a collector's store file directly, read-only "
                         "(its --db); no collector needed. With --verify the audit file beside it (or "

@@ -26,7 +26,7 @@ from ghostgpu.cli.tls_flags import collector_uid_from_args, tls_from_args
 from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerClass
 from ghostgpu.common.model.durations import LOOK_BACK, parse_duration_s
 from ghostgpu.common.model.trace import TraceRecord, TraceScope, TraceSession
-from ghostgpu.common.transport.addresses import collector_address
+from ghostgpu.common.transport.collector_target import collector_address
 from ghostgpu.common.transport.dial import CollectorRefused, open_channel
 from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.common.transport.tls_explain import explain_connect_failure

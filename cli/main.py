@@ -20,6 +20,7 @@ from ghostgpu.cli.tls_flags import (
 
 from ghostgpu import __version__
 from ghostgpu.common.transport.addresses import DEFAULT_COLLECTOR
+from ghostgpu.common.transport.collector_target import FORMS as COLLECTOR_FORMS
 
 if TYPE_CHECKING:
     from ghostgpu.tracer.config import TracerConfig
@@ -115,7 +116,7 @@ def _add_web_config_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _add_query_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
+    p.add_argument("--collector", help=f"collector address: {COLLECTOR_FORMS} "
                    f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
     p.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
     p.add_argument("-n", "--namespace", help="only this Kubernetes namespace")
@@ -132,8 +133,8 @@ def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], ver
     def default(value: object) -> object:
         return argparse.SUPPRESS if verb else value
 
-    p.add_argument("--collector", default=default(None), help="collector address HOST:PORT or "
-                   f"unix:///path (default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
+    p.add_argument("--collector", default=default(None), help=f"collector address: {COLLECTOR_FORMS} "
+                   f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
     add_tls_flags(p, verb=verb)
     add_collector_uid_flag(p, verb=verb)
     p.add_argument("-o", "--output", choices=outputs, default=default("table"),
@@ -180,7 +181,7 @@ def _add_trace_parser(sub: Any) -> None:
     stop = verbs.add_parser("stop", help="stop a running session")
     stop.add_argument("id", help="session id (t-...)")
     stop.add_argument("--collector", default=argparse.SUPPRESS,
-                      help="collector address HOST:PORT or unix:///path")
+                      help=f"collector address: {COLLECTOR_FORMS}")
     add_tls_flags(stop, verb=True)
     add_collector_uid_flag(stop, verb=True)
 
@@ -219,7 +220,8 @@ def _add_tracer_parser(sub: Any) -> None:
     tracer.add_argument("--jsonl", help="where to write JSON lines ('-' = stdout, the default without "
                         "--collector)")
     _add_tracer_flag(tracer, "bpf")
-    tracer.add_argument("--collector", help="stream to this collector: HOST:PORT or unix:///path")
+    tracer.add_argument("--collector", help=f"stream to this collector: {COLLECTOR_FORMS}; one stream, to "
+                        "one replica, moving to another when it is lost")
     _add_tracer_flag(tracer, "spool_events")
     _add_tracer_flags(tracer)
     _add_node_flags(tracer)
@@ -253,7 +255,7 @@ def _add_ps_and_findings_parsers(sub: Any) -> None:
     findings.add_argument("--limit", type=int, default=1000)
 
     faults = sub.add_parser("faults", help="GPU faults (Xid) the drivers logged, with the pods each one hit")
-    faults.add_argument("--collector", help="collector address HOST:PORT or unix:///path "
+    faults.add_argument("--collector", help=f"collector address: {COLLECTOR_FORMS} "
                         f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
     faults.add_argument("--since", default="1h", help="how far back: 30s, 15m, 1h, 7d (default 1h)")
     faults.add_argument("-n", "--namespace", help="only faults that hit a pod of this namespace")

@@ -34,7 +34,7 @@ from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
 from ghostgpu.tracer.stream import StreamOptions, StreamSink
 
 from ghostgpu.common.system.fdlimit import raise_fd_limit
-from ghostgpu.common.transport.addresses import collector_address
+from ghostgpu.common.transport.collector_target import collector_address
 from ghostgpu.common.transport.tls import TlsFiles, check_client
 
 if TYPE_CHECKING:

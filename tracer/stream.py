@@ -48,7 +48,9 @@ _AGENT_COUNTERS = frozenset(("memory_objects_dropped_total", "kmsg_unparsed_tota
 
 
 class StreamSink:
-    """A Sink (emit/close) streaming to the collector at `target` (HOST:PORT or unix:///path)."""
+    """A Sink (emit/close) streaming to the collector at `target`: HOST:PORT, unix:///path, or
+    replicas (a DNS name, HOST:PORT,HOST:PORT,...; ghostgpu/common/transport/collector_target.py). A lost
+    stream is retried on a fresh channel, where gRPC's pick_first takes the next live replica."""
 
     def __init__(self, target: str, node: str, *, relay: CriRelay | None = None,
                  capabilities: Iterable[str] = (), options: StreamOptions | None = None,

@@ -34,7 +34,7 @@ from ghostgpu import __version__
 from ghostgpu.common.model.consumers import Consumer, ConsumerKey
 from ghostgpu.common.model.records import AllocationsRecord, InfoRecord, Record
 from ghostgpu.common.system.settings import default_of
-from ghostgpu.common.transport.dial import CollectorRefused
+from ghostgpu.common.transport.dial import CollectorRefused, CollectorUnresolved
 from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.common.transport.tls_explain import explain_connect_failure
 from ghostgpu.common.wire import protocol
@@ -210,6 +210,13 @@ class StreamSender:
                     log.error("%s; retrying", exc)
                     self._refusal_logged = str(exc)
                 self._backoff_s = self.options.backoff_max_s
+                return "failed"
+            except CollectorUnresolved as exc:  # no name of a --collector list resolves now: said once
+                with out.lock:
+                    out.connect_failures += 1
+                if not self._down_logged:
+                    log.warning("%s; spooling events and retrying", exc)
+                    self._down_logged = True
                 return "failed"
             except Exception as exc:  # e.g. a target gRPC cannot parse: say so, retry like any failure
                 log.warning("cannot open a stream to the collector at %s: %s", self.target, exc)

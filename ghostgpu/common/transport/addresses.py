@@ -2,8 +2,9 @@
 
 Three shapes, each with the one-line error its flag has always given (tests match them):
 
-- a gRPC address, HOST:PORT or unix:///absolute/path: the collector's --listen, where tracers and
-  clients reach it (--collector, $GHOSTGPU_COLLECTOR);
+- a gRPC address, HOST:PORT or unix:///absolute/path: the collector's --listen (what clients dial,
+  --collector, which also takes a DNS name of replicas and a list, is
+  ghostgpu/common/transport/collector_target.py);
 - an HTTP listen address, HOST:PORT, [IPv6]:PORT or :PORT (all interfaces): --metrics-listen and
   --health-listen;
 - a local unix socket, unix:///path or /path: the node's CRI runtime and kubelet PodResources.
@@ -15,7 +16,6 @@ callers keep the exception type they have always raised.
 
 from __future__ import annotations
 
-import os
 import socket
 
 DEFAULT_COLLECTOR = "127.0.0.1:7450"  # without --collector and $GHOSTGPU_COLLECTOR: `ghostgpu up`'s default
@@ -57,12 +57,6 @@ def grpc_address(addr: str, what: str, example: str, *, zero_ok: bool,
     if not sep or not host or not _port_ok(port, zero_ok):
         raise error(f"{what} {addr!r}: use HOST:PORT (e.g. {example}) or unix:///path")
     return addr
-
-
-def collector_address(value: str | None) -> str:
-    """Collector gRPC target, HOST:PORT or unix:///path: flag, else $GHOSTGPU_COLLECTOR, else the default."""
-    addr = value or os.environ.get("GHOSTGPU_COLLECTOR") or DEFAULT_COLLECTOR
-    return grpc_address(addr, "collector address", "127.0.0.1:7450", zero_ok=False)
 
 
 def grpc_listen(addr: str, error: type[ValueError] = ValueError) -> str:

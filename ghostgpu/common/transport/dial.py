@@ -1,6 +1,15 @@
 """One way to open a gRPC channel to the collector, plaintext or mTLS, for every client: the
 tracer's stream (tracer/stream_session.py) and the commands (cli/client.py).
 
+**Replicas.** The address may name several collectors (ghostgpu/common/transport/collector_target.py:
+a DNS name whose records are the replicas, or a list). gRPC picks among them with its own
+`pick_first` policy and `shuffleAddressList` (gRFC A62, honoured by grpcio 1.85.3: many channels
+spread over the replicas, measured in tests/unit/test_collector_replicas.py), so each tracer keeps
+one stream to one replica and the tracers of a cluster spread over them; a dead address is passed
+over at once (refused) or after 250 ms (no answer: gRPC's Happy Eyeballs delay, gRFC A61). Names
+in a list are resolved here at each connection (grpcio has no static resolver for several names).
+Over TLS the name checked is the host as written (the first of a list), never an IP it resolved to.
+
 A channel is made per connection attempt by the tracer and per command by the CLI, and the TLS
 files are read each time: a certificate rotated on disk (cert-manager rewriting a mounted Secret)
 is used from the next connection on, with no restart.
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import socket
 import struct
@@ -38,7 +48,8 @@ from typing import Any
 
 import grpc
 
-from ghostgpu.common.transport.addresses import dial_address
+from ghostgpu.common.transport.addresses import dial_address, host_port
+from ghostgpu.common.transport.collector_target import CollectorTarget, parse_collector
 from ghostgpu.common.transport.sockdiag import DiagUnavailable, listener_uid, proc_net_listener_uid
 from ghostgpu.common.transport.tls import TlsFiles, channel_credentials
 
@@ -46,19 +57,93 @@ CHECK_TIMEOUT_S = 2.0
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+# gRFC A62: pick_first over the addresses in a random order, so the tracers of a cluster spread over
+# the replicas, one stream each (a hand-written picker would redo what gRPC does).
+PICK_FIRST_SHUFFLED = json.dumps({"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]})
+
+
 class CollectorRefused(ConnectionError):
     """The plaintext collector at the address is served by a uid this client does not trust."""
 
 
-def open_channel(target: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = (),
-                 collector_uid: int | None = None) -> grpc.Channel:
-    """A channel to `target` (HOST:PORT or unix:///path); mTLS when `tls` names files.
+class CollectorUnresolved(ConnectionError):
+    """None of the names of a --collector list resolves now (retried like an unreachable collector)."""
+
+
+def open_channel(target: str | CollectorTarget, tls: TlsFiles | None,
+                 options: Sequence[tuple[str, Any]] = (), collector_uid: int | None = None) -> grpc.Channel:
+    """A channel to `target` (any form collector_target.py parses); mTLS when `tls` names files.
     A unix socket is always plaintext: the collector knows its peer from SO_PEERCRED, and this
-    client checks who serves it (CollectorRefused, see the module doc), as it does on loopback."""
-    if tls is None or not tls.enabled or target.startswith("unix:"):
-        check_plaintext_collector(target, collector_uid)
-        return grpc.insecure_channel(target, options=list(options))
-    return grpc.secure_channel(target, channel_credentials(tls), options=list(options))
+    client checks who serves it (CollectorRefused, see the module doc), as it does on loopback, for
+    each address of the target. ValueError for an address that does not parse; CollectorUnresolved
+    when a list's names all fail to resolve."""
+    spec = target if isinstance(target, CollectorTarget) else parse_collector(target)
+    literals = resolve_list(spec) if spec.needs_resolving else []
+    grpc_target = spec.grpc_target(literals)
+    secure = tls is not None and tls.enabled and spec.kind != "unix"
+    channel_options = [*options, *collector_channel_options(spec, secure=secure)]
+    if not secure:
+        for address in plaintext_checked(spec, literals):
+            check_plaintext_collector(address, collector_uid)
+        return grpc.insecure_channel(grpc_target, options=channel_options)
+    assert tls is not None
+    return grpc.secure_channel(grpc_target, channel_credentials(tls), options=channel_options)
+
+
+def collector_channel_options(spec: CollectorTarget, *, secure: bool) -> list[tuple[str, Any]]:
+    """The replicas' policy, and for a list the name gRPC would otherwise take from the IPs."""
+    if spec.kind == "unix":
+        return []
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", PICK_FIRST_SHUFFLED),
+        # Our policy, not one a DNS TXT record might carry.
+        ("grpc.service_config_disable_resolution", 1),
+        # Each channel its own connections. With the process-wide subchannel pool a new channel's
+        # pick_first takes a connection another channel of the process already has READY, so every
+        # channel of a process lands on one replica whatever the shuffle (grpcio 1.85.3, measured).
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    if spec.kind == "list":
+        # gRPC's authority for ipv4:/ipv6: targets is made of the literals; the :authority and the
+        # TLS check (grpcio 1.85.3 checks the default authority's host) are the name written.
+        options.append(("grpc.default_authority", spec.authority))
+        if secure:
+            options.append(("grpc.ssl_target_name_override", spec.server_name))
+    return options
+
+
+def resolve_list(spec: CollectorTarget) -> list[tuple[str, int]]:
+    """(ip, port) of every item of a list, its names resolved now (getaddrinfo), in the order
+    written, each once. CollectorUnresolved when nothing resolves; a name that fails while others
+    resolve is left out until the next connection."""
+    out: dict[tuple[str, int], None] = {}
+    failed: list[str] = []
+    for endpoint in spec.endpoints:
+        if endpoint.ip is not None:
+            out[(endpoint.host, endpoint.port)] = None
+            continue
+        try:
+            infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            failed.append(f"{endpoint.host}: {getattr(exc, 'strerror', None) or exc}")
+            continue
+        for info in infos:
+            if info[0] in (socket.AF_INET, socket.AF_INET6):
+                out[(str(info[4][0]), endpoint.port)] = None
+    if not out:
+        raise CollectorUnresolved(f"collector {spec.text}: none of its names resolves ({'; '.join(failed)}); "
+                                  "check the names in --collector, or list IP addresses")
+    return list(out)
+
+
+def plaintext_checked(spec: CollectorTarget, literals: Sequence[tuple[str, int]]) -> list[str]:
+    """The addresses whose serving uid is asked before a plaintext channel opens: the socket, the
+    address (a name: every address it resolves to, serving_uid), or each address of a list as dialled."""
+    if spec.kind == "unix":
+        return [spec.unix]
+    if spec.kind == "list":
+        return [host_port(ip, port) for ip, port in literals] or [str(e) for e in spec.endpoints]
+    return [str(spec.endpoints[0])]
 
 
 def trusted_uids(collector_uid: int | None) -> set[int]:
@@ -117,8 +202,13 @@ def _local_uids(host: str, port: int) -> list[int | None]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
+    ips = [str(info[4][0]) for info in infos]
+    if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
+        # gRPC's own resolver (c-ares, grpcio 1.85.3) answers localhost with both ::1 and 127.0.0.1
+        # even where getaddrinfo gives 127.0.0.1 alone (an /etc/hosts without ::1): ask about both.
+        ips += ["127.0.0.1", "::1"]
     out: list[int | None] = []
-    for ip in dict.fromkeys(str(info[4][0]) for info in infos):
+    for ip in dict.fromkeys(ips):
         loopback = loopback_of(ip)
         if loopback is not None:
             out.append(_listener(loopback, port))

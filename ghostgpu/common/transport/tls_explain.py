@@ -21,6 +21,7 @@ import socket
 import ssl
 
 from ghostgpu.common.transport.addresses import is_unix
+from ghostgpu.common.transport.collector_target import parse_collector
 from ghostgpu.common.transport.tls import FLAGS, TlsFiles
 
 _CLOSED = ("Socket closed", "Connection reset", "Broken pipe", "End of TCP stream", "EOF")
@@ -59,6 +60,13 @@ def _is_ip(host: str) -> bool:
 
 
 def _split(address: str) -> tuple[str, int] | None:
+    """(host, port) to probe and name: the address's, or a list's first (the name TLS checks)."""
+    try:
+        spec = parse_collector(address)
+    except ValueError:
+        spec = None
+    if spec is not None and spec.endpoints:
+        return spec.endpoints[0].host, spec.endpoints[0].port
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         return None
