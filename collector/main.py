@@ -34,6 +34,7 @@ from ghostgpu.collector.faults import FaultBook, select_unended
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.leases import Leases
+from ghostgpu.collector.node_state import NodeStateWriter
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
@@ -105,6 +106,7 @@ class Collector:
         self.metrics: Any = None  # collector.metrics.CollectorMetrics with metrics_listen
         self._metrics_server: HttpServer | None = None
         self.pusher: Any = None  # collector.alertpush.AlertPusher with alertmanager URLs
+        self.node_state: NodeStateWriter | None = None  # with a PostgreSQL store: this replica's nodes' rows
         self._pusher_started = False
 
     @property
@@ -219,6 +221,9 @@ class Collector:
         policy = self.security.policy
         self.query.trace_denial = lambda who, ns, duration_s: policy.policy.trace_denial(who, ns, duration_s)
         self.query.is_admin = lambda who: ADMIN in policy.policy.roles(who)  # reads and stops any session
+        if self.store.engine == "postgresql":  # replicas: ps and NodeStatus answer for every node
+            self.node_state = NodeStateWriter(self.store, self.leases, self.nodes, self.cluster, failures)
+            self.query.owned_nodes = self.node_state.owned
 
     def _build_pusher(self) -> None:
         """The Alertmanager pusher, with alertmanager URLs only."""
@@ -279,6 +284,8 @@ class Collector:
             await self._offer_recent_faults()
         self.traces.start_ticking()
         renewals = asyncio.create_task(self.ingest.keep_leases())
+        if self.node_state is not None:
+            self.node_state.start_ticking()
         self._ready.set()
         next_prune_mono = 0.0
         while True:
@@ -295,6 +302,8 @@ class Collector:
                 if self.heap is not None:
                     self.heap.tick()
         renewals.cancel()
+        if self.node_state is not None:
+            self.node_state.stop()
         self.cluster.flush_changed()
         self.traces.shutdown()  # before the streams end: sessions end naming the collector, not a node
         self.ingest.shutdown()

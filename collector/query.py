@@ -2,7 +2,10 @@
 dashboards ask the collector.
 
 Live state (consumers, open findings, node status) is answered from memory on the event loop, so
-an answer is one consistent moment. History (findings, the event log) is read from SQLite on the
+an answer is one consistent moment. With replicas sharing a PostgreSQL store (`owned_nodes` set),
+memory holds only the nodes this replica applies: ListConsumers and NodeStatus answer for the whole
+cluster from the store's node_state rows (collector/node_state.py), its own nodes from memory.
+History (findings, the event log) is read from SQLite on the
 store's thread, after every write queued before the call, so a finding just opened is already in
 ListFindings. The API-version check happens before these handlers (collector/server.py).
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -26,6 +29,7 @@ from ghostgpu.collector.authz import current_principal
 from ghostgpu.collector.cluster import ClusterTable, Watcher
 from ghostgpu.collector.db import Conn, db_errors
 from ghostgpu.collector.faults import select_faults
+from ghostgpu.collector.node_state import NodeStateRow, merged_consumers, merged_statuses, select_node_states
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
 from ghostgpu.collector.trace_access import read_refusal, stop_refusal
@@ -155,13 +159,26 @@ class QueryService(query_pb2_grpc.QueryServicer):
         self.trace_denial: TraceDenial | None = None  # the Collector sets it from the policy
         self.is_admin: Callable[[Principal], bool] | None = None  # the Collector sets it from the policy
         self.audit: AuditFn | None = None  # AuditLog.append, for refused traces
+        # With replicas (a PostgreSQL store) the Collector sets it: the nodes this replica holds the
+        # leases of. ListConsumers and NodeStatus then read every other node's node_state row.
+        self.owned_nodes: Callable[[], Collection[str]] | None = None
         self._closing = False
 
     async def ListConsumers(self, request: query_pb2.ListConsumersRequest,
                             context: Context) -> query_pb2.ListConsumersResponse:
-        rows = self.cluster.consumers(request.node, request.namespace, request.pod, _classes(request.classes))
-        return query_pb2.ListConsumersResponse(consumers=[cluster_consumer_to_proto(c) for c in rows],
-                                               ts_unix_ns=time.time_ns())
+        classes = _classes(request.classes)
+        if self.owned_nodes is None:  # one collector: memory holds every node
+            rows = self.cluster.consumers(request.node, request.namespace, request.pod, classes)
+            return query_pb2.ListConsumersResponse(consumers=[cluster_consumer_to_proto(c) for c in rows],
+                                                   ts_unix_ns=time.time_ns())
+        stored = await self._read(select_node_states(request.node), context)
+        owned = frozenset(self.owned_nodes())  # after the read: a node is in memory or in `others`
+        mine = [cluster_consumer_to_proto(c) for n in sorted(owned) if not request.node or n == request.node
+                for c in self.cluster.consumers(n, request.namespace, request.pod, classes)]
+        others = [r for r in stored if r.node not in owned]
+        consumers = await asyncio.to_thread(merged_consumers, mine, others, request.namespace, request.pod,
+                                            classes)
+        return query_pb2.ListConsumersResponse(consumers=consumers, ts_unix_ns=time.time_ns())
 
     async def WatchFindings(self, request: query_pb2.WatchFindingsRequest,
                             context: Context) -> AsyncIterator[query_pb2.FindingEvent]:
@@ -209,6 +226,9 @@ class QueryService(query_pb2_grpc.QueryServicer):
 
     async def NodeStatus(self, request: query_pb2.NodeStatusRequest,
                          context: Context) -> query_pb2.NodeStatusResponse:
+        stored: list[NodeStateRow] = []
+        if self.owned_nodes is not None:  # replicas: every node's row; memory has this replica's
+            stored = await self._read(select_node_states(request.node), context)
         names = [request.node] if request.node else sorted(self.nodes)
         out = []
         for name in names:
@@ -217,6 +237,9 @@ class QueryService(query_pb2_grpc.QueryServicer):
                 continue
             failures = self.cri_failures(name) if self.cri_failures else 0
             out.append(state.status(cri_failures_total=failures))
+        if self.owned_nodes is not None:
+            out = await asyncio.to_thread(merged_statuses, stored, out, frozenset(self.owned_nodes()),
+                                          time.time_ns())
         if request.node and not out:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tracer of node {request.node} ever connected")
         return query_pb2.NodeStatusResponse(nodes=out, collector_version=__version__)
