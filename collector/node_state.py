@@ -122,8 +122,8 @@ def _proto_order(cc: query_pb2.ClusterConsumer) -> tuple[str, int, int, str]:
 def merged_consumers(mine: Iterable[query_pb2.ClusterConsumer], stored: Iterable[NodeStateRow],
                      namespace: str = "", pod: str = "",
                      classes: Iterable[str] = ()) -> list[query_pb2.ClusterConsumer]:
-    """ListConsumers' answer: `mine` (this replica's own nodes, already filtered, from memory) and the
-    stored rows of the other nodes filtered as ClusterTable.consumers filters, in its order."""
+    """ListConsumers' answer: `mine` (the nodes answered from memory, already filtered) and the stored
+    rows of the other nodes filtered as ClusterTable.consumers filters, in its order."""
     wanted = frozenset(classes)
     out = list(mine)
     for row in stored:

@@ -172,8 +172,12 @@ class QueryService(query_pb2_grpc.QueryServicer):
             return query_pb2.ListConsumersResponse(consumers=[cluster_consumer_to_proto(c) for c in rows],
                                                    ts_unix_ns=time.time_ns())
         stored = await self._read(select_node_states(request.node), context)
-        owned = frozenset(self.owned_nodes())  # after the read: a node is in memory or in `others`
-        mine = [cluster_consumer_to_proto(c) for n in sorted(owned) if not request.node or n == request.node
+        # Owned after the read: each node comes from memory or from its row, never both or neither.
+        # From memory too: a node whose stream ended here before its first row was written.
+        owned, written = frozenset(self.owned_nodes()), {r.node for r in stored}
+        local = [n for n in sorted(self.cluster.rows) if (n in owned or n not in written)
+                 and (not request.node or n == request.node)]
+        mine = [cluster_consumer_to_proto(c) for n in local
                 for c in self.cluster.consumers(n, request.namespace, request.pod, classes)]
         others = [r for r in stored if r.node not in owned]
         consumers = await asyncio.to_thread(merged_consumers, mine, others, request.namespace, request.pod,
@@ -337,7 +341,8 @@ class QueryService(query_pb2_grpc.QueryServicer):
         book = await self._book(context)
         who = current_principal()
         try:
-            why = read_refusal(who.subject, self._admin(who), self._in_namespace(who), book.get(request.id))
+            session = await book.find(request.id)  # on any replica, whichever runs it
+            why = read_refusal(who.subject, self._admin(who), self._in_namespace(who), session)
             if why is not None:
                 await self._deny(context, "WatchTrace", who, why, request.id)
             async for msg in book.watch(request.id, request.follow):

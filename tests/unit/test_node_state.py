@@ -265,3 +265,13 @@ def test_without_owned_nodes_the_answer_is_memory_alone(store: Store) -> None:
     a.query.owned_nodes = None  # one collector (SQLite): today's path, the store is not read
     assert list(ask(a, "ListConsumers", query_pb2.ListConsumersRequest()).consumers) == []
     assert list(ask(a, "NodeStatus", query_pb2.NodeStatusRequest()).nodes) == []
+
+
+def test_a_node_that_left_before_its_first_write_is_answered_from_memory(store: Store) -> None:
+    a = Replica(store, "a")
+    a.connect("n3", [make_consumer("n3", 4)])
+    a.disconnect("n3")  # no tick ran: the store has no row of n3
+    answer = ask(a, "ListConsumers", query_pb2.ListConsumersRequest())
+    assert [c.consumer.node for c in answer.consumers] == ["n3"]
+    (st,) = ask(a, "NodeStatus", query_pb2.NodeStatusRequest(node="n3")).nodes
+    assert not st.connected
