@@ -105,6 +105,7 @@ class Collector:
         self.resolver: Any = None
         self.metrics: Any = None  # collector.metrics.CollectorMetrics with metrics_listen
         self._metrics_server: HttpServer | None = None
+        self.health: Any = None  # collector.health.CollectorHealth with metrics_listen
         self.pusher: Any = None  # collector.alertpush.AlertPusher with alertmanager URLs
         self.node_state: NodeStateWriter | None = None  # with a PostgreSQL store: this replica's nodes' rows
         self._pusher_started = False
@@ -246,6 +247,7 @@ class Collector:
         if cfg.metrics_listen is None:
             return
         assert self.security is not None
+        from ghostgpu.collector.health import PROBE_PATHS, CollectorHealth
         from ghostgpu.collector.metrics import CollectorMetrics
 
         self.metrics = CollectorMetrics(
@@ -253,9 +255,12 @@ class Collector:
             cri_stats=getattr(self.resolver, "stats", None),
             push_stats=self.pusher.stats if self.pusher is not None else None,
             audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series,
-            faults=self.faults)
-        self._metrics_server = HttpServer(cfg.metrics_listen, {"/metrics": self.metrics.handle},
-                                          flag="--metrics-listen", name="metrics",
+            faults=self.faults, store=self.store, leases=self.leases)
+        # /healthz and /readyz beside /metrics (collector/health.py), open to kubelet's probes
+        self.health = CollectorHealth(self.store, loop=lambda: self.loop, serving=self._serving)
+        self._metrics_server = HttpServer(cfg.metrics_listen, {"/metrics": self.metrics.handle,
+                                                               **self.health.routes()},
+                                          flag="--metrics-listen", name="metrics", open_paths=PROBE_PATHS,
                                           web_config=cfg.web_config_file,
                                           insecure=self.security_options.insecure,  # as gRPC's rule
                                           **cfg.http_caps()).start()
@@ -425,6 +430,11 @@ class Collector:
     def trace_audit(self, session: str = "", since_unix_ns: int = 0, limit: int = 1000) -> list[Any]:
         """The trace_audit rows (ghostgpu.v1.TraceAuditEntry), oldest first; from any thread."""
         return self.traces.audit(session, since_unix_ns, limit).result(10.0)
+
+    def _serving(self) -> bool:
+        """Started and not stopping: /readyz's first check (read from the HTTP server's thread)."""
+        event = self._stop_event
+        return self._ready.is_set() and self._start_error is None and event is not None and not event.is_set()
 
     def _call_for_scrape(self, fn: Callable[[], T]) -> T:
         loop = self.loop

@@ -11,13 +11,19 @@ node's counters: references and integers, no formatting); the lines are then wri
 families come from a prometheus_client CollectorRegistry owned by this object (never the global
 REGISTRY: tests run several collectors in one process), with the process, platform and GC collectors,
 appended to the page. Scrapes are serialized by a lock: the cache is theirs alone.
+
+With collector replicas sharing a PostgreSQL store (docs/REPLICAS.md) each replica writes the per-node
+series of the nodes whose lease it holds only (Leases.held, read on the loop), so Prometheus, which
+scrapes every replica, never counts a node twice; the store's own families (ghostgpu_store_*) and the
+leases' (ghostgpu_collector_*) come from the objects handed in, read at scrape time.
 """
 
 from __future__ import annotations
 
 import platform
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -27,6 +33,8 @@ from ghostgpu.collector.faults import CountKey, FaultBook
 from ghostgpu.collector.metrics_render import (
     ALERTMANAGER_METRICS,
     COLLECTOR_METRICS,
+    REPLICA_METRICS,
+    STORE_METRICS,
     NodeConsumers,
     NodeStatus,
     assemble,
@@ -55,13 +63,40 @@ from ghostgpu.v1 import stream_pb2
 if TYPE_CHECKING:
     from ghostgpu.collector.alertpush import AlertPushStats  # imported only with --alertmanager
 
-__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "CollectorMetrics"]
+__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "REPLICA_METRICS", "STORE_METRICS",
+           "CollectorMetrics"]
 
 T = TypeVar("T")
+# Group commits: ~1 ms on a local SQLite file, a network round trip or more on PostgreSQL; seconds
+# mean a stalled disk or database.
+COMMIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def _run_here(fn: Callable[[], T]) -> T:
     return fn()
+
+
+class StoreStats(Protocol):
+    """What /metrics reads of the store (collector/store.py's Store), from the scraping thread."""
+
+    engine: str
+    replica_id: str
+    commit_seconds: list[float]  # appended by the writer thread; taken and cleared here
+    errors_total: int
+    db_down_since: float | None  # time.monotonic() the database went out of reach
+
+    @property
+    def pending_bytes(self) -> int: ...
+
+    @property
+    def failed(self) -> BaseException | None: ...
+
+
+class LeaseStats(Protocol):
+    """What /metrics reads of this replica's leases (collector/leases.py's Leases)."""
+
+    held: Mapping[str, int]  # node -> token; read on the collector's loop
+    steals_total: int
 
 
 class RunOnLoop(Protocol):
@@ -81,6 +116,7 @@ class _Taken:
     tracers_connected: int
     xid_errors: list[tuple[CountKey, int]]  # (node, gpu, xid) -> GPU faults stored
     faults_dropped: int
+    owned_nodes: int | None  # nodes whose lease this replica holds; None without leases
 
 
 @dataclass
@@ -96,10 +132,14 @@ class CollectorMetrics:
                  cri_stats: Callable[[], CriStats] | None = None,
                  push_stats: Callable[[], AlertPushStats] | None = None,
                  audit_head: Callable[[], tuple[int, int]] | None = None,
-                 max_process_series: int, faults: FaultBook | None = None) -> None:
+                 max_process_series: int, faults: FaultBook | None = None,
+                 store: StoreStats | None = None, leases: LeaseStats | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head;
         max_process_series: CollectorConfig.metrics_max_process_series (checked there); faults: the GPU
-        faults' book (collector/faults.py), for ghostgpu_xid_errors_total."""
+        faults' book (collector/faults.py), for ghostgpu_xid_errors_total; store: the Store, for
+        ghostgpu_store_*; leases: this replica's Leases, for ghostgpu_collector_* and, with a
+        PostgreSQL store, to write per-node series for the nodes this replica holds only."""
         self.nodes, self.cluster = nodes, cluster
         self.call = call
         self.cri_stats, self.push_stats = cri_stats, push_stats
@@ -107,6 +147,14 @@ class CollectorMetrics:
         self.max_process_series = max_process_series
         self.faults = faults
         self.faults_dropped = 0
+        self.store, self.leases, self.clock = store, leases, clock
+        # Only with a shared store: one SQLite collector writes every node it knows, as before.
+        self.owned_only = leases is not None and store is not None and store.engine == "postgresql"
+        self.owned_nodes: int | None = None
+        # ghostgpu_store_commit_seconds, cumulative since start: per-bucket counts (the last one +Inf),
+        # their sum. Touched under _lock only (the scrape's).
+        self.commit_buckets = [0] * (len(COMMIT_BUCKETS_S) + 1)
+        self.commit_sum_s = 0.0
         self._lock = threading.Lock()
         self._consumers: dict[str, NodeConsumers] = {}
         self._info: dict[str, _InfoCache] = {}
@@ -126,6 +174,12 @@ class CollectorMetrics:
         cluster = self.cluster
         changed, cluster.changed_rows = cluster.changed_rows or {}, {}
         names = sorted(self.nodes.keys() | cluster.rows.keys())
+        leases = self.leases
+        held = leases.held if leases is not None else None
+        if held is not None and self.owned_only:
+            # Another replica writes the rest. A node dropped here is written from scratch (fresh)
+            # when this replica takes it again: its cached chunks go with it below.
+            names = [n for n in names if n in held]
         rows: dict[str, list[tuple[ConsumerKey, ClusterConsumer | None]]] = {}
         fresh: set[str] = set()
         for n in names:
@@ -158,8 +212,12 @@ class CollectorMetrics:
             identity[name] = (ns.hello.tracer_version if ns.hello is not None else None, ns.info)
         faults = self.faults
         xid_errors = faults.count_rows() if faults is not None else []
+        if held is not None and self.owned_only:
+            xid_errors = [row for row in xid_errors if row[0][0] in held]
+            connected = sum(ns.connected for ns in self.nodes.values())  # this replica's streams, all
         return _Taken(rows, fresh, status, identity, connected, xid_errors,
-                      faults.dropped_total if faults is not None else 0)
+                      faults.dropped_total if faults is not None else 0,
+                      len(held) if held is not None else None)
 
     # ---- on the scraping thread --------------------------------------------------------------------
 
@@ -208,7 +266,29 @@ class CollectorMetrics:
         text.append(render_xid_errors(taken.xid_errors))  # a few series: one per kind of fault seen
         self.tracers_connected = taken.tracers_connected
         self.faults_dropped = taken.faults_dropped
+        self.owned_nodes = taken.owned_nodes
+        self._take_commit_seconds()
         return text
+
+    def _take_commit_seconds(self) -> None:
+        """Fold the group commit durations the store measured since the last scrape into the histogram.
+        The writer thread only appends to the list (and trims its head when nobody scrapes for 65,536
+        commits); a slice copy and a slice delete of the same length are each atomic under the GIL
+        (CPython 3.11), so a duration appended between them stays for the next scrape."""
+        store = self.store
+        if store is None:
+            return
+        durations = store.commit_seconds
+        n = len(durations)
+        if not n:
+            return
+        taken = durations[:n]
+        del durations[:n]
+        buckets = self.commit_buckets
+        for d in taken:
+            slot = next((i for i, le in enumerate(COMMIT_BUCKETS_S) if d <= le), len(COMMIT_BUCKETS_S))
+            buckets[slot] += 1
+        self.commit_sum_s += sum(taken)
 
     def handle(self, request: Request) -> Response:
         return Response(200, self.page(), PROMETHEUS_TEXT)
@@ -257,8 +337,38 @@ class _GlobalCollector:
             yield GaugeMetricFamily(name, _help(name), value=head_seq)
             yield CounterMetricFamily("ghostgpu_audit_records_total", _help("ghostgpu_audit_records_total"),
                                       value=records)
+        if m.store is not None:
+            yield from _store(m, m.store)
+        if m.leases is not None:
+            name = "ghostgpu_collector_owned_nodes"
+            yield GaugeMetricFamily(name, _help(name), value=m.owned_nodes or 0)
+            name = "ghostgpu_collector_lease_takeovers_total"
+            yield CounterMetricFamily(name, _help(name), value=m.leases.steals_total)
         if m.push_stats is not None:
             yield from _alertmanager(m.push_stats())
+
+
+def _store(m: CollectorMetrics, store: StoreStats) -> Iterator[Metric]:
+    """ghostgpu_store_*: the store's engine, reach, errors, back-pressure and commit times."""
+    name = "ghostgpu_store_info"
+    info = GaugeMetricFamily(name, _help(name), labels=["engine", "replica"])
+    info.add_metric([store.engine, store.replica_id], 1)
+    yield info
+    down_since = store.db_down_since
+    up = down_since is None and store.failed is None
+    yield GaugeMetricFamily("ghostgpu_store_up", _help("ghostgpu_store_up"), value=int(up))
+    down_s = max(0.0, m.clock() - down_since) if down_since is not None else 0.0
+    yield GaugeMetricFamily("ghostgpu_store_down_seconds", _help("ghostgpu_store_down_seconds"), value=down_s)
+    yield CounterMetricFamily("ghostgpu_store_errors_total", _help("ghostgpu_store_errors_total"),
+                              value=store.errors_total)
+    yield GaugeMetricFamily("ghostgpu_store_pending_bytes", _help("ghostgpu_store_pending_bytes"),
+                            value=store.pending_bytes)
+    cumulative, buckets = 0, []
+    for le, count in zip((*(repr(b) for b in COMMIT_BUCKETS_S), "+Inf"), m.commit_buckets, strict=True):
+        cumulative += count
+        buckets.append((le, cumulative))
+    name = "ghostgpu_store_commit_seconds"
+    yield HistogramMetricFamily(name, _help(name), buckets=buckets, sum_value=m.commit_sum_s)
 
 
 def _alertmanager(st: AlertPushStats) -> Iterator[Metric]:

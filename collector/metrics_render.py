@@ -90,6 +90,25 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
     "ghostgpu_metrics_process_series_capped": (
         "gauge", "Non-visible consumers left out of the per-process families by "
         "--metrics-max-process-series"),
+    "ghostgpu_store_info": (
+        "gauge", "The store this collector writes: its engine (sqlite, postgresql) and this collector's "
+        "replica id (always 1)"),
+    "ghostgpu_store_up": (
+        "gauge", "1 while the store's database takes writes; 0 while it is out of reach (PostgreSQL: "
+        "retried, nothing acknowledged meanwhile) or after a write failed for good"),
+    "ghostgpu_store_down_seconds": (
+        "gauge", "How long the store's database has been out of reach (0 while it is reachable)"),
+    "ghostgpu_store_errors_total": (
+        "counter", "Failed tries of a group commit, transient ones (the database restarting) included"),
+    "ghostgpu_store_pending_bytes": (
+        "gauge", "Bytes of event batches queued for the store and not yet committed (ingest waits past "
+        "its back-pressure limit)"),
+    "ghostgpu_store_commit_seconds": ("histogram", "Duration of each group commit of the store"),
+    "ghostgpu_collector_owned_nodes": (
+        "gauge", "Nodes whose lease this collector replica holds: the nodes whose streams it applies and "
+        "whose per-node series it writes"),
+    "ghostgpu_collector_lease_takeovers_total": (
+        "counter", "Node leases this replica took from another replica (a tracer moved here)"),
     "ghostgpu_alertmanager_posts_total": (
         "counter", "POSTs to Alertmanager, by result (only with --alertmanager)"),
     "ghostgpu_alertmanager_alerts_sent_total": ("counter", "Alerts Alertmanager accepted"),
@@ -98,6 +117,8 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
         "gauge", "When a POST to Alertmanager last succeeded (unix seconds)"),
 }
 ALERTMANAGER_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_alertmanager_"))
+STORE_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_store_"))  # with a store
+REPLICA_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_collector_"))  # leases
 
 # Page order of the per-node families; a node's chunk holds one string per family, in this order.
 CONSUMERS, INFO, MEMORY, AGGREGATE_MEMORY, ALLOCATED = range(5)

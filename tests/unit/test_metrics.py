@@ -11,12 +11,14 @@ import shutil
 import subprocess
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from ghostgpu.collector import metrics_render
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.cri import CALL_LATENCY_BUCKETS_S, CriCallError, CriResolver, CriStats
+from ghostgpu.collector.db import parse_store_url
 from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
 from ghostgpu.collector.metrics_render import escape
 from ghostgpu.collector.nodes import Changes, NodeView
@@ -78,6 +80,26 @@ class World:
     def metrics(self, **kw: object) -> CollectorMetrics:
         kw.setdefault("max_process_series", default_of(CollectorConfig, "metrics_max_process_series"))
         return CollectorMetrics(self.nodes, self.table, **kw)  # type: ignore[arg-type]
+
+
+class FakeStore:
+    """collector/store.py's Store as /metrics and the probes read it."""
+
+    def __init__(self, engine: str = "sqlite", replica_id: str = "collector-0") -> None:
+        self.engine, self.replica_id = engine, replica_id
+        self.commit_seconds: list[float] = []
+        self.errors_total = 0
+        self.db_down_since: float | None = None
+        self.pending_bytes = 0
+        self.failed: BaseException | None = None
+        self.url = parse_store_url("postgresql://ghostgpu@db/ghostgpu" if engine == "postgresql" else "/c.db")
+
+
+class FakeLeases:
+    """collector/leases.py's Leases as /metrics reads it."""
+
+    def __init__(self, held: dict[str, int], steals_total: int = 0) -> None:
+        self.held, self.steals_total = held, steals_total
 
 
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -152,7 +174,8 @@ def test_page_parses_and_every_family_is_declared() -> None:
     w = busy_world()
     m = w.metrics(cri_stats=lambda: CriStats(calls_total=3, call_seconds_total=0.02,
                                              call_latency_bucket_counts=(1,) * 3 + (3,) * 9),
-                  audit_head=lambda: (41, 3))  # the audit chain's head: a witness outside the collector
+                  audit_head=lambda: (41, 3),  # the audit chain's head: a witness outside the collector
+                  store=FakeStore(), leases=FakeLeases({"n1": 1, "n2": 4, "n3": 2}))
     text = m.page().decode()
     assert text.endswith("\n")
     got_audit = samples(text)
@@ -193,7 +216,9 @@ def test_promtool_check_metrics_prints_nothing() -> None:
     w = busy_world()
     w.cri.answers["cc" * 32] = K8sInfo("resolved", 'we"ird\\ns', "pod\nx", container="c")
     w.put(make_consumer("n4", 40, cls=C.HIDDEN, container_id="cc" * 32, comm='a"b\\c'))
-    body = w.metrics(cri_stats=CriStats).page()
+    store = FakeStore("postgresql")
+    store.commit_seconds += [0.002, 0.2]
+    body = w.metrics(cri_stats=CriStats, store=store, leases=FakeLeases({"n1": 1, "n4": 1})).page()
     done = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
     assert (done.returncode, done.stdout + done.stderr) == (0, b"")
 
@@ -475,3 +500,58 @@ def test_xid_errors_are_counted_per_node_gpu_and_xid_from_the_fault_book() -> No
     again = samples(m.page().decode())["ghostgpu_xid_errors_total"]
     assert ({"node": "n1", "gpu": "0", "xid": "79"}, 3) in again
     assert typed_families(m.page().decode())["ghostgpu_xid_errors_total"] == "counter"
+
+
+# ---- the store and the replica's leases --------------------------------------------------------------
+
+def test_store_families_say_the_engine_its_reach_and_each_commit_once() -> None:
+    w = busy_world()
+    store = FakeStore("postgresql", "collector-1")
+    now = [1000.0]
+    m = w.metrics(store=store, leases=FakeLeases({"n1": 7}, steals_total=2), clock=lambda: now[0])
+    store.commit_seconds += [0.0004, 0.003, 0.003, 20.0]
+    store.errors_total, store.pending_bytes = 3, 4096
+    got = samples(m.page().decode())
+    assert got["ghostgpu_store_info"] == [({"engine": "postgresql", "replica": "collector-1"}, 1)]
+    assert got["ghostgpu_store_up"] == [({}, 1)] and got["ghostgpu_store_down_seconds"] == [({}, 0)]
+    assert got["ghostgpu_store_errors_total"] == [({}, 3)]
+    assert got["ghostgpu_store_pending_bytes"] == [({}, 4096)]
+    buckets = {s["le"]: v for s, v in got["ghostgpu_store_commit_seconds_bucket"]}
+    assert (buckets["0.0005"], buckets["0.0025"], buckets["0.005"], buckets["10.0"], buckets["+Inf"]) == (
+        1, 1, 3, 3, 4)
+    assert got["ghostgpu_store_commit_seconds_count"] == [({}, 4)]
+    assert got["ghostgpu_store_commit_seconds_sum"][0][1] == pytest.approx(20.0064)
+    assert store.commit_seconds == []  # taken: the next scrape counts only what came since
+    assert got["ghostgpu_collector_owned_nodes"] == [({}, 1)]
+    assert got["ghostgpu_collector_lease_takeovers_total"] == [({}, 2)]
+
+    store.commit_seconds.append(0.001)
+    store.db_down_since = now[0] - 12.5  # PostgreSQL out of reach: retried, nothing acknowledged
+    got = samples(m.page().decode())
+    assert got["ghostgpu_store_commit_seconds_count"] == [({}, 5)]  # cumulative across scrapes
+    assert got["ghostgpu_store_up"] == [({}, 0)] and got["ghostgpu_store_down_seconds"] == [({}, 12.5)]
+    store.db_down_since, store.failed = None, RuntimeError("--db /c.db: write failed")
+    assert samples(m.page().decode())["ghostgpu_store_up"] == [({}, 0)]  # failed for good: down too
+
+
+def test_a_replica_writes_the_series_of_the_nodes_it_holds_only() -> None:
+    w = busy_world()
+    w.put(make_consumer("n4", 40, gpu=0, cls=C.HIDDEN))
+    faults = SimpleNamespace(count_rows=lambda: [(("n1", "0", "79"), 2), (("n4", "1", "48"), 1)],
+                             dropped_total=0)
+    leases = FakeLeases({"n1": 3})
+    m = w.metrics(store=FakeStore("postgresql"), leases=leases, faults=faults)
+    got = samples(m.page().decode())
+    for family in ("ghostgpu_consumers", "ghostgpu_tracer_connected", "ghostgpu_gpu_info",
+                   "ghostgpu_tracer_events_ingested_total", "ghostgpu_xid_errors_total"):
+        assert {s["node"] for s, _ in got[family]} == {"n1"}, family
+    assert got["ghostgpu_tracers_connected"] == [({}, 4)]  # this replica's streams, whatever it holds
+    leases.held["n4"] = 1  # took n4's lease: its series come here, written from scratch
+    del leases.held["n1"]  # lost n1's: they go (the new owner writes them)
+    got = samples(m.page().decode())
+    assert {s["node"] for s, _ in got["ghostgpu_consumers"]} == {"n4"}
+    assert {s["node"] for s, _ in got["ghostgpu_xid_errors_total"]} == {"n4"}
+    assert [s["pid"] for s, _ in got["ghostgpu_nonvisible_consumer_info"]] == ["40"]
+    # One collector on SQLite writes every node it knows, leases or not.
+    sqlite = samples(w.metrics(store=FakeStore("sqlite"), leases=FakeLeases({"n1": 1})).page().decode())
+    assert {s["node"] for s, _ in sqlite["ghostgpu_tracer_connected"]} == {"n1", "n2", "n3", "n4"}
