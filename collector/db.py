@@ -148,6 +148,9 @@ class PgConn:
         return bool(self.raw.closed)
 
 
+PARTITION_TIMEOUT_MS = 5000
+
+
 def connect_postgresql(url: StoreUrl, password_file: str | None = None, *, application_name: str = "ghostgpu",
                        connect_timeout_s: int = 5) -> PgConn:
     """A PgConn to the URL's database; psycopg.OperationalError when it cannot be reached."""
@@ -157,9 +160,17 @@ def connect_postgresql(url: StoreUrl, password_file: str | None = None, *, appli
                               "connect_timeout": connect_timeout_s}
     if password_file:
         kwargs["password"] = read_password_file(password_file)
-    # TCP keepalives: a replica cut off from the database (a partition, not a refused connection)
-    # learns it in seconds rather than at the kernel's two-hour default.
-    kwargs.update(keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3)
+    # TCP keepalives and tcp_user_timeout: a replica cut off from the database (a partition, not a
+    # refused connection) learns it in seconds rather than at the kernel's two-hour default.
+    kwargs.update(keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
+                  tcp_user_timeout=PARTITION_TIMEOUT_MS)
+    # And the server side of a partition: a replica cut off inside a write transaction holds its share
+    # locks on lease rows (collector/store.py's fence), which would stall the replica taking its nodes
+    # until the server's own keepalive gives up (hours). The server ends such a session after
+    # PARTITION_TIMEOUT_MS idle in a transaction (the store's transactions take milliseconds), and a
+    # lease take waits at most as long for a lock before its Hello is refused and retried.
+    kwargs["options"] = (f"-c idle_in_transaction_session_timeout={PARTITION_TIMEOUT_MS} "
+                         f"-c lock_timeout={PARTITION_TIMEOUT_MS}")
     return PgConn(psycopg.connect(url.target, **kwargs))
 
 
@@ -175,7 +186,8 @@ def db_errors() -> tuple[type[BaseException], ...]:
 
 def is_transient(error: BaseException) -> bool:
     """A PostgreSQL error that passes: the server restarting or out of reach, a serialization failure
-    or deadlock (SQLSTATE class 08, 40, 57P0x, 53300). The store keeps retrying these without acking,
+    or deadlock, a session the server ended after a partition, a lock wait or statement cut short
+    (SQLSTATE class 08, 40, 57P0x, 53300, 25P03, 55P03, 57014). The store keeps retrying these without acking,
     as the tracers keep spooling; anything else is a bug or a full disk, and fails the write."""
     sqlstate = getattr(error, "sqlstate", None)
     if sqlstate is None:
@@ -184,7 +196,7 @@ def is_transient(error: BaseException) -> bool:
         except ImportError:
             return False
         return isinstance(error, psycopg.OperationalError)  # no SQLSTATE: the connection itself broke
-    return sqlstate.startswith(("08", "40", "57P0")) or sqlstate == "53300"
+    return sqlstate.startswith(("08", "40", "57P0")) or sqlstate in ("53300", "25P03", "55P03", "57014")
 
 
 def upsert_sql(table: str, columns: Sequence[str], key: Sequence[str]) -> str:

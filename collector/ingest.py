@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, Protocol
 
@@ -334,29 +335,40 @@ class Ingest:
     async def keep_leases(self) -> None:
         """Renew this replica's leases every ttl/3; end the streams of nodes that moved; past a whole
         ttl without reaching the database, end every stream (UNAVAILABLE) so the tracers move to a
-        replica that can write them."""
+        replica that can write them. A renewal waits behind the writer, which retries for as long as
+        the database is out of reach (collector/store.py): so the wait is bounded here, and the ttl
+        counts from the last renewal that committed."""
         leases = self.leases
         if leases is None:
             return
+        tick_s = leases.ttl_s / 3
+        pending: Future[list[str]] | None = None
         while True:
-            await asyncio.sleep(leases.ttl_s / 3)
+            await asyncio.sleep(tick_s)
+            if pending is None:
+                pending = leases.renew()
+            lost: list[str] = []
             try:
-                lost = await asyncio.wrap_future(leases.renew())
+                lost = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending)), tick_s)
+                pending = None
+            except TimeoutError:
+                pass  # the writer is still waiting for the database
             except _STORE_ERRORS:
-                lost = []
-                if leases.overdue() and leases.held:
-                    log.error("cannot renew node leases for %.0f s (database out of reach): ending %d "
-                              "stream(s) so their tracers move to another replica", leases.ttl_s,
-                              len(leases.held))
-                    for node in leases.owned_nodes():
-                        session = self.sessions.get(node)
-                        if session is not None:
-                            session.end(grpc.StatusCode.UNAVAILABLE,
-                                        f"this collector replica lost its database for {leases.ttl_s:g} s; "
-                                        "reconnect (to another replica)")
-                        leases.drop(node)
+                pending = None
+            if leases.overdue() and leases.held:
+                self._give_up_leases(leases)
             for node in lost:
                 self.moved(node, f"node {node}: its stream moved to another collector replica")
+
+    def _give_up_leases(self, leases: Leases) -> None:
+        log.error("cannot renew node leases for %g s (database out of reach): ending %d stream(s) so "
+                  "their tracers move to another replica", leases.ttl_s, len(leases.held))
+        for node in leases.owned_nodes():
+            session = self.sessions.get(node)
+            if session is not None:
+                session.end(grpc.StatusCode.UNAVAILABLE, f"this collector replica lost its database for "
+                            f"{leases.ttl_s:g} s; reconnect (to another replica)")
+            leases.drop(node)
 
     def _close(self, session: IngestSession) -> None:
         session.active = False

@@ -225,6 +225,7 @@ class Store:
         self.failed: BaseException | None = None
         self.db_down_since: float | None = None  # monotonic time the database went out of reach, or None
         self.errors_total = 0  # failed tries of a group commit (transient ones included)
+        self.fenced_out_total = 0  # jobs refused because their node's lease moved (LeaseLost)
         self.commit_seconds: list[float] = []  # group commit times since stats() last took them
         self._id_next, self._id_end = 0, 0  # the finding id block in hand (next_finding_id)
         self._id_spare: Future[tuple[int, int]] | None = None
@@ -480,6 +481,7 @@ class Store:
             started = time.perf_counter()
             try:
                 refused = self._write(jobs)
+                self.fenced_out_total += len(refused)
                 self._database_back()
                 self.commit_seconds.append(time.perf_counter() - started)
                 if len(self.commit_seconds) > 65536:  # nobody scrapes: keep the newest
