@@ -23,12 +23,13 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ghostgpu.collector.cri_fetch import normalize_container_id
 from ghostgpu.collector.enrich import NO_CONTAINER, enrich
 from ghostgpu.collector.nodes import Changes, ConsumerKey, NodeView
+from ghostgpu.collector.notify import finding_announcer
 from ghostgpu.collector.store import FindingRow, Store
 
 from ghostgpu.common.model.classes import FINDING_CLASSES
@@ -83,6 +84,9 @@ class Watcher:
         self.items: deque[query_pb2.FindingEvent] = deque()
         self.wake = asyncio.Event()
         self.dropped = False
+        # This replica's own findings only, none that other replicas announce (collector/findings_remote.py):
+        # the Alertmanager pusher, as each replica pushes its own nodes' alerts.
+        self.local_only = False
 
     def matches(self, rec: FindingRec) -> bool:
         return ((not self.node or rec.node == self.node)
@@ -140,6 +144,16 @@ class ClusterTable:
         self.id_source: Callable[[], int] | None = None  # set by the Collector: the store's finding ids
         # (node) -> the lease fence its writes carry (collector/leases.py); None: unfenced (tests)
         self.fence_for: Callable[[str], tuple[str, int] | None] | None = None
+        # A shared PostgreSQL store: each write of a finding row carries a NOTIFY naming its id and
+        # change (collector/notify.py) for the other replicas' watchers (collector/findings_remote.py),
+        # which also give the findings they hold open (also_open) to a watch with include_open. A
+        # change is then written at once rather than at the next flush_changed(), so that it reaches
+        # them within milliseconds.
+        self.announce: Callable[[Sequence[tuple[int, int]]], tuple] | None = None
+        if store is not None and store.engine == "postgresql":
+            self.announce = finding_announcer(store.replica_id)
+        self.also_open: Callable[[], Iterable[FindingRec]] | None = None
+        self._changes: list[tuple[str, int, int]] = []  # (node, id, kind) written since the last _flush
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
         # For /metrics (collector/metrics.py): the rows changed since its renderer last took this dict,
@@ -280,14 +294,17 @@ class ClusterTable:
             self._emit(query_pb2.FindingEvent.KIND_OPENED, rec)
         elif rec.consumer is not cc and not _same(rec.consumer, cc):
             rec.consumer = cc
-            self._emit(query_pb2.FindingEvent.KIND_CHANGED, rec, write=False)
-            self._dirty[rec.id] = rec
+            self._emit(query_pb2.FindingEvent.KIND_CHANGED, rec, write=self.announce is not None)
+            if self.announce is None:
+                self._dirty[rec.id] = rec
         else:
             rec.consumer = cc
 
     def _emit(self, kind: query_pb2.FindingEvent.Kind, rec: FindingRec, write: bool = True) -> None:
         if write:
             self._ops.append(Store.op_finding(rec.row()))
+            if self.announce is not None:
+                self._changes.append((rec.node, rec.id, kind))
         event = None
         for w in self.watchers:
             if w.matches(rec):
@@ -301,20 +318,31 @@ class ClusterTable:
         opening and resolving are written at once. The collector calls this every second and
         before reading the history."""
         self._ops.extend(Store.op_finding(rec.row()) for rec in self._dirty.values())
+        if self.announce is not None:
+            self._changes.extend((rec.node, rec.id, query_pb2.FindingEvent.KIND_CHANGED)
+                                 for rec in self._dirty.values())
         self._dirty.clear()
         self._flush()
 
     def _flush(self) -> None:
         if self._ops and self.store is not None:
             if self.fence_for is None:
-                self.store.submit(self._ops)
+                self.store.submit(self._ops + self._announcements(self._changes))
             else:  # one job per node, each fenced by its lease: a node that moved writes nothing here
                 by_node: dict[str, list[tuple]] = {}
                 for op in self._ops:
                     by_node.setdefault(op[1][1], []).append(op)  # ("finding", FindingRow): row.node
                 for node, ops in by_node.items():
-                    self.store.submit(ops, fence=self.fence_for(node))
+                    changes = [c for c in self._changes if c[0] == node]
+                    self.store.submit(ops + self._announcements(changes), fence=self.fence_for(node))
         self._ops = []
+        self._changes = []
+
+    def _announcements(self, changes: list[tuple[str, int, int]]) -> list[tuple]:
+        """The NOTIFY op for the job that writes these rows: in its transaction, refused with it."""
+        if self.announce is None or not changes:
+            return []
+        return [self.announce([(fid, kind) for _, fid, kind in changes])]
 
     # ---- nodes moving between replicas (collector/leases.py) --------------------------------------
 
@@ -326,6 +354,7 @@ class ClusterTable:
         for rec in self.open.pop(node, {}).values():
             self._dirty.pop(rec.id, None)
         self._ops = [op for op in self._ops if op[1][1] != node]
+        self._changes = [c for c in self._changes if c[0] != node]
 
     def adopt_open(self, node: str, open_findings: Iterable[FindingRow]) -> None:
         """Take over `node`'s open findings as the store holds them (its previous owner's)."""
@@ -358,9 +387,13 @@ class ClusterTable:
         return sorted((r for opens in self.open.values() for r in opens.values()), key=lambda r: r.id)
 
     def watch(self, watcher: Watcher, include_open: bool) -> None:
-        """Register a watcher; with include_open, first queue the open findings it matches as OPENED."""
+        """Register a watcher; with include_open, first queue the open findings it matches as OPENED
+        (with replicas, those other replicas hold open after this one's: also_open)."""
         if include_open:
-            for rec in self.open_findings():
+            recs = self.open_findings()
+            if self.also_open is not None and not watcher.local_only:
+                recs.extend(self.also_open())
+            for rec in recs:
                 if watcher.matches(rec):
                     watcher.push(query_pb2.FindingEvent(kind=query_pb2.FindingEvent.KIND_OPENED,
                                                         finding=rec.to_proto()))

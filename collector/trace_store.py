@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from ghostgpu.collector.db import Conn, upsert_sql
-from ghostgpu.collector.store import Store, decode_blob, encode_blob
+from ghostgpu.collector.notify import trace_announcer
+from ghostgpu.collector.store import CallOp, Store, decode_blob, encode_blob
 
 from ghostgpu.common.model.trace import TraceSession, TraceStatus
 from ghostgpu.common.wire.convert_trace import session_from_proto, session_to_proto
@@ -89,6 +90,11 @@ class TraceStore:
         # Also told of every audit row (the collector's audit log, collector/audit.py): session,
         # action, who, detail.
         self.on_audit: Callable[[str, str, str, str], object] | None = None
+        # A shared PostgreSQL store: a session's row and records are announced on ghostgpu_trace in
+        # their transaction (collector/notify.py), so a WatchTrace on any replica reads them at once
+        # (collector/trace_follow.py).
+        self.announce: Callable[[str], CallOp] | None = (
+            trace_announcer(store.replica_id) if store.engine == "postgresql" else None)
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -118,7 +124,10 @@ class TraceStore:
         def run(conn: Conn) -> None:
             conn.execute(_UPSERT_SESSION, row)
 
-        self.store.submit([Store.op_call(run)])
+        self.store.submit([Store.op_call(run), *self._announced(s.id)])
+
+    def _announced(self, session: str) -> list[CallOp]:
+        return [self.announce(session)] if self.announce is not None else []
 
     def audit(self, session: str, action: str, who: str, detail: str, ts_unix_ns: int = 0) -> None:
         row = (ts_unix_ns or time.time_ns(), session, action, who, detail)
@@ -146,7 +155,7 @@ class TraceStore:
                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
                          (session, node, first_seq, last_seq, count, *encode_blob(blob)))
 
-        self.store.submit([Store.op_call(run)], size_bytes=len(blob))
+        self.store.submit([Store.op_call(run), *self._announced(session)], size_bytes=len(blob))
 
     def make_room(self, session: str, n: int, session_max: int,
                   ended: Iterable[tuple[str, int]]) -> list[str]:

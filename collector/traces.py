@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from ghostgpu.collector.trace_access import InNamespace, confine
 from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, node_error, validate
+from ghostgpu.collector.trace_follow import TraceFollow
 from ghostgpu.collector.trace_scope import (
     Names,
     TraceError,
@@ -84,6 +85,10 @@ class TraceBook:
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_prune = 0.0
+        # Replicas sharing a PostgreSQL store: WatchTrace is answered from the store, on any replica,
+        # as the nodes' records may be stored by other replicas (collector/trace_follow.py); the
+        # Collector sets it.
+        self.follow: TraceFollow | None = None
 
     # ---- the Query RPCs -------------------------------------------------------------------------
 
@@ -158,11 +163,22 @@ class TraceBook:
                              f"trace session {sid} not found (ghostgpu trace list)")
         return s
 
+    async def find(self, sid: str) -> TraceSession:
+        """get(), or on a shared store a session another replica started (as stored)."""
+        s = self.sessions.get(sid)
+        if s is None and self.follow is not None:
+            s = await self.follow.session(sid)
+        return s if s is not None else self.get(sid)
+
     def list(self) -> list[TraceSession]:
         """Running and kept sessions, newest first."""
         return sorted(self.sessions.values(), key=lambda s: (s.started_unix_ns, s.id), reverse=True)
 
     async def watch(self, sid: str, follow: bool) -> AsyncIterator[trace_pb2.TraceWatchMessage]:
+        if self.follow is not None:  # replicas: the store has every node's records, whoever stored them
+            async for msg in self.follow.watch(sid, follow):
+                yield msg
+            return
         self.get(sid)
         live = self._running.get(sid)
         watcher = TraceWatcher() if follow and live is not None else None
@@ -245,6 +261,8 @@ class TraceBook:
         tracers are told to stop, watches end (UNAVAILABLE)."""
         if self._task is not None:
             self._task.cancel()
+        if self.follow is not None:
+            self.follow.close()
         self._flush()
         for live in list(self._running.values()):
             for part in live.parts.values():
