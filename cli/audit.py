@@ -1,15 +1,18 @@
 """`ghostgpu audit`: read the collector's security audit trail, and check its hash chain.
 
-    ghostgpu audit [--collector ADDR | --db PATH | --file PATH] [--since 1h] [-o table|json] [--verify]
+    ghostgpu audit [--collector ADDR | --db PATH | --store URL | --file PATH] [--since 1h] [-o table|json]
+                   [--verify]
 
-Three sources: the collector's ListAudit (admin only), its store file read-only (`--db`, no
-collector needed: the table the collector writes), or its JSON lines file (`--file`, the collector's
-audit file: what a byte-level edit shows in). `--verify` checks the chain (ghostgpu.common.audit.chain)
-and prints "audit chain intact: N records", or the first broken record's seq and why, with exit
-status 1. With `--db`, `--verify` checks the store's chain and the audit file beside it (or `--file`)
-each on its own and against each other, naming the first record one has and the other lacks: a tail
-cut from one of them shows. An unreachable collector or unreadable file is one line and exit status 1;
-a bad flag 2.
+Four sources: the collector's ListAudit (admin only), its store file read-only (`--db`, no
+collector needed: the table the collector writes), the database collector replicas share, read-only
+(`--store postgresql://...`: their one chain), or its JSON lines file (`--file`, the collector's
+audit file: what a byte-level edit shows in). `--verify` checks the chain
+(ghostgpu.common.audit.chain) and prints "audit chain intact: N records", or the first broken
+record's seq and why, with exit status 1. With `--db`, `--verify` checks the store's chain and the
+audit file beside it (or `--file`) each on its own and against each other, naming the first record
+one has and the other lacks: a tail cut from one of them shows. With `--store`, `--verify --file
+FILE` holds a replica's audit file (its own records only) against the shared chain. An unreachable
+collector or unreadable file is one line and exit status 1; a bad flag 2.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
 
-from ghostgpu.common.audit.chain import AuditRecord, BadLine, Verdict, check, compare, parse_lines, verify
+from ghostgpu.common.audit.chain import (
+    AuditRecord,
+    BadLine,
+    Verdict,
+    check,
+    compare,
+    compare_witness,
+    parse_lines,
+    verify,
+)
 from ghostgpu.common.transport.addresses import DEFAULT_COLLECTOR
 from ghostgpu.common.transport.collector_target import FORMS as COLLECTOR_FORMS
 
@@ -46,6 +58,11 @@ def add_parser(sub: Any) -> None:
     source.add_argument("--db", metavar="PATH", help="read a collector's store file directly, read-only "
                         "(its --db); no collector needed. With --verify the audit file beside it (or "
                         "--file) is checked against it")
+    source.add_argument("--store", metavar="URL", help="read the database collector replicas share, "
+                        "read-only (their --store postgresql://USER@HOST/DB); with --verify and --file, a "
+                        "replica's audit file is checked against it")
+    p.add_argument("--store-password-file", metavar="PATH", help="the --store database's password, on "
+                   "the file's first line")
     p.add_argument("--file", metavar="PATH", help="read the collector's audit JSON lines file "
                    "(its --audit-log)")
     p.add_argument("--since", help=f"how far back: 30s, 15m, 1h, 7d (default {DEFAULT_SINCE}; with "
@@ -80,6 +97,12 @@ def read_db(path: str, since_unix_ns: int = 0) -> list[Item]:
     from ghostgpu.collector.audit import read_audit_file, record_from_row
 
     return [record_from_row(row) for row in read_audit_file(path, since_unix_ns)]
+
+
+def read_store(url: str, password_file: str | None, since_unix_ns: int = 0) -> list[Item]:
+    from ghostgpu.collector.audit import read_audit_store, record_from_row
+
+    return [record_from_row(row) for row in read_audit_store(url, password_file, since_unix_ns)]
 
 
 def read_collector(query: Query, since_unix_ns: int = 0) -> list[Item]:
@@ -147,16 +170,27 @@ def run(args: argparse.Namespace, query_factory: Callable[[argparse.Namespace], 
     """`query_factory(args)` builds the client (ghostgpu.cli.client.Query.from_args by default: --collector
     and the TLS flags)."""
     since_ns = _since_ns(args)  # a bad --since fails before any connection (ValueError: exit 2)
-    if args.file and (args.collector or (args.db and not args.verify)):
-        raise ValueError("--file: give it alone, or with --db and --verify (the file checked against "
-                         "the store)")
+    store = getattr(args, "store", None)
+    if args.file and (args.collector or ((args.db or store) and not args.verify)):
+        raise ValueError("--file: give it alone, or with --db or --store and --verify (the file checked "
+                         "against the store)")
+    if getattr(args, "store_password_file", None) and not store:
+        raise ValueError("--store-password-file: give it with --store")
+    if store:
+        from ghostgpu.collector.db import parse_store_url
+
+        parse_store_url(store)  # StoreUrlError (a ValueError, exit 2) for a URL that names no store
     if args.db and args.verify:
         return verify_db(args.db, args.file, since_ns, args.output)
+    if store and args.verify:
+        return verify_store(store, args.store_password_file, args.file, since_ns, args.output)
     try:
         if args.file:
             items = read_file(args.file, since_ns)
         elif args.db:
             items = read_db(args.db, since_ns)
+        elif store:
+            items = read_store(store, args.store_password_file, since_ns)
         else:
             from ghostgpu.cli.client import Query
 
@@ -243,4 +277,31 @@ def verify_db(db: str, file: str | None, since_ns: int, output: str) -> int:
         return 1
     print(render_verdict(Verdict(True, None, f"{verdict.why}; audit file {path} agrees"), stored, output,
                          warnings))
+    return 0
+
+
+def verify_store(url: str, password_file: str | None, file: str | None, since_ns: int, output: str) -> int:
+    """`--store URL --verify`: the chain the replicas share, and with `--file` a replica's audit file
+    (its own records, as committed) against it. Exit status 1 at the first problem, naming it."""
+    from ghostgpu.collector.store import StoreError
+
+    try:
+        stored = read_store(url, password_file, since_ns)
+    except StoreError as exc:
+        print(f"ghostgpu: {exc}", file=sys.stderr)
+        return 1
+    verdict, warnings = check(stored, from_start=since_ns == 0)
+    if not verdict.ok or file is None:
+        print(render_verdict(verdict, stored, output, warnings))
+        return 0 if verdict.ok else 1
+    try:
+        filed = read_file(file)
+    except OSError as exc:
+        print(f"ghostgpu: --file {file}: cannot read it ({exc.strerror})", file=sys.stderr)
+        return 1
+    witness = compare_witness(stored, filed, file)
+    if not witness.ok:
+        print(render_verdict(witness, stored, output))
+        return 1
+    print(render_verdict(Verdict(True, None, f"{verdict.why}; {witness.why}"), stored, output, warnings))
     return 0

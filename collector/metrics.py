@@ -79,11 +79,15 @@ def _run_here(fn: Callable[[], T]) -> T:
 class StoreStats(Protocol):
     """What /metrics reads of the store (collector/store.py's Store), from the scraping thread."""
 
-    engine: str
-    replica_id: str
     commit_seconds: list[float]  # appended by the writer thread; taken and cleared here
     errors_total: int
     db_down_since: float | None  # time.monotonic() the database went out of reach
+
+    @property
+    def engine(self) -> str: ...  # sqlite, postgresql
+
+    @property
+    def replica_id(self) -> str: ...
 
     @property
     def pending_bytes(self) -> int: ...
@@ -95,8 +99,10 @@ class StoreStats(Protocol):
 class LeaseStats(Protocol):
     """What /metrics reads of this replica's leases (collector/leases.py's Leases)."""
 
-    held: Mapping[str, int]  # node -> token; read on the collector's loop
     steals_total: int
+
+    @property
+    def held(self) -> Mapping[str, int]: ...  # node -> token; read on the collector's loop
 
 
 class RunOnLoop(Protocol):

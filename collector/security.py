@@ -75,7 +75,10 @@ class Security:
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         if opts.tls.enabled:
             check_server(opts.tls)  # TlsError (a ValueError) naming the file
-        audit_path = opts.audit_log or default_audit_path(db_path)
+        # With a shared (PostgreSQL) store the chain is the database's and no file is written unless
+        # --audit-log names one: a replica's file then holds only its own records (collector/audit.py).
+        shared = store.engine == "postgresql"
+        audit_path = opts.audit_log or (None if shared else default_audit_path(db_path))
         if audit_path:
             with contextlib.suppress(OSError):  # AuditLog says what is wrong with it, naming the file
                 private_file(audit_path)  # 0600, whatever the umask; tightened (one line) if looser
@@ -83,10 +86,11 @@ class Security:
         self.audit = self.audit_log.append
         # Each run of the collector is in the chain: where it took the chain up and where it left it,
         # so a tail cut while it was stopped shows as a start after no stop (`ghostgpu audit --verify`),
-        # and the head it exports (ghostgpu_audit_head_seq) lets Prometheus see a rewind.
-        self.started: AuditRecord = self.audit(
-            "collector.start", "collector", "ok", resumed_seq=self.audit_log.seq,
-            resumed_sha256=self.audit_log.last_sha256, pid=os.getpid(), version=__version__)
+        # and the head it exports (ghostgpu_audit_head_seq) lets Prometheus see a rewind. Replicas
+        # sharing the chain name themselves, so each one's stops are checked apart.
+        self._replica = {"replica": store.replica_id} if shared else {}
+        self.started: AuditRecord = self.audit_log.start(pid=os.getpid(), version=__version__,
+                                                         **self._replica)
         self._stop_written = False
         # A bad policy at start is fatal (PolicyError, a ValueError naming the key): better no
         # collector than one that serves a wrong policy.
@@ -189,8 +193,7 @@ class Security:
     def audit_head(self) -> tuple[int, int]:
         """(the chain's newest seq, records this run appended, its start record included): the
         metrics ghostgpu_audit_head_seq and ghostgpu_audit_records_total."""
-        seq = self.audit_log.seq
-        return seq, seq - self.started.seq + 1
+        return self.audit_log.seq, self.audit_log.appended_total
 
     def stopping(self) -> None:
         """The run's last record, collector.stop, once: call it while the store still takes writes."""
@@ -198,7 +201,8 @@ class Security:
             return
         self._stop_written = True
         self.audit("collector.stop", "collector", "ok", started_seq=self.started.seq,
-                   resumed_seq=self.started.detail["resumed_seq"], records=self.audit_head()[1] + 1)
+                   resumed_seq=self.started.detail["resumed_seq"], records=self.audit_head()[1] + 1,
+                   **self._replica)
 
     def close(self) -> None:
         self.stopping()  # already written unless the collector never served

@@ -261,3 +261,58 @@ def test_proto_round_trip_keeps_the_hash() -> None:
     back = [audit_record_from_proto(audit_record_to_proto(r)) for r in records]
     assert back == records
     assert verify(back).ok
+
+
+# ---- a chain collector replicas share (PostgreSQL: tests/integration/test_audit_replicas.py) ---------
+
+def _shared_chain(steps: list[tuple[str, str]]) -> list[AuditRecord]:
+    """Records as replicas sharing one chain write them: (action, replica) per step; a start names the
+    head before it, as collector/audit.py's append_on_head does in the write transaction."""
+    out: list[AuditRecord] = []
+    for action, replica in steps:
+        prev_seq, prev_sha = (out[-1].seq, out[-1].sha256) if out else (0, GENESIS_SHA256)
+        key = "replica" if action.startswith("collector.") else "by"
+        detail: dict[str, object] = {key: replica}
+        if action == "collector.start":
+            detail |= {"resumed_seq": prev_seq, "resumed_sha256": prev_sha}
+        out.append(AuditRecord.make(prev_seq + 1, prev_seq + 1, action, "collector", "ok", detail, prev_sha))
+    return out
+
+
+def test_replicas_runs_are_checked_apart() -> None:
+    records = _shared_chain([("collector.start", "a"), ("denied", "a"), ("collector.start", "b"),
+                             ("denied", "b"), ("tracer.connect", "a"), ("collector.stop", "b"),
+                             ("collector.start", "b"), ("denied", "a")])
+    assert check(records, from_start=True) == ((True, None, "audit chain intact: 8 records"), [])
+    crashed = _shared_chain([("collector.start", "a"), ("collector.start", "b"), ("denied", "b"),
+                             ("collector.start", "a")])  # a again, its first run never stopped
+    verdict, warnings = check(crashed, from_start=True)
+    assert verdict.ok and len(warnings) == 1
+    assert warnings[0].startswith("record 4: unclean stop: replica a started again, and its run from "
+                                  "record 1 has no collector.stop")
+    # A start that names another head than the record before it: records removed, the chain forged.
+    forged = records[:3]
+    body = {**forged[2].detail, "resumed_seq": 1}
+    forged[2] = AuditRecord.make(3, 3, "collector.start", "collector", "ok", body, forged[1].sha256)
+    verdict = check(forged, from_start=True)[0]
+    assert (verdict.ok, verdict.first_bad_seq) == (False, 3)
+    assert "replica b says it took the chain up after record 1, but record 2 comes before it" in verdict.why
+
+
+def test_a_replica_witness_file_is_held_against_the_shared_chain() -> None:
+    from ghostgpu.common.audit.chain import compare_witness
+
+    chain = _shared_chain([("collector.start", "a"), ("denied", "b"), ("denied", "a"), ("denied", "b"),
+                           ("denied", "a")])
+    mine: list[AuditRecord | BadLine] = [chain[0], chain[2], chain[4]]
+    assert compare_witness(list(chain), mine, "a.jsonl") == (
+        True, None, "the 3 records of a.jsonl are in the store as written")
+    rewritten = chain[:2]  # from record 3 on, rebuilt with new hashes: a consistent chain of its own
+    for r in chain[2:]:
+        rewritten.append(AuditRecord.make(r.seq, r.ts_unix_ns, r.action, "user:nobody", r.result, r.detail,
+                                          rewritten[-1].sha256))
+    assert verify(list(rewritten), from_start=True).ok
+    assert compare_witness(list(rewritten), mine, "a.jsonl")[:2] == (False, 3)
+    assert compare_witness(list(chain[:4]), mine, "a.jsonl") == (
+        False, 5, "record 5 (denied) is in a.jsonl but not in the store (cut from the store)")
+    assert compare_witness(list(chain), [chain[2], chain[0]], "a.jsonl")[:2] == (False, 1)

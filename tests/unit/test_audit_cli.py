@@ -167,7 +167,7 @@ def test_one_source_at_most(capsys: pytest.CaptureFixture[str]) -> None:
     # --file goes with --db only to be checked against it (--verify)
     for argv in (["--db", "a.db", "--file", "a.jsonl"], ["--collector", "127.0.0.1:1", "--file", "a.jsonl"]):
         assert main(["audit", *argv]) == 2
-        assert "--file: give it alone, or with --db and --verify" in capsys.readouterr().err
+        assert "--file: give it alone, or with --db or --store and --verify" in capsys.readouterr().err
 
 
 @contextlib.contextmanager

@@ -23,6 +23,12 @@ chain forged). A cut after which the collector never starts again, or one that e
 record, leaves nothing in the chain to see either: only a witness outside the node can tell (the
 metric ghostgpu_audit_head_seq in Prometheus, the file shipped away). `compare` checks the store's
 copy and the file's against each other.
+
+Collector replicas sharing a PostgreSQL store write one chain between them (collector/audit.py builds
+each record on the head it reads in the write transaction). Their collector.start and collector.stop
+records name the `replica`; a start naming one is checked against that replica's runs only (an
+unclean stop: its previous start has no stop), as the other replicas' records come in between. A
+replica's own audit file is then a witness, not a chain: `compare_witness` holds it against the store.
 """
 
 from __future__ import annotations
@@ -160,6 +166,7 @@ def check(records: Iterable[AuditRecord | BadLine], from_start: bool = False,
     prev: AuditRecord | None = None
     count = 0
     seen_start = False
+    open_runs: dict[str, int] = {}  # replica -> the seq of its collector.start while no stop followed
     warnings: list[str] = []
     for item in records:
         expected = prev.seq + 1 if prev is not None else None
@@ -185,13 +192,20 @@ def check(records: Iterable[AuditRecord | BadLine], from_start: bool = False,
         elif item.prev_sha256 != prev.sha256:
             return Verdict(False, seq, f"record {seq}: prev_sha256 is not record {prev.seq}'s sha256 "
                            "(a record was edited, removed or put in its place)"), warnings
+        replica = item.detail.get("replica")
         if item.action == START:
-            why, unclean = _start_problem(item, prev, seen_start)
+            if isinstance(replica, str):
+                why, unclean = _replica_start_problem(item, prev, replica, open_runs.get(replica))
+                open_runs[replica] = seq
+            else:
+                why, unclean = _start_problem(item, prev, seen_start)
             if why:
                 return Verdict(False, seq, f"record {seq}: {why}"), warnings
             if unclean:
                 warnings.append(f"record {seq}: {unclean}")
             seen_start = True
+        elif item.action == STOP and isinstance(replica, str):
+            open_runs.pop(replica, None)
         prev, count = item, count + 1
     return Verdict(True, None, f"audit chain intact: {count} records"), warnings
 
@@ -213,6 +227,22 @@ def _start_problem(start: AuditRecord, prev: AuditRecord | None, seen_start: boo
                 "collector.stop: it crashed, was killed or ran out of memory, or the records after "
                 f"{prev.seq} were cut while it was stopped; compare the head Prometheus saw last "
                 "(ghostgpu_audit_head_seq) before trusting the trail")
+
+
+def _replica_start_problem(start: AuditRecord, prev: AuditRecord | None, replica: str,
+                           open_since: int | None) -> tuple[str, str]:
+    """_start_problem for a chain several collector replicas share (a collector.start naming its
+    `replica`): the other replicas' records come between a replica's runs, so an unclean stop is a
+    start of a replica whose previous run (`open_since`: its start's seq) has no collector.stop."""
+    resumed = start.detail.get("resumed_seq")
+    if prev is not None and (resumed != prev.seq or start.detail.get("resumed_sha256") != prev.sha256):
+        return (f"replica {replica} says it took the chain up after record {resumed}, but record "
+                f"{prev.seq} comes before it (records were removed and the chain forged)"), ""
+    if open_since is None:
+        return "", ""
+    return "", (f"unclean stop: replica {replica} started again, and its run from record {open_since} "
+                "has no collector.stop: it crashed, was killed or ran out of memory; compare the head "
+                "Prometheus saw last (ghostgpu_audit_head_seq) before trusting the trail")
 
 
 def compare(store: list[AuditRecord | BadLine], file: list[AuditRecord | BadLine],
@@ -240,3 +270,36 @@ def compare(store: list[AuditRecord | BadLine], file: list[AuditRecord | BadLine
             return Verdict(False, seq, f"record {seq} differs between the store and {file_name}")
     return Verdict(True, None, f"{len(in_store)} records in the store, {len(in_file)} in {file_name}, "
                    "each in both")
+
+
+def compare_witness(store: list[AuditRecord | BadLine], file: list[AuditRecord | BadLine],
+                    file_name: str = "the audit file") -> Verdict:
+    """A replica's audit file against the chain the replicas share (the store's, already verified):
+    the file holds only that replica's records, as they were committed, so it is no chain by itself;
+    each of its records must be intact, come after the one before it, and be in the store as it is in
+    the file. The store's records after the file's last one are not held against it (another replica's,
+    or this one's after a file was moved away)."""
+    in_store = {r.seq: r for r in store if isinstance(r, AuditRecord)}
+    first_stored = min(in_store, default=None)
+    last = 0
+    for item in file:
+        if isinstance(item, BadLine):
+            return Verdict(False, None, f"{file_name}: {item.why}")
+        if not item.intact:
+            return Verdict(False, item.seq, f"record {item.seq} in {file_name}: its content does not match "
+                           "its sha256 (edited)")
+        if item.seq <= last:
+            return Verdict(False, item.seq, f"record {item.seq} in {file_name} comes after record {last}: "
+                           "again or out of order")
+        last = item.seq
+        if first_stored is not None and item.seq < first_stored:
+            continue  # before a --since window
+        s = in_store.get(item.seq)
+        if s is None:
+            return Verdict(False, item.seq, f"record {item.seq} ({item.action}) is in {file_name} but not in "
+                           "the store (cut from the store)")
+        if s.sha256 != item.sha256:
+            return Verdict(False, item.seq, f"record {item.seq} differs between the store and {file_name} "
+                           "(the store's was rewritten)")
+    held = sum(1 for r in file if isinstance(r, AuditRecord))
+    return Verdict(True, None, f"the {held} records of {file_name} are in the store as written")
