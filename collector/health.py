@@ -1,6 +1,6 @@
 """The collector's probes, served beside /metrics on --metrics-listen: `/healthz` and `/readyz`.
 
-    health = CollectorHealth(store, loop=lambda: collector.loop, serving=collector.serving)
+    health = CollectorHealth(store, loop=lambda: collector.loop, serving=is_serving, leases=leases)
     routes = {"/metrics": metrics.handle, **health.routes()}
     HttpServer(listen, routes, open_paths=PROBE_PATHS, ...)
 
@@ -11,7 +11,8 @@
 - /readyz (readiness): 200 while the collector serves and its store takes writes; 503 with one line
   per reason otherwise: starting or stopping, the database out of reach ("store: database out of
   reach for 12 s (--store postgresql://...)": the store retries and acknowledges nothing meanwhile,
-  so a Service sends no new tracer here), or a write that failed for good.
+  so a Service sends no new tracer here), no lease renewal reaching it for a --lease-ttl (a quiet
+  replica: no write to fail), or a write that failed for good.
 
 Both are answered on the HTTP server's own loop thread (its inline paths: never behind a slow
 scrape) and read a few attributes only; with a web config they need no credentials (kubelet's probes
@@ -48,15 +49,25 @@ class _Flagged(Protocol):
     def flag(self) -> str: ...
 
 
+class LeaseClock(Protocol):
+    """What the probes read of collector/leases.py's Leases."""
+
+    ttl_s: float
+    renewed_mono: float  # time.monotonic() of the last renewal that reached the database
+
+
 class CollectorHealth:
     """The probes' state; every method runs on the HTTP server's loop thread except _answered."""
 
     def __init__(self, store: StoreReach, *, loop: Callable[[], asyncio.AbstractEventLoop | None],
-                 serving: Callable[[], bool], clock: Callable[[], float] = time.monotonic,
-                 live_window_s: float = LIVE_WINDOW_S) -> None:
+                 serving: Callable[[], bool], leases: LeaseClock | None = None,
+                 clock: Callable[[], float] = time.monotonic, live_window_s: float = LIVE_WINDOW_S) -> None:
         """loop: the collector's event loop once it runs (Collector.loop); serving: True while it serves
-        gRPC (started, not stopping)."""
+        gRPC (started, not stopping); leases: this replica's Leases, whose renewals reach the database
+        every ttl/3 even when no event is written (the store's writes alone would not notice a
+        database lost while nothing is ingested)."""
         self.store = store
+        self.leases = leases
         self._loop, self._serving = loop, serving
         self._clock = clock
         self.live_window_s = live_window_s
@@ -98,6 +109,12 @@ class CollectorHealth:
         elif down_since is not None:
             down_s = max(0.0, self._clock() - down_since)
             lines.append(f"store: database out of reach for {down_s:.0f} s ({store.url.flag})")
+        elif (leases := self.leases) is not None and self._clock() - leases.renewed_mono > leases.ttl_s:
+            # Renewals that fail never set db_down_since (that is the writes' retry loop): a quiet
+            # replica learns of a lost database here.
+            since_s = self._clock() - leases.renewed_mono
+            lines.append(f"store: no lease renewal reached the database for {since_s:.0f} s "
+                         f"({store.url.flag}; --lease-ttl {leases.ttl_s:g})")
         if lines:
             return False, lines
         return True, ["ok: serving; the store takes writes"]

@@ -257,7 +257,8 @@ class Collector:
             audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series,
             faults=self.faults, store=self.store, leases=self.leases)
         # /healthz and /readyz beside /metrics (collector/health.py), open to kubelet's probes
-        self.health = CollectorHealth(self.store, loop=lambda: self.loop, serving=self._serving)
+        self.health = CollectorHealth(self.store, loop=lambda: self.loop, serving=self._serving,
+                                      leases=self.leases)
         self._metrics_server = HttpServer(cfg.metrics_listen, {"/metrics": self.metrics.handle,
                                                                **self.health.routes()},
                                           flag="--metrics-listen", name="metrics", open_paths=PROBE_PATHS,

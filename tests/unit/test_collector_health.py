@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from ghostgpu.collector.health import CollectorHealth
@@ -64,6 +65,20 @@ def test_readiness_names_the_store_while_its_database_is_out_of_reach() -> None:
     assert not ok and lines == [f"store: {store.failed}"]
     assert health(FakeStore(), FakeLoop(), clock, serving=False).readiness() == (
         False, ["collector: not serving (starting, or stopping)"])
+
+
+def test_a_quiet_replica_learns_of_a_lost_database_from_its_lease_renewals() -> None:
+    store, clock = FakeStore("postgresql"), Clock()
+    leases = SimpleNamespace(ttl_s=10.0, renewed_mono=clock.now_s)
+    h = CollectorHealth(store, loop=lambda: None, serving=lambda: True, leases=leases,  # type: ignore[arg-type]
+                        clock=clock)
+    clock.now_s += 10  # the next renewal is due every ttl/3: within a ttl, still ready
+    assert h.readiness()[0]
+    clock.now_s += 2.4
+    assert h.readiness() == (False, ["store: no lease renewal reached the database for 12 s "
+                                     "(--store postgresql://ghostgpu@db/ghostgpu; --lease-ttl 10)"])
+    leases.renewed_mono = clock.now_s
+    assert h.readiness()[0]
 
 
 def test_liveness_fails_for_a_wedged_loop_only() -> None:
