@@ -31,17 +31,20 @@ from typing import Any, Protocol, TypeVar
 from ghostgpu.collector.cluster import ClusterTable
 from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.faults import FaultBook, select_unended
+from ghostgpu.collector.findings_remote import RemoteFindings
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.leases import Leases
 from ghostgpu.collector.node_state import NodeStateWriter
 from ghostgpu.collector.nodes import NodeView
+from ghostgpu.collector.notify import Notifications, notifier_for
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, start_server
 from ghostgpu.collector.store import Store
 from ghostgpu.collector.trace_commands import TraceTiming
+from ghostgpu.collector.trace_follow import TraceFollow
 from ghostgpu.collector.trace_store import TraceStore
 from ghostgpu.collector.traces import TraceBook
 
@@ -161,6 +164,9 @@ class Collector:
         self.store = Store(cfg.store_location(), cfg.event_log_max, cfg.retention_days,
                            password_file=cfg.store_password_file, replica_id=cfg.replica_name())
         self.leases = Leases(self.store, self.store.replica_id, cfg.lease_ttl_s)
+        # What the other replicas change, heard through PostgreSQL's LISTEN (collector/notify.py); a
+        # NullNotifier with SQLite. Started on the loop (_serve), stopped after it.
+        self.notifier: Notifications = notifier_for(self.store, cfg.store_password_file)
         # The audit file beside a SQLite file by default; with a shared PostgreSQL store the chain is the
         # database's (docs/SECURITY.md), and a file only where --audit-log names one.
         beside = self.store.url.target if self.store.engine == "sqlite" else ""
@@ -183,6 +189,9 @@ class Collector:
                                     forget=getattr(self.resolver, "forget", None))
         self.cluster.id_source = self.store.next_finding_id
         self.cluster.fence_for = self.leases.fence
+        # Replicas: the findings other replicas write, to this replica's WatchFindings watchers
+        self.remote_findings = (RemoteFindings(self.cluster, self.store, self.notifier)
+                                if self.store.engine == "postgresql" else None)
         # GPU faults (collector/faults.py): their hits named through the same resolver
         self.faults = FaultBook(self.store, self.resolver.get, self.config.faults_max)
         self.store.load(self.faults.load)
@@ -203,6 +212,8 @@ class Collector:
                                 transport_for=self.transport_for, nodes=self.nodes,
                                 cluster_rows=self.cluster.rows,
                                 resolve_names=getattr(self.resolver, "get", None))
+        if self.store.engine == "postgresql":  # WatchTrace reads every replica's records from the store
+            self.traces.follow = TraceFollow(self.store, self.notifier)
 
     def _build_ingest(self) -> None:
         """The stream servicer, feeding the cluster table and the trace book."""
@@ -286,9 +297,13 @@ class Collector:
             self._start_error = e if isinstance(e, ListenError) else ListenError(f"--listen: {e}")
             return
         if self.pusher is not None:
+            self.pusher.watcher.local_only = True  # each replica pushes the alerts of its own nodes
             self.cluster.watch(self.pusher.watcher, include_open=True)
             await self._offer_recent_faults()
         self.traces.start_ticking()
+        self.notifier.start(self.loop)
+        if self.remote_findings is not None:
+            self.remote_findings.start()
         renewals = asyncio.create_task(self.ingest.keep_leases())
         if self.node_state is not None:
             self.node_state.start_ticking()
@@ -314,7 +329,10 @@ class Collector:
         self.traces.shutdown()  # before the streams end: sessions end naming the collector, not a node
         self.ingest.shutdown()
         self.query.shutdown()
+        if self.remote_findings is not None:
+            self.remote_findings.close()
         await server.stop(self._grace_s)
+        await asyncio.to_thread(self.notifier.stop)
         security.stopping()  # the audit chain's collector.stop, while the store still takes it
         await asyncio.to_thread(self.store.close)  # commits what was accepted; acks no longer matter
 
@@ -379,6 +397,9 @@ class Collector:
         security, self.security = self.security, None
         if security is not None:
             security.close()
+        notifier = getattr(self, "notifier", None)
+        if notifier is not None:
+            notifier.stop()  # idempotent: after the loop's own stop, nothing is left to do
         store = getattr(self, "store", None)  # absent when start() failed before opening it
         if store is not None:
             store.close()  # idempotent: after the loop's own close, only the connection is closed again
