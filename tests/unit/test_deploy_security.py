@@ -1,83 +1,71 @@
-"""deploy/kubernetes/ghostgpu.yaml, the security half: the core kinds validate against Kubernetes'
-own schemas (kubernetes-validate, strict), the cert-manager kinds are checked field by field (their
-CRDs are not in those schemas), the tracer runs with exactly the measured capabilities, the
-collector as non-root, every file a flag names is mounted, and the policy and web config parse with
-ghostgpu's own parsers."""
+"""deploy/kubernetes, the security half, for the single collector (ghostgpu.yaml) and the replicas
+(replicated/ghostgpu.yaml) alike: every core kind validates against Kubernetes' own schemas
+(kubernetes-validate, strict), the cert-manager kinds are checked field by field (their CRDs are not in
+those schemas), the tracer runs with exactly the measured capabilities, the collector as non-root, every
+file a flag names is mounted, and the policy and web config parse with ghostgpu's own parsers."""
 
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import bcrypt
 import pytest
-import yaml
 from ghostgpu.collector.policy import Policy
 from ghostgpu.tracer.capabilities import NEEDED_NAMES
 
 from ghostgpu.common.model.durations import parse_duration_s
 from ghostgpu.common.transport.principal import Principal
 from ghostgpu.common.web.webconfig import WebConfigError, parse_web_config
+from tests.helpers.manifests import DEPLOY, MANIFESTS, Manifest, flag
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "ghostgpu.yaml"
 K8S_VERSION = "1.30.0"  # the oldest with securityContext.appArmorProfile, which the tracer sets
-CORE_KINDS = {"Namespace", "PersistentVolumeClaim", "Deployment", "Service", "DaemonSet", "ConfigMap",
-              "Secret"}
+# Kinds of the Kubernetes API itself: kubernetes-validate has their schemas.
+CORE_GROUPS = {"v1", "apps/v1", "policy/v1"}
+# The others, each checked field by field where it is used: cert-manager's below, the Prometheus
+# Operator's monitors in test_deploy.py and here, CloudNativePG's Cluster in test_deploy_replicated.py.
+CUSTOM_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
+                ("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor"),
+                ("postgresql.cnpg.io/v1", "Cluster")}
 # cert-manager.io/v1 fields used here (https://cert-manager.io/docs/reference/api-docs/).
 CERTIFICATE_FIELDS = {"secretName", "commonName", "dnsNames", "uris", "ipAddresses", "usages", "duration",
                       "renewBefore", "privateKey", "issuerRef", "isCA", "subject"}
 PRIVATE_KEY_FIELDS = {"algorithm", "size", "rotationPolicy", "encoding"}
 SERVING_SECRETS = {"ghostgpu-collector-tls", "ghostgpu-tracer-metrics-tls"}
 KEY_USAGES = {"server auth", "client auth", "digital signature", "key encipherment", "cert sign"}
+EVERY_FILE = sorted(DEPLOY.rglob("*.yaml"))
 
 
-def documents() -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+@pytest.fixture(params=MANIFESTS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def m(request: pytest.FixtureRequest) -> Manifest:
+    path: Path = request.param
+    return Manifest(path)
 
 
-def by_kind(kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in documents() if d["kind"] == kind}
-
-
-def pod(kind: str, name: str) -> dict[str, Any]:
-    return by_kind(kind)[name]["spec"]["template"]["spec"]
-
-
-def container(kind: str, name: str) -> dict[str, Any]:
-    (c,) = pod(kind, name)["containers"]
-    return c
-
-
-def flag(args: list[str], name: str) -> str:
-    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")]
-    return value
-
-
-def mounted(kind: str, name: str, path: str) -> dict[str, Any]:
-    """The volume whose mount holds `path` in the pod's container."""
-    c = container(kind, name)
-    mounts = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
-    assert mounts, f"{name}: nothing mounted at {path}"
-    mount = max(mounts, key=lambda m: len(m["mountPath"]))
-    (volume,) = [v for v in pod(kind, name)["volumes"] if v["name"] == mount["name"]]
-    return volume
-
-
-def test_core_kinds_validate_against_the_kubernetes_schemas() -> None:
+@pytest.mark.parametrize("path", EVERY_FILE, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_body_validates_against_the_kubernetes_schemas(path: Path) -> None:
     kubernetes_validate = pytest.importorskip(
         "kubernetes_validate", reason="pip install kubernetes-validate (the dev extra; .ci/run installs it)")
-    seen = set()
-    for doc in documents():
-        if doc["kind"] in CORE_KINDS:
+    documents = Manifest(path).documents
+    assert documents
+    for doc in documents:
+        if doc["apiVersion"] in CORE_GROUPS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # ValidationError names the field
-            seen.add(doc["kind"])
-    assert seen == CORE_KINDS
+        else:  # a custom resource: one of those checked field by field
+            custom = (doc["apiVersion"], doc["kind"])
+            assert custom in CUSTOM_KINDS, f"{path.name}: {doc['kind']} is checked nowhere"
 
 
-def test_cert_manager_resources_chain_self_signed_root_ca_issuer_collector() -> None:
-    issuers, certs = by_kind("Issuer"), by_kind("Certificate")
+def test_every_manifest_is_checked() -> None:
+    """A new file under deploy/kubernetes is validated above; a new collector's belongs in MANIFESTS."""
+    assert set(MANIFESTS) <= set(EVERY_FILE)
+    collectors = {p for p in EVERY_FILE if Manifest(p).by_kind("Deployment")}
+    assert collectors == set(MANIFESTS)
+
+
+def test_cert_manager_resources_chain_self_signed_root_ca_issuer_collector(m: Manifest) -> None:
+    issuers, certs = m.by_kind("Issuer"), m.by_kind("Certificate")
     assert all(d["apiVersion"] == "cert-manager.io/v1" for d in (*issuers.values(), *certs.values()))
     assert issuers["ghostgpu-selfsigned"]["spec"] == {"selfSigned": {}}
     ca_issuer = issuers["ghostgpu-ca"]["spec"]
@@ -103,82 +91,86 @@ def test_cert_manager_resources_chain_self_signed_root_ca_issuer_collector() -> 
             assert spec["commonName"] in spec["dnsNames"]
     collector = certs["ghostgpu-collector"]["spec"]
     assert collector["uris"] == ["spiffe://ghostgpu/collector"]
-    tracer_args = container("DaemonSet", "ghostgpu-tracer")["args"]
+    tracer_args = m.container("DaemonSet", "ghostgpu-tracer")["args"]
     assert flag(tracer_args, "--collector").rsplit(":", 1)[0] in collector["dnsNames"]
 
 
-def test_the_collector_serves_the_certificate_cert_manager_writes() -> None:
-    c = container("Deployment", "ghostgpu-collector")
-    secret = by_kind("Certificate")["ghostgpu-collector"]["spec"]["secretName"]
+def test_the_collector_serves_the_certificate_cert_manager_writes(m: Manifest) -> None:
+    c = m.container("Deployment", "ghostgpu-collector")
+    secret = m.by_kind("Certificate")["ghostgpu-collector"]["spec"]["secretName"]
     for name, key in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.crt")):
         path = flag(c["args"], name)
-        assert os.path.basename(path) == key and mounted("Deployment", "ghostgpu-collector", path)["secret"][
-            "secretName"] == secret
+        volume = m.mounted("Deployment", "ghostgpu-collector", path)
+        assert os.path.basename(path) == key and volume["secret"]["secretName"] == secret
 
 
-def test_the_tracer_has_exactly_the_measured_capabilities_each_with_its_reason() -> None:
-    c = container("DaemonSet", "ghostgpu-tracer")
+def test_the_tracer_has_exactly_the_measured_capabilities_each_with_its_reason(m: Manifest) -> None:
+    c = m.container("DaemonSet", "ghostgpu-tracer")
     sc = c["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True and sc["runAsUser"] == 0
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert sorted(f"CAP_{cap}" for cap in sc["capabilities"]["add"]) == sorted(NEEDED_NAMES)
     for cap in sc["capabilities"]["add"]:  # a comment says why, on the capability's own line
-        assert re.search(rf"^\s+- {cap}\s+# \S.+$", MANIFEST.read_text(), re.M), f"{cap}: no comment why"
+        assert re.search(rf"^\s+- {cap}\s+# \S.+$", m.text, re.M), f"{cap}: no comment why"
     # The runtime defaults would undo the capabilities: seccomp refuses bpf() without CAP_SYS_ADMIN,
     # AppArmor ptrace-reads only the container's own processes.
     assert sc["seccompProfile"] == {"type": "Unconfined"} and sc["appArmorProfile"] == {"type": "Unconfined"}
-    assert "privileged: true" not in MANIFEST.read_text()
-    spec = pod("DaemonSet", "ghostgpu-tracer")
+    assert "privileged: true" not in m.text
+    spec = m.pod("DaemonSet", "ghostgpu-tracer")
     assert spec["automountServiceAccountToken"] is False
-    tmp = mounted("DaemonSet", "ghostgpu-tracer", "/tmp/x")
+    tmp = m.mounted("DaemonSet", "ghostgpu-tracer", "/tmp/x")
     assert "emptyDir" in tmp  # the one writable path, with the root filesystem read-only
 
 
-def test_each_tracer_brings_its_own_node_identity_from_the_host() -> None:
-    c = container("DaemonSet", "ghostgpu-tracer")
+def test_each_tracer_brings_its_own_node_identity_from_the_host(m: Manifest) -> None:
+    c = m.container("DaemonSet", "ghostgpu-tracer")
     assert flag(c["args"], "--node-name") == "$(NODE_NAME)"
     for name in ("--tls-cert", "--tls-key", "--tls-ca"):
-        volume = mounted("DaemonSet", "ghostgpu-tracer", flag(c["args"], name))
+        volume = m.mounted("DaemonSet", "ghostgpu-tracer", flag(c["args"], name))
         # type Directory: a node without its identity keeps the pod from starting, never a tracer
         # that runs without one.
         assert volume["hostPath"] == {"path": "/etc/ghostgpu/pki", "type": "Directory"}
 
 
-def test_the_collector_runs_as_non_root_with_a_read_only_root() -> None:
-    spec = pod("Deployment", "ghostgpu-collector")
-    c = container("Deployment", "ghostgpu-collector")
+def test_the_collector_runs_as_non_root_with_a_read_only_root(m: Manifest) -> None:
+    spec = m.pod("Deployment", "ghostgpu-collector")
+    c = m.container("Deployment", "ghostgpu-collector")
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 65532
     assert spec["securityContext"]["fsGroup"] == 65532  # the PVC and the Secrets' files are its group's
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]}
-    db = flag(c["args"], "--db")
-    assert "persistentVolumeClaim" in mounted("Deployment", "ghostgpu-collector", db)
-    assert "emptyDir" in mounted("Deployment", "ghostgpu-collector", "/tmp/x")  # SQLite's temp files
-    for volume in spec["volumes"]:
-        if "secret" in volume:  # readable by fsGroup 65532, by nobody else
-            assert volume["secret"]["defaultMode"] == 0o440
+    if any(a.startswith("--db=") for a in c["args"]):  # the single collector: SQLite on its volume
+        db = flag(c["args"], "--db")
+        assert "persistentVolumeClaim" in m.mounted("Deployment", "ghostgpu-collector", db)
+    else:  # the replicas: their store is PostgreSQL, nothing of it on a volume (test_deploy_replicated.py)
+        assert not any("persistentVolumeClaim" in v for v in spec["volumes"])
+    assert "emptyDir" in m.mounted("Deployment", "ghostgpu-collector", "/tmp/x")  # SQLite's temp files
+    secret_volumes = [v for v in spec["volumes"] if "secret" in v or "projected" in v]
+    assert secret_volumes
+    for volume in secret_volumes:  # readable by fsGroup 65532, by nobody else
+        assert (volume.get("secret") or volume["projected"])["defaultMode"] == 0o440
 
 
-def test_the_policy_config_map_parses_and_lets_each_node_stream() -> None:
-    c = container("Deployment", "ghostgpu-collector")
+def test_the_policy_config_map_parses_and_lets_each_node_stream(m: Manifest) -> None:
+    c = m.container("Deployment", "ghostgpu-collector")
     path = flag(c["args"], "--policy")
-    volume = mounted("Deployment", "ghostgpu-collector", path)
-    text = by_kind("ConfigMap")[volume["configMap"]["name"]]["data"][os.path.basename(path)]
+    volume = m.mounted("Deployment", "ghostgpu-collector", path)
+    text = m.by_kind("ConfigMap")[volume["configMap"]["name"]]["data"][os.path.basename(path)]
     policy = Policy.parse(text, path)  # PolicyError names the key
     assert policy.roles(Principal("node", "gpu-node-1", via="mtls")) == {"tracer"}
     assert policy.roles(Principal("user", "mallory", via="mtls")) == frozenset()
     assert "admin" in policy.roles(Principal("user", "ops", ("ghostgpu-admins",), via="mtls"))
 
 
-def test_the_web_config_fails_closed_until_a_password_is_set_and_then_serves_tls() -> None:
-    secrets = by_kind("Secret")
+def test_the_web_config_fails_closed_until_a_password_is_set_and_then_serves_tls(m: Manifest) -> None:
+    secrets = m.by_kind("Secret")
     for kind, name in (("Deployment", "ghostgpu-collector"), ("DaemonSet", "ghostgpu-tracer")):
-        c = container(kind, name)
+        c = m.container(kind, name)
         path = flag(c["args"], "--web-config-file")
-        volume = mounted(kind, name, path)
+        volume = m.mounted(kind, name, path)
         text = secrets[volume["secret"]["secretName"]]["stringData"][os.path.basename(path)]
         # As shipped: no known password anywhere; the pod says which key to fill and stops.
         with pytest.raises(WebConfigError, match=r"basic_auth_users\.prometheus: not a bcrypt hash"):
@@ -187,18 +179,18 @@ def test_the_web_config_fails_closed_until_a_password_is_set_and_then_serves_tls
         config = parse_web_config(text.replace("REPLACE_WITH_BCRYPT_HASH", f"'{hashed}'"), path)
         assert config.tls is not None and set(config.users) == {"prometheus"}
         for file in (config.tls.cert_file, config.tls.key_file):  # relative to the web config's directory
-            serving = mounted(kind, name, os.path.normpath(file))
+            serving = m.mounted(kind, name, os.path.normpath(file))
             assert serving["secret"]["secretName"] in SERVING_SECRETS
     assert secrets["ghostgpu-scrape-auth"]["stringData"]["username"] == "prometheus"
 
 
-def test_probes_use_https_and_monitors_send_the_scrape_credentials() -> None:
-    c = container("DaemonSet", "ghostgpu-tracer")
+def test_probes_use_https_and_monitors_send_the_scrape_credentials(m: Manifest) -> None:
+    c = m.container("DaemonSet", "ghostgpu-tracer")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["scheme"] == "HTTPS"  # kubelet does not verify; no credentials needed
-    certs = by_kind("Certificate")
-    service_monitor = by_kind("ServiceMonitor")["ghostgpu-collector"]["spec"]["endpoints"][0]
-    pod_monitor = by_kind("PodMonitor")["ghostgpu-tracer"]["spec"]["podMetricsEndpoints"][0]
+    certs = m.by_kind("Certificate")
+    service_monitor = m.by_kind("ServiceMonitor")["ghostgpu-collector"]["spec"]["endpoints"][0]
+    pod_monitor = m.by_kind("PodMonitor")["ghostgpu-tracer"]["spec"]["podMetricsEndpoints"][0]
     monitors = [(service_monitor, "ghostgpu-collector"), (pod_monitor, "ghostgpu-tracer-metrics")]
     for endpoint, cert in monitors:
         assert endpoint["scheme"] == "https"
