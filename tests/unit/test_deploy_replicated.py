@@ -23,6 +23,7 @@ from ghostgpu.collector.db import parse_store_url
 from ghostgpu.collector.health import PROBE_PATHS
 
 from ghostgpu.common.transport.addresses import parse_listen
+from ghostgpu.common.transport.collector_target import parse_collector
 from tests.helpers.manifests import (
     CLOUDNATIVEPG,
     REPLICATED,
@@ -154,6 +155,10 @@ def test_the_tracers_dial_the_headless_service_of_every_replica() -> None:
     target = flag(tracer_args, "--collector")
     host, port = target.rsplit(":", 1)
     assert "," not in target and re.fullmatch(r"[a-z0-9-]+\.[a-z0-9-]+\.svc", host)  # one name, every record
+    # The tracer's own parser: a name gRPC's dns:/// resolver turns into every replica's address, and
+    # the name TLS checks on each of them.
+    parsed = parse_collector(target)
+    assert parsed.kind == "dns" and parsed.grpc_target() == f"dns:///{target}" and parsed.server_name == host
     name, namespace = host.split(".")[:2]
     headless = m.get("Service", name)
     assert headless["metadata"]["namespace"] == namespace
