@@ -40,6 +40,7 @@ from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.notify import Notifications, notifier_for
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
+from ghostgpu.collector.replica_commands import ReplicaCommands
 from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, start_server
 from ghostgpu.collector.store import Store
@@ -208,10 +209,14 @@ class Collector:
             f"trace.{action}", who, "ok" if action in ("start", "stop", "expire") else action,
             session=sid, detail=detail)
         self.streams: dict[str, IngestSession] = {}  # by node: filled by Ingest, read by the book
+        self.replica: ReplicaCommands | None = None
+        if self.store.engine == "postgresql":  # replicas: trace and CRI commands for each other's nodes
+            self.replica = ReplicaCommands(self.store, self.notifier, self.store.replica_id, self.streams,
+                                           fence=self.leases.fence)
         self.traces = TraceBook(self.streams, self.trace_store, self.trace_limits,
                                 transport_for=self.transport_for, nodes=self.nodes,
                                 cluster_rows=self.cluster.rows,
-                                resolve_names=getattr(self.resolver, "get", None))
+                                resolve_names=getattr(self.resolver, "get", None), replica=self.replica)
         if self.store.engine == "postgresql":  # WatchTrace reads every replica's records from the store
             self.traces.follow = TraceFollow(self.store, self.notifier)
 
@@ -223,6 +228,8 @@ class Collector:
                              sessions=self.streams, traces=self.traces, audit=self.security.audit,
                              local_node=self.config.node_name, faults=self.faults, leases=self.leases)
         self.relay = self.ingest.relay  # CRI calls through the tracers' streams (collector/relay.py)
+        if self.replica is not None:  # other replicas' CRI calls for this replica's nodes
+            self.replica.serve_cri(self._own_transport)
 
     def _build_query(self) -> None:
         """The Query service, audited, its trace rules read from the current policy."""
@@ -304,6 +311,8 @@ class Collector:
         self.notifier.start(self.loop)
         if self.remote_findings is not None:
             self.remote_findings.start()
+        if self.replica is not None:
+            self.replica.start()
         renewals = asyncio.create_task(self.ingest.keep_leases())
         if self.node_state is not None:
             self.node_state.start_ticking()
@@ -327,6 +336,8 @@ class Collector:
             self.node_state.stop()
         self.cluster.flush_changed()
         self.traces.shutdown()  # before the streams end: sessions end naming the collector, not a node
+        if self.replica is not None:
+            self.replica.close()
         self.ingest.shutdown()
         self.query.shutdown()
         if self.remote_findings is not None:
@@ -466,7 +477,17 @@ class Collector:
 
     def transport_for(self, node: str) -> Any:
         """The CRI transport for a node: the local socket for the collector's own node, else the
-        node's tracer relay, else the local socket (--collector-cri-endpoint), else None."""
+        node's tracer relay, else through the replica whose stream the node is on (replicas sharing
+        a PostgreSQL store, collector/replica_commands.py), else the local socket
+        (--collector-cri-endpoint), else None."""
+        node_name = self.config.node_name
+        if self._direct is not None and node_name and node == node_name:
+            return self._direct
+        remote = self.replica.transport(node) if self.replica is not None else None
+        return self.relay.transport(node) or remote or self._direct
+
+    def _own_transport(self, node: str) -> Any:
+        """transport_for without the other replicas: what this replica answers their CRI calls with."""
         node_name = self.config.node_name
         if self._direct is not None and node_name and node == node_name:
             return self._direct

@@ -6,7 +6,9 @@ CommandResult.trace that answers it: its error line, "" when done. An answer tha
 in time, or a stream that ends first, is an error line too ("timeout: ...", "gone: ..."), so the
 caller treats every outcome alike. Command ids count from 2**62, apart from the CRI relay's
 (collector/relay.py, from 1): a result is routed by its id as well as by its body, and an old
-tracer that answers a trace command with a CRI "unknown command" is still heard.
+tracer that answers a trace command with a CRI "unknown command" is still heard. A node another
+collector replica serves gets its commands through that replica (collector/replica_commands.py
+RemoteStream); its answer, or why none came, is an error line all the same.
 
 The error-line convention with the tracer (its prefix picks the gRPC code the client gets):
 "limit: ..." RESOURCE_EXHAUSTED (its per-node session limit), "not found: ..." NOT_FOUND (no such
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,15 +107,24 @@ class TraceCommands:
         self._ids = itertools.count(COMMAND_ID_BASE)
 
     def send(self, stream: IngestSession, **body: Any) -> int:
-        """Queue a Command on the stream, answered or not; its id."""
+        """Queue a Command on the stream, answered or not; its id (0 for a node another replica
+        serves: collector/replica_commands.py's RemoteStream hands it over)."""
+        if (remote := getattr(stream, "send_remote", None)) is not None:
+            remote(**body)
+            return 0
         cid = next(self._ids)
         stream.out.put_nowait(stream_pb2.CollectorMessage(command=stream_pb2.Command(id=cid, **body)))
         return cid
 
-    async def call(self, stream: IngestSession | None, **body: Any) -> str:
-        """Send one command and wait for its answer: the error line, "" when done."""
+    async def call(self, stream: IngestSession | None, meta: Mapping[str, Any] | None = None,
+                   **body: Any) -> str:
+        """Send one command and wait for its answer: the error line, "" when done. A node another
+        replica serves gets it through that replica, with `meta` (collector/replica_commands.py)."""
         if stream is None or not stream.active:
             return "gone: its tracer is not connected"
+        if (remote := getattr(stream, "call_remote", None)) is not None:
+            answer: str = await remote(self.timeout_s, meta, **body)
+            return answer
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         cid = self.send(stream, **body)
         self._pending[(stream, cid)] = fut

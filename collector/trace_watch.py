@@ -69,6 +69,8 @@ class NodePart:
     dropped_limit: int = 0  # the tracer's running totals, from its latest batch
     dropped_ringbuf: int = 0
     dropped_transport: int = 0
+    stored: int = 0  # on a node another replica serves: what it stored and kept out, as it last said
+    dropped_store: int = 0
 
 
 @dataclass

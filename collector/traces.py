@@ -10,6 +10,12 @@ stayed silent, when a user stops it, or when a node's stream ends under it (node
 nodes are told to stop; what was stored is kept). A namespace scope is resolved again every
 `reresolve_s` while it runs: nodes whose set changed get `trace_update`, new nodes `trace_start`.
 
+With collector replicas on one PostgreSQL store, a node another replica serves takes part through
+that replica (collector/replica_commands.py: its CRI calls and trace commands go as rows of
+`replica_commands`): the replica the user called stays the session's home (policy, audit, the
+trace_sessions row, the deadline, the end), the serving replica runs the node's part and stores its
+records (collector/trace_guests.py), telling the home the part's counters and end (`remote_part`).
+
 A tracer's error line becomes the client's gRPC error by its prefix (collector/trace_commands.py).
 Every start, stop, expiry, node loss, refusal and mid-session error is a trace_audit row (actions
 start, stop, expire, node-lost, refused, error). Everything here runs on the collector's event loop.
@@ -29,9 +35,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from ghostgpu.collector.replica_commands import ClusterStreams, ReplicaCommand
 from ghostgpu.collector.trace_access import InNamespace, confine
 from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, node_error, validate
 from ghostgpu.collector.trace_follow import TraceFollow
+from ghostgpu.collector.trace_guests import PART, TraceGuests
 from ghostgpu.collector.trace_scope import (
     Names,
     TraceError,
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
     from ghostgpu.collector.cri_fetch import CriTransport
     from ghostgpu.collector.ingest import IngestSession
     from ghostgpu.collector.nodes import NodeView
+    from ghostgpu.collector.replica_commands import ReplicaCommands
 
     from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerKey
 
@@ -68,8 +77,13 @@ class TraceBook:
                  transport_for: Callable[[str], CriTransport | None] | None = None,
                  nodes: Mapping[str, NodeView] | None = None,
                  cluster_rows: Mapping[str, Mapping[ConsumerKey, ClusterConsumer]] | None = None,
-                 resolve_names: Callable[[str, str], Any] | None = None) -> None:
-        self.streams = streams  # node -> its current stream (Ingest.sessions)
+                 resolve_names: Callable[[str, str], Any] | None = None,
+                 replica: ReplicaCommands | None = None) -> None:
+        """replica: with collector replicas (collector/replica_commands.py), the nodes other replicas
+        serve take part through them, and this replica runs their sessions' parts on its own nodes."""
+        self.replica = replica
+        # node -> its current stream (Ingest.sessions), and with replicas the other replicas' nodes
+        self.streams: Mapping[str, Any] = ClusterStreams(streams, replica) if replica is not None else streams
         self.store = store
         self.limits = limits
         self.transport_for = transport_for or (lambda node: None)
@@ -78,6 +92,12 @@ class TraceBook:
         self.resolve_names = resolve_names  # the CRI resolver's cache (never blocks), for a pid scope
         self.commands = TraceCommands(self.limits.timing.command_timeout_s)
         self.answer = self.commands.answer  # a CommandResult from a stream: True when it was ours
+        # the parts of other replicas' sessions on this replica's nodes (collector/trace_guests.py)
+        self.guests: TraceGuests | None = None
+        if replica is not None:
+            self.guests = TraceGuests(streams, store, self.commands, replica, limits.timing.end_grace_s,
+                                      resolve_names)
+            replica.handle(PART, self.remote_part)
         self.sessions: dict[str, TraceSession] = {s.id: s for s in store.load()}
         self._live: dict[str, LiveSession] = {}
         self._running: dict[str, LiveSession] = {}
@@ -97,6 +117,9 @@ class TraceBook:
         """`in_namespace`: for a caller who is not admin, whether it may trace a namespace; the
         scope must then lie inside its namespaces (collector/trace_access.py confine)."""
         pid_containers: frozenset[str] = frozenset()
+        if self.replica is not None:
+            with contextlib.suppress(Exception):  # the store out of reach: who served whom a moment ago
+                await self.replica.refresh()
         try:
             duration_ms, max_records = validate(scope, duration_ms, max_records, self.limits)
             where, names = await targets(scope, self.streams, self.transport_for, self.nodes,
@@ -203,6 +226,8 @@ class TraceBook:
     def batch(self, stream: IngestSession, tb: trace_pb2.TraceBatch) -> None:
         live = self._live.get(tb.session)
         part = live.parts.get(stream.node) if live is not None else None
+        if live is None and self.guests is not None and self.guests.batch(stream, tb):
+            return  # a part of another replica's session
         if live is None or part is None:
             log.debug("node %s sent records of trace session %s, not running there", stream.node, tb.session)
             return
@@ -240,16 +265,52 @@ class TraceBook:
     def stream_ended(self, stream: IngestSession) -> None:
         """A tracer's stream ended: sessions running on it end as node lost, records kept."""
         self.commands.stream_ended(stream)
+        if self.guests is not None:
+            self.guests.stream_ended(stream)
         for live in list(self._running.values()):
             part = live.parts.get(stream.node)
             if part is None or part.stream is not stream or part.ended or not part.started:
                 continue
-            part.ended, part.end_reason = True, "node lost"
-            for other in live.parts.values():  # the session is over: nobody would see what they trace
-                if not other.ended and other.stream is not None and other.stream.active:
-                    self.commands.send(other.stream, trace_stop=trace_pb2.TraceStop(session=live.session.id))
-            detail = f"node {stream.node}'s tracer disconnected mid-session; records so far are kept"
-            self._end(live, TraceStatus.NODE_LOST, detail, "node-lost", f"node {stream.node}")
+            self._node_lost(live, part, stream.node)
+
+    def _node_lost(self, live: LiveSession, part: NodePart, node: str) -> None:
+        part.ended, part.end_reason = True, "node lost"
+        for other in live.parts.values():  # the session is over: nobody would see what they trace
+            if not other.ended and other.stream is not None and other.stream.active:
+                self.commands.send(other.stream, trace_stop=trace_pb2.TraceStop(session=live.session.id))
+        detail = f"node {node}'s tracer disconnected mid-session; records so far are kept"
+        self._end(live, TraceStatus.NODE_LOST, detail, "node-lost", f"node {node}")
+
+    async def remote_part(self, cmd: ReplicaCommand) -> bytes:
+        """A part's state from the replica running it (collector/trace_guests.py): its counters into
+        the session, its end as a last batch's (or a lost stream's)."""
+        m = cmd.meta
+        node, live = str(m.get("node", "")), self._running.get(str(m.get("session", "")))
+        part = live.parts.get(node) if live is not None else None
+        if (live is None or part is None or part.ended
+                or getattr(part.stream, "owner", None) != cmd.from_replica):
+            return b""  # ended, or the part's node moved since: not this replica's word any more
+        stored = max(0, int(m.get("stored", 0)) - part.stored)
+        kept_out = max(0, int(m.get("dropped_store", 0)) - part.dropped_store)
+        part.stored, part.dropped_store = part.stored + stored, part.dropped_store + kept_out
+        part.dropped_limit = max(part.dropped_limit, int(m.get("dropped_limit", 0)))
+        part.dropped_ringbuf = max(part.dropped_ringbuf, int(m.get("dropped_ringbuf", 0)))
+        part.dropped_transport = max(part.dropped_transport, int(m.get("dropped_transport", 0)))
+        s, parts = live.session, live.parts.values()
+        live.session = self.sessions[s.id] = replace(
+            s, records_total=s.records_total + stored, dropped_store_total=s.dropped_store_total + kept_out,
+            dropped_limit_total=sum(p.dropped_limit for p in parts),
+            dropped_ringbuf_total=sum(p.dropped_ringbuf for p in parts),
+            dropped_transport_total=sum(p.dropped_transport for p in parts))
+        self._dirty.add(s.id)
+        if m.get("ended"):
+            reason = str(m.get("end_reason") or "deadline")
+            if reason == "node lost" and part.started:
+                self._node_lost(live, part, node)
+            else:
+                part.ended, part.end_reason = True, reason
+                self._finish_if_done(live)
+        return b""
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -263,6 +324,8 @@ class TraceBook:
             self._task.cancel()
         if self.follow is not None:
             self.follow.close()
+        if self.guests is not None:
+            self.guests.shutdown()
         self._flush()
         for live in list(self._running.values()):
             for part in live.parts.values():
@@ -296,6 +359,8 @@ class TraceBook:
                 task = asyncio.get_running_loop().create_task(self._reresolve(live))
                 self._tasks.add(task)  # the loop keeps only a weak reference
                 task.add_done_callback(self._tasks.discard)
+        if self.guests is not None:
+            self.guests.tick()
         self._flush()
         if mono >= self._next_prune:
             self._next_prune = mono + RETENTION_CHECK_S
@@ -316,7 +381,8 @@ class TraceBook:
             session=s.id, container_ids=sorted(targets[n]), pid=s.scope.pid if n == s.scope.node else 0,
             pid_containers=sorted(pid_containers) if n == s.scope.node and s.scope.pid else (),
             gpu=s.scope.gpu, deadline_unix_ns=s.deadline_unix_ns, max_records=s.max_records) for n in todo]
-        answers = await asyncio.gather(*(self.commands.call(live.parts[n].stream, trace_start=start)
+        answers = await asyncio.gather(*(self.commands.call(live.parts[n].stream, self._names_for(live, n),
+                                                            trace_start=start)
                                          for n, start in zip(todo, starts, strict=True)))
         for node, error in zip(todo, answers, strict=True):
             if error:
@@ -328,6 +394,14 @@ class TraceBook:
             else:
                 live.parts[node].started = True
         return errors
+
+    def _names_for(self, live: LiveSession, node: str) -> dict[str, Any] | None:
+        """For a node another replica serves: the names of its containers in scope, which that
+        replica gives the node's records (collector/trace_guests.py)."""
+        part = live.parts[node]
+        if getattr(part.stream, "call_remote", None) is None:
+            return None
+        return {"names": {cid: list(live.names[cid]) for cid in part.container_ids if cid in live.names}}
 
     async def _reresolve(self, live: LiveSession) -> None:
         """The scope again: trace_update where a node's set changed, trace_start on new nodes."""
@@ -356,7 +430,8 @@ class TraceBook:
                 elif part is not None and not part.ended and part.container_ids != set(found):
                     part.container_ids = frozenset(found)
                     update = trace_pb2.TraceUpdate(session=s.id, container_ids=sorted(found))
-                    updates.append(self.commands.call(part.stream, trace_update=update))
+                    updates.append(self.commands.call(part.stream, self._names_for(live, node),
+                                                      trace_update=update))
             for error in await asyncio.gather(*updates):
                 if error:
                     log.warning("trace session %s: trace_update: %s", s.id, error)
