@@ -304,11 +304,16 @@ class Ingest:
 
     def _adopt(self, state: NodeView, taken: TakenLease) -> None:
         """The lease is this replica's: go on from what the store committed for the node. From another
-        replica's hands, its positions and open findings replace what this replica remembers of it."""
+        replica's hands, or from this replica id's previous process, its positions and open findings
+        replace what this replica remembers of it."""
         assert self.leases is not None
         self.leases.adopt(taken)
-        if taken.previous_owner in ("", self.leases.owner):
-            return  # this replica's own memory is the committed state (or newer than the rows)
+        if not taken.previous_owner:
+            return  # no replica applied the node before
+        if taken.previous_owner == self.leases.owner and state.position is not None:
+            return  # this process applied it last: its memory is the committed state (or newer)
+        # The same owner with no memory of the node: this replica id's process was started again (a
+        # container restarted in its pod keeps --replica-id=$(POD_NAME)), and knows only the rows.
         for pos in taken.positions:
             state.positions[pos.key] = pos
             self.durable[pos.key] = pos.delivered_seq
