@@ -382,9 +382,10 @@ class Ingest:
             self.traces.stream_ended(session)
         if self.sessions.get(session.node) is session:
             del self.sessions[session.node]
+            # The lease stays this replica's until another replica takes the node: the last replica that
+            # served a node is the one that exports it as disconnected (ghostgpu_tracer_connected 0,
+            # the GhostGPUTracerDisconnected alert), and no other does.
             session.state.end()
-            if self.leases is not None:  # a lease is held while its stream is applied here, no longer
-                self.leases.drop(session.node)
             log.info("node %s disconnected", session.node)
         who = session.who
         if who is not None:
