@@ -332,6 +332,23 @@ class AlertBook:
             self.unsent[target].pop(key, None)
             self.taken_by[target].pop(key, None)
 
+    def release(self, finding_ids: Iterable[int]) -> bool:
+        """Stop sending these findings' alerts, resolving nothing: another collector replica owns their
+        node now and sends the same label sets (Alertmanager keeps one alert per label set)."""
+        changed = False
+        for fid in finding_ids:
+            self.held.pop(fid, None)
+            st = self.findings.pop(fid, None)
+            if st is None:
+                continue
+            for key in st.fired:
+                alert = self.alerts.get(key)
+                if alert is not None and alert.owner == fid:
+                    self.resolved.pop(key, None)
+                    self._forget(key)
+                    changed = True
+        return changed
+
     def _first_resolved_mono(self) -> float:
         return next(iter(self.resolved.values()))
 

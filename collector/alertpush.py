@@ -138,6 +138,7 @@ class AlertPusher:
         self._book.fault_hold_s = fault_hold_s
         self._inbox: dict[int, query_pb2.FindingEvent] = {}
         self._fault_inbox: dict[int, query_pb2.ClusterFault] = {}
+        self._released: set[int] = set()  # findings whose node moved to another replica (release_findings)
         self._inbox_lock = threading.Lock()  # held only to file or swap the inbox: push() never waits long
         self._inbox_dropped = 0
         self._lock = threading.Lock()  # the book and the counters below; never held across a POST
@@ -173,6 +174,18 @@ class AlertPusher:
                 t.wake.set()
         except Exception:  # a watcher must not break ingest; the next event carries the state again
             log.exception("alertpush: could not queue a finding event")
+
+    def release_findings(self, finding_ids: list[int]) -> None:
+        """These findings' node moved to another collector replica, which pushes their alerts from now
+        on: stop sending them, without resolving them (O(1) per id; ingest calls it)."""
+        if not finding_ids:
+            return
+        with self._inbox_lock:
+            for fid in finding_ids:
+                self._inbox.pop(fid, None)
+            self._released.update(finding_ids)
+        for t in self._targets:
+            t.wake.set()
 
     def offer_fault(self, fault: query_pb2.ClusterFault) -> None:
         """A new GPU fault, or new names for its pods: O(1), never blocks, never raises (ingest calls it)."""
@@ -225,7 +238,9 @@ class AlertPusher:
         with self._inbox_lock:
             events, self._inbox = self._inbox, {}
             faults, self._fault_inbox = self._fault_inbox, {}
-        changed = self._book.apply(events.values(), now_mono)
+            released, self._released = self._released, set()
+        changed = self._book.release(released) if released else False
+        changed |= self._book.apply(events.values(), now_mono)
         changed |= self._book.apply_faults(faults.values(), now_mono)
         if changed:
             for t in self._targets:

@@ -153,6 +153,7 @@ class ClusterTable:
         if store is not None and store.engine == "postgresql":
             self.announce = finding_announcer(store.replica_id)
         self.also_open: Callable[[], Iterable[FindingRec]] | None = None
+        self.on_forget: list[Callable[[list[int]], None]] = []  # finding ids of a node that moved away
         self._changes: list[tuple[str, int, int]] = []  # (node, id, kind) written since the last _flush
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
@@ -351,10 +352,14 @@ class ClusterTable:
         resolving them (the new owner adopts the open ones from the store)."""
         self.rows.pop(node, None)
         self.by_cid.pop(node, None)
+        released = []
         for rec in self.open.pop(node, {}).values():
             self._dirty.pop(rec.id, None)
+            released.append(rec.id)
         self._ops = [op for op in self._ops if op[1][1] != node]
         self._changes = [c for c in self._changes if c[0] != node]
+        for hook in self.on_forget:  # the Alertmanager pusher stops re-sending them (the owner does)
+            hook(released)
 
     def adopt_open(self, node: str, open_findings: Iterable[FindingRow]) -> None:
         """Take over `node`'s open findings as the store holds them (its previous owner's)."""
@@ -364,6 +369,14 @@ class ClusterTable:
             rec = FindingRec(row.id, row.node, cc.consumer.key, row.cls, row.opened_unix_ns, cc)
             opens[rec.key] = rec
         self.open[node] = opens
+        # The Alertmanager pusher (a local_only watcher) sends this replica's nodes' alerts: the adopted
+        # findings are this replica's to keep firing now. Other watchers heard of them from the
+        # replica that opened them (collector/findings_remote.py): not told twice.
+        for rec in opens.values():
+            event = query_pb2.FindingEvent(kind=query_pb2.FindingEvent.KIND_OPENED, finding=rec.to_proto())
+            for w in self.watchers:
+                if w.local_only and w.matches(rec):
+                    w.push(event)
 
     # ---- reads ---------------------------------------------------------------------------------
 

@@ -549,3 +549,30 @@ def test_a_fault_alert_is_forgotten_after_it_ended_and_was_taken(am: FakeAlertma
 def test_a_fault_hold_of_0_is_refused_naming_the_flag() -> None:
     with pytest.raises(ValueError, match=r"^--alert-fault-hold 0: must be above 0"):
         AlertPusher(["http://127.0.0.1:9093"], resend_s=60.0, fault_hold_s=0)
+
+
+def test_a_node_that_moves_to_another_replica_stops_being_pushed_here_and_is_pushed_by_its_new_owner(
+        am: FakeAlertmanager, table: FindingTable) -> None:
+    """Replicas: the old owner forgets the node's findings (no resolution sent) and stops re-sending
+    their alerts; the new owner adopts the open rows and fires the same label set."""
+    old = _pusher(table, [am.url], resend_s=0.1)
+    old.watcher.local_only = True
+    table.table.on_forget.append(old.release_findings)
+    new_table = FindingTable("n1")
+    new = _pusher(new_table, [am.url], resend_s=0.1)
+    new.watcher.local_only = True
+    try:
+        table.add(make_consumer("n1", 4242, container_id=CID_A))
+        am.wait("the old owner's alert", lambda: am.firing(pid="4242"))
+        rows = [rec.row() for rec in table.table.open_findings()]
+        table.table.forget_node("n1")
+        wait_until(lambda: not old._book.alerts, "the old owner to drop the alert", 5)
+        sent_before = len(am.ok_posts_with(pid="4242"))
+        new_table.table.adopt_open("n1", rows)  # the rows the store gives the new owner with the lease
+        am.wait("the new owner's re-send", lambda: len(am.ok_posts_with(pid="4242")) >= sent_before + 3)
+        assert not am.resolved(pid="4242")  # never resolved in the move
+        assert {a["labels"]["pid"] for p in am.ok_posts_with(pid="4242") for a in p.alerts} == {"4242"}
+        assert old.stats().pending == 0 and not old._book.findings
+    finally:
+        old.stop()
+        new.stop()
