@@ -106,13 +106,14 @@ class RemoteFindings:
         self._pending: list[_Pending] = []
         self._resync = False
         self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None  # set while nothing is pending or being read
         self._task: asyncio.Task[None] | None = None
         self._unsubscribe = notifier.subscribe(FINDINGS_CHANNEL, self._on_notice)
         cluster.also_open = self.open_findings
 
     def start(self) -> None:
         """On the loop: start the reader task."""
-        self._wake = asyncio.Event()
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
         if self._pending or self._resync:
             self._wake.set()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -139,14 +140,23 @@ class RemoteFindings:
                 log.warning("%s: %s; skipped (a collector of another version?)", FINDINGS_CHANNEL, e)
                 return
             self._pending.append(_Pending(notice.source == self.replica_id, notice.changes))
-        if self._wake is not None:
+        if self._wake is not None and self._idle is not None:
+            self._idle.clear()
             self._wake.set()
 
+    async def drained(self) -> None:
+        """Until every notice heard so far is delivered (tests, and a stop that wants them out)."""
+        assert self._idle is not None, "start() first"
+        await self._idle.wait()
+
     async def _run(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._idle is not None
         while True:
+            if not self._pending and not self._resync:
+                self._idle.set()
             await self._wake.wait()
             self._wake.clear()
+            self._idle.clear()
             try:
                 # What was heard first, then the resync's read: it sees every commit before it, and
                 # _event drops what the notices already told.
