@@ -109,7 +109,7 @@ def _traversable_by_others(path: Path) -> bool:
     return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     """PIDs whose parent is `pid` (the postmaster's backends and auxiliary processes)."""
     out = []
     for entry in os.listdir("/proc"):
@@ -321,7 +321,7 @@ class PostgresServer:
         if not self.is_running:
             return
         assert self.proc is not None
-        self._orphans = _children(self.proc.pid)
+        self._orphans = child_pids(self.proc.pid)
         self.proc.kill()
         self.proc.wait()
 
