@@ -178,6 +178,8 @@ def cluster(tmp_path: Path, own_postgres: PostgresServer) -> Iterator[tuple[str,
     finally:
         for r in made:
             r.stop()
+            # pytest shows a test's captured output only when it fails: each replica's last words then
+            print(f"---- {r.args[3]} ({r.address}) stderr:\n{r.stderr()}")
 
 
 def test_every_event_stored_once_through_a_replica_crash_a_database_restart_and_a_lease_steal(
