@@ -154,10 +154,15 @@ def _script(sql: str) -> Callable[[Conn], None]:
     return run
 
 
+# A trace session's home: the replica that runs its policy, deadline and end (collector/traces.py),
+# so that a replica starting up ends only the sessions it ran itself (collector/trace_store.py).
+_V3 = "ALTER TABLE trace_sessions ADD COLUMN home TEXT NOT NULL DEFAULT ''"
+
 # (version, what it does); versions start at 1 and run on with no gap.
 MIGRATIONS: dict[str, list[tuple[int, Callable[[Conn], None]]]] = {
-    "sqlite": [(1, _script(_SQLITE_V1)), (2, _script(_SQLITE_V2))],
-    "postgresql": [(1, _script(_PG_V1)), (2, lambda conn: None)],  # PostgreSQL began with v2's tables
+    "sqlite": [(1, _script(_SQLITE_V1)), (2, _script(_SQLITE_V2)), (3, _script(_V3))],
+    # PostgreSQL began with version 2's tables
+    "postgresql": [(1, _script(_PG_V1)), (2, lambda conn: None), (3, _script(_V3))],
 }
 SCHEMA_VERSION = max(v for v, _ in MIGRATIONS["sqlite"])
 assert max(v for v, _ in MIGRATIONS["postgresql"]) == SCHEMA_VERSION

@@ -229,6 +229,8 @@ class Store:
         self.commit_seconds: list[float] = []  # group commit times since stats() last took them
         self._id_next, self._id_end = 0, 0  # the finding id block in hand (next_finding_id)
         self._id_spare: Future[tuple[int, int]] | None = None
+        # Read now, before the writer thread owns the connection (a SQLite connection is one thread's).
+        self._sqlite_first_id = self.max_finding_id() + 1 if self.engine == "sqlite" else 0
         self._prune_retention()
         self._thread = threading.Thread(target=self._run, name="collector-store", daemon=True)
         self._thread.start()
@@ -272,7 +274,7 @@ class Store:
     def _take_id_block(self) -> Future[tuple[int, int]]:
         if self.engine == "sqlite":  # one writer: the ids after the highest stored are this collector's
             fut: Future[tuple[int, int]] = Future()
-            fut.set_result((self.max_finding_id() + 1, 1 << 62))
+            fut.set_result((self._sqlite_first_id, 1 << 62))
             return fut
 
         def take(conn: Any) -> tuple[int, int]:

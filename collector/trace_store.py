@@ -32,7 +32,8 @@ from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)
 
-_UPSERT_SESSION = upsert_sql("trace_sessions", ("id", "started_unix_ns", "ended_unix_ns", "session"), ("id",))
+_UPSERT_SESSION = upsert_sql("trace_sessions", ("id", "started_unix_ns", "ended_unix_ns", "session", "home"),
+                             ("id",))
 RESTARTED = "collector restarted while it ran; records so far are kept"
 RecordRow = tuple[str, int, bytes]  # node, codec, blob (a serialized TraceBatch)
 
@@ -95,20 +96,25 @@ class TraceStore:
         # (collector/trace_follow.py).
         self.announce: Callable[[str], CallOp] | None = (
             trace_announcer(store.replica_id) if store.engine == "postgresql" else None)
+        # The replica whose sessions these are ("" with SQLite: one collector runs them all).
+        self.home = store.replica_id if store.engine == "postgresql" else ""
 
     # ---- start-up ------------------------------------------------------------------------------
 
     def load(self) -> list[TraceSession]:
-        """The kept sessions (blocking: call before serving). A session still running in the table
-        ran when this collector stopped: nobody received its end, so it ends now as node lost,
-        with an audit row, and its records are kept."""
+        """The kept sessions (blocking: call before serving). A session of this collector's still
+        running in the table ran when it stopped: nobody received its end, so it ends now as node
+        lost, with an audit row, and its records are kept. Another replica's running session is its
+        home's to end: not loaded (WatchTrace and `trace show` read it from the store)."""
         rows, counts = self.store.read(_load).result()
         self.counts = counts
         self.total = sum(counts.values())
         now = time.time_ns()
         out = []
-        for blob in rows:
+        for blob, home in rows:
             s = session_from_proto(trace_pb2.TraceSession.FromString(blob))
+            if not s.status.ended and home not in ("", self.home):
+                continue
             if not s.status.ended:
                 s = s.ended(TraceStatus.NODE_LOST, RESTARTED, now)
                 self.save(s)
@@ -119,7 +125,7 @@ class TraceStore:
     # ---- writes --------------------------------------------------------------------------------
 
     def save(self, s: TraceSession) -> None:
-        row = (s.id, s.started_unix_ns, s.ended_unix_ns, session_to_proto(s).SerializeToString())
+        row = (s.id, s.started_unix_ns, s.ended_unix_ns, session_to_proto(s).SerializeToString(), self.home)
 
         def run(conn: Conn) -> None:
             conn.execute(_UPSERT_SESSION, row)
@@ -211,10 +217,11 @@ class TraceStore:
         return self.store.read(select_audit(session, since_unix_ns, limit))
 
 
-def _load(conn: Conn) -> tuple[list[bytes], dict[str, int]]:
+def _load(conn: Conn) -> tuple[list[tuple[bytes, str]], dict[str, int]]:
     # Records whose session row is gone (none should be: both go in one transaction) would hold
     # room in the total bound for nobody: drop them.
     conn.execute("DELETE FROM trace_records WHERE session NOT IN (SELECT id FROM trace_sessions)")
-    rows = [r[0] for r in conn.execute("SELECT session FROM trace_sessions ORDER BY started_unix_ns")]
+    rows = [(r[0], r[1]) for r in conn.execute("SELECT session, home FROM trace_sessions "
+                                               "ORDER BY started_unix_ns")]
     counts = dict(conn.execute("SELECT session, SUM(count) FROM trace_records GROUP BY session").fetchall())
     return rows, counts
