@@ -34,7 +34,8 @@ while that token still holds the node's lease (collector/leases.py): checked in 
 transaction, under a share lock on the lease row, so a replica that lost a node can never write it.
 
 The `audit` table holds the security audit trail (collector/audit.py writes it through `op_audit`
-beside its JSON lines file, and reads it): append-only, never pruned.
+beside its JSON lines file, and reads it; with PostgreSQL through `op_call`, each record built on the
+chain's head inside the write transaction, so replicas append to one chain): append-only, never pruned.
 """
 
 from __future__ import annotations
