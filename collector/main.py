@@ -37,7 +37,7 @@ from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.leases import Leases
 from ghostgpu.collector.node_state import NodeStateWriter
 from ghostgpu.collector.nodes import NodeView
-from ghostgpu.collector.notify import Notifications, notifier_for
+from ghostgpu.collector.notify import Notifications, Notifier, notifier_for
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
 from ghostgpu.collector.replica_commands import ReplicaCommands
@@ -273,7 +273,9 @@ class Collector:
             cri_stats=getattr(self.resolver, "stats", None),
             push_stats=self.pusher.stats if self.pusher is not None else None,
             audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series,
-            faults=self.faults, store=self.store, leases=self.leases)
+            faults=self.faults, store=self.store, leases=self.leases,
+            notifier=self.notifier if isinstance(self.notifier, Notifier) else None,  # PostgreSQL's
+            replica=self.replica.stats if self.replica is not None else None)
         # /healthz and /readyz beside /metrics (collector/health.py), open to kubelet's probes
         self.health = CollectorHealth(self.store, loop=lambda: self.loop, serving=self._serving,
                                       leases=self.leases)

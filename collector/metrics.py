@@ -14,8 +14,9 @@ appended to the page. Scrapes are serialized by a lock: the cache is theirs alon
 
 With collector replicas sharing a PostgreSQL store (docs/REPLICAS.md) each replica writes the per-node
 series of the nodes whose lease it holds only (Leases.held, read on the loop), so Prometheus, which
-scrapes every replica, never counts a node twice; the store's own families (ghostgpu_store_*) and the
-leases' (ghostgpu_collector_*) come from the objects handed in, read at scrape time.
+scrapes every replica, never counts a node twice; the store's own families (ghostgpu_store_*), the
+leases', the listener's (collector/notify.py) and the replica commands' (collector/replica_commands.py)
+(ghostgpu_collector_*) come from the objects handed in, read at scrape time.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ghostgpu.collector.metrics_render import (
     ALERTMANAGER_METRICS,
     COLLECTOR_METRICS,
     REPLICA_METRICS,
+    SHARED_STORE_METRICS,
     STORE_METRICS,
     NodeConsumers,
     NodeStatus,
@@ -63,8 +65,8 @@ from ghostgpu.v1 import stream_pb2
 if TYPE_CHECKING:
     from ghostgpu.collector.alertpush import AlertPushStats  # imported only with --alertmanager
 
-__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "REPLICA_METRICS", "STORE_METRICS",
-           "CollectorMetrics"]
+__all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "REPLICA_METRICS", "SHARED_STORE_METRICS",
+           "STORE_METRICS", "CollectorMetrics"]
 
 T = TypeVar("T")
 # Group commits: ~1 ms on a local SQLite file, a network round trip or more on PostgreSQL; seconds
@@ -105,6 +107,23 @@ class LeaseStats(Protocol):
     def held(self) -> Mapping[str, int]: ...  # node -> token; read on the collector's loop
 
 
+class NotifierStats(Protocol):
+    """What /metrics reads of this replica's listener (collector/notify.py's Notifier)."""
+
+    notifications_by_channel: dict[str, int]  # written by the listener thread; copied here
+    reconnects_total: int
+    down_since: float | None  # time.monotonic() the listener lost its connection
+
+    @property
+    def listening(self) -> bool: ...
+
+
+class ReplicaCommandStats(Protocol):
+    """What /metrics reads of the replica commands (collector/replica_commands.py's ReplicaCommands.stats)."""
+
+    counts: dict[tuple[str, str, str], int]  # (role, kind, result); written on the loop, copied here
+
+
 class RunOnLoop(Protocol):
     """Runs `fn` where the collector's tables live (Collector.call: on its loop) and returns its result."""
 
@@ -140,12 +159,14 @@ class CollectorMetrics:
                  audit_head: Callable[[], tuple[int, int]] | None = None,
                  max_process_series: int, faults: FaultBook | None = None,
                  store: StoreStats | None = None, leases: LeaseStats | None = None,
+                 notifier: NotifierStats | None = None, replica: ReplicaCommandStats | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head;
         max_process_series: CollectorConfig.metrics_max_process_series (checked there); faults: the GPU
         faults' book (collector/faults.py), for ghostgpu_xid_errors_total; store: the Store, for
         ghostgpu_store_*; leases: this replica's Leases, for ghostgpu_collector_* and, with a
-        PostgreSQL store, to write per-node series for the nodes this replica holds only."""
+        PostgreSQL store, to write per-node series for the nodes this replica holds only; notifier and
+        replica (PostgreSQL only): the listener and ReplicaCommands.stats, for ghostgpu_collector_*."""
         self.nodes, self.cluster = nodes, cluster
         self.call = call
         self.cri_stats, self.push_stats = cri_stats, push_stats
@@ -154,6 +175,7 @@ class CollectorMetrics:
         self.faults = faults
         self.faults_dropped = 0
         self.store, self.leases, self.clock = store, leases, clock
+        self.notifier, self.replica = notifier, replica
         # Only with a shared store: one SQLite collector writes every node it knows, as before.
         self.owned_only = leases is not None and store is not None and store.engine == "postgresql"
         self.owned_nodes: int | None = None
@@ -350,6 +372,14 @@ class _GlobalCollector:
             yield GaugeMetricFamily(name, _help(name), value=m.owned_nodes or 0)
             name = "ghostgpu_collector_lease_takeovers_total"
             yield CounterMetricFamily(name, _help(name), value=m.leases.steals_total)
+        if m.notifier is not None:
+            yield from _listener(m, m.notifier)
+        if m.replica is not None:
+            name = "ghostgpu_collector_replica_commands_total"
+            commands = CounterMetricFamily(name, _help(name), labels=["role", "kind", "result"])
+            for (role, kind, result), n in sorted(dict(m.replica.counts).items()):
+                commands.add_metric([role, kind, result], n)
+            yield commands
         if m.push_stats is not None:
             yield from _alertmanager(m.push_stats())
 
@@ -375,6 +405,23 @@ def _store(m: CollectorMetrics, store: StoreStats) -> Iterator[Metric]:
         buckets.append((le, cumulative))
     name = "ghostgpu_store_commit_seconds"
     yield HistogramMetricFamily(name, _help(name), buckets=buckets, sum_value=m.commit_sum_s)
+
+
+def _listener(m: CollectorMetrics, notifier: NotifierStats) -> Iterator[Metric]:
+    """ghostgpu_collector_notif*: the LISTEN connection's notifications and reach."""
+    name = "ghostgpu_collector_notifications_total"
+    received = CounterMetricFamily(name, _help(name), labels=["channel"])
+    for channel, n in sorted(dict(notifier.notifications_by_channel).items()):
+        received.add_metric([channel], n)
+    yield received
+    name = "ghostgpu_collector_notify_reconnects_total"
+    yield CounterMetricFamily(name, _help(name), value=notifier.reconnects_total)
+    name = "ghostgpu_collector_notify_up"
+    yield GaugeMetricFamily(name, _help(name), value=int(notifier.listening))
+    down_since = notifier.down_since
+    down_s = max(0.0, m.clock() - down_since) if down_since is not None else 0.0
+    name = "ghostgpu_collector_notify_down_seconds"
+    yield GaugeMetricFamily(name, _help(name), value=down_s)
 
 
 def _alertmanager(st: AlertPushStats) -> Iterator[Metric]:

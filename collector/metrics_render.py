@@ -109,6 +109,20 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
         "whose per-node series it writes"),
     "ghostgpu_collector_lease_takeovers_total": (
         "counter", "Node leases this replica took from another replica (a tracer moved here)"),
+    "ghostgpu_collector_notifications_total": (
+        "counter", "PostgreSQL notifications this replica's listener received, by channel (the replicas' "
+        "own included)"),
+    "ghostgpu_collector_notify_reconnects_total": (
+        "counter", "Times this replica's listener connected again after losing its connection (what was "
+        "notified meanwhile is read again)"),
+    "ghostgpu_collector_notify_up": (
+        "gauge", "1 while this replica's listener is connected and listening for the other replicas' "
+        "changes"),
+    "ghostgpu_collector_notify_down_seconds": (
+        "gauge", "How long this replica's listener has been without its connection (0 while listening)"),
+    "ghostgpu_collector_replica_commands_total": (
+        "counter", "Commands between replicas (trace and CRI commands for a node another replica serves, "
+        "trace parts' reports, stops for a session's home), by role (sent, run), kind and result"),
     "ghostgpu_alertmanager_posts_total": (
         "counter", "POSTs to Alertmanager, by result (only with --alertmanager)"),
     "ghostgpu_alertmanager_alerts_sent_total": ("counter", "Alerts Alertmanager accepted"),
@@ -118,7 +132,10 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
 }
 ALERTMANAGER_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_alertmanager_"))
 STORE_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_store_"))  # with a store
-REPLICA_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_collector_"))  # leases
+REPLICA_METRICS = frozenset(n for n in COLLECTOR_METRICS if n.startswith("ghostgpu_collector_"))  # replicas
+# Of those, the ones only a replica on a shared PostgreSQL store has: its listener and replica commands.
+SHARED_STORE_METRICS = frozenset(n for n in REPLICA_METRICS if n.startswith(("ghostgpu_collector_notif",
+                                                                            "ghostgpu_collector_replica_")))
 
 # Page order of the per-node families; a node's chunk holds one string per family, in this order.
 CONSUMERS, INFO, MEMORY, AGGREGATE_MEMORY, ALLOCATED = range(5)

@@ -142,6 +142,9 @@ class Notifier:
         self._listening = threading.Event()
         self.down_since: float | None = None  # monotonic time the listener lost its connection
         self.notifications_total = 0
+        # by channel, for /metrics (collector/metrics.py): written by the listener thread only; a
+        # scrape copies it (dict(), one C-level copy under the GIL)
+        self.notifications_by_channel: dict[str, int] = dict.fromkeys(CHANNELS, 0)
         self.reconnects_total = 0
 
     # ---- the API ---------------------------------------------------------------------------------
@@ -231,6 +234,8 @@ class Notifier:
             # psycopg 3.2+: yields each notification as it arrives, returns after wait_s without one
             for n in raw.notifies(timeout=self.wait_s):
                 self.notifications_total += 1
+                by_channel = self.notifications_by_channel
+                by_channel[n.channel] = by_channel.get(n.channel, 0) + 1
                 self._post(n.channel, n.payload)
             if new := self._channels() - listened:
                 listened |= self._listen(raw, new)

@@ -16,7 +16,11 @@ holding the node's lease runs it, once), runs it on the tracer's stream (the han
 its kind), writes the result into the row and `NOTIFY ghostgpu_commands 'a ID A'`. A wakes on that
 notice and reads the row; it also polls the row with a growing back-off, so a notice lost (the
 listener reconnecting) costs a poll's delay, not the command. B sweeps for open rows of its nodes
-every `sweep_s` for the same reason. The node's tracer still enforces its own limits.
+every `sweep_s` for the same reason. The node's tracer still enforces its own limits. A sender may
+ask for its row to be claimed within `claim_s` (a stop for a session's home, collector/trace_homes.py):
+a replica that is there claims within a sweep, so an unclaimed row means it is gone, and the sender
+gives up then rather than at the deadline. `stats` counts the commands sent and run, by kind and
+result, for /metrics (ghostgpu_collector_replica_commands_total).
 
 A row's state is its answered_unix_ns: 0 open; negative claimed (minus the claim's time, `result`
 naming the claiming replica); positive answered (`result` the answer). A sender whose deadline
@@ -72,11 +76,12 @@ ANY_TOKEN = -1  # claim a row of a node whose lease this replica holds, whatever
 
 class ReplicaCommandError(Exception):
     """A command that got no answer from the node's replica: one line with the trace commands'
-    prefix (collector/trace_commands.py): "timeout: ..." or "gone: ..."."""
+    prefix (collector/trace_commands.py): "timeout: ..." or "gone: ...". `answered`: False when
+    the replica answered with this error line, None when no answer came (or none was handed over)."""
 
-    def __init__(self, line: str, *, timeout: bool = False) -> None:
+    def __init__(self, line: str, *, timeout: bool = False, answered: bool | None = False) -> None:
         super().__init__(line)
-        self.line, self.timeout = line, timeout
+        self.line, self.timeout, self.answered = line, timeout, answered
 
 
 @dataclass(frozen=True)
@@ -227,11 +232,17 @@ def read_answer(conn: Conn, cid: int) -> bytes | None:
     return bytes(row[1]) if row is not None and row[0] > 0 else None
 
 
+def give_up_open(conn: Conn, cid: int, line: str, now_unix_ns: int) -> bool:
+    """Answer a row still open (claimed by nobody) with `line`, so that it never runs; whether it was."""
+    done = conn.execute("UPDATE replica_commands SET answered_unix_ns = ?, result = ? WHERE id = ? "
+                        "AND answered_unix_ns = 0", (now_unix_ns, encode_result(error=line), cid))
+    return bool(done.rowcount == 1)
+
+
 def give_up(conn: Conn, cid: int, line: str, now_unix_ns: int) -> bytes | None:
     """The sender's deadline passed: an open row is answered with `line` (never to run); the answer of
     one answered meanwhile; None for one still running (claimed)."""
-    if conn.execute("UPDATE replica_commands SET answered_unix_ns = ?, result = ? WHERE id = ? "
-                    "AND answered_unix_ns = 0", (now_unix_ns, encode_result(error=line), cid)).rowcount == 1:
+    if give_up_open(conn, cid, line, now_unix_ns):
         return None
     return read_answer(conn, cid)
 
@@ -308,12 +319,39 @@ class ClusterStreams(Mapping[str, Any]):
 # ---- the replica's side ------------------------------------------------------------------------------
 
 
+SENT, RUN = "sent", "run"  # a count's role: handed to another replica, or claimed and run here
+# A count's result. Sent: answered with a payload (ok) or an error line (error, a hand-over that failed
+# included), no answer in time (timeout), nobody waits for one (posted). Run: the answer written.
+RESULTS = {SENT: ("ok", "error", "timeout", "posted"), RUN: ("ok", "error")}
+OTHER_KIND = "other"  # a row of a kind this replica runs no handler for (a mixed rollout)
+
+
 @dataclass
 class _Stats:
-    sent_total: int = 0  # commands this replica handed to another
-    run_total: int = 0  # rows this replica claimed and ran
-    timeouts_total: int = 0  # sent commands nobody answered in time
-    kinds: dict[str, int] = field(default_factory=dict)
+    """Commands by (role, kind, result), for /metrics (collector/metrics.py). Kinds are this
+    version's handlers' (a row of any other counts as OTHER_KIND), so the label set stays bounded.
+    Written on the loop; a scrape copies the dict (one C-level copy under the GIL)."""
+
+    counts: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+    def add(self, role: str, kind: str, result: str) -> None:
+        key = (role, kind, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def total(self, role: str, result: str | None = None) -> int:
+        return sum(n for (r, _, res), n in self.counts.items() if r == role and result in (None, res))
+
+    @property
+    def sent_total(self) -> int:
+        return self.total(SENT)
+
+    @property
+    def run_total(self) -> int:
+        return self.total(RUN)
+
+    @property
+    def timeouts_total(self) -> int:
+        return self.total(SENT, "timeout")
 
 
 class ReplicaCommands:
@@ -416,35 +454,55 @@ class ReplicaCommands:
     # ---- the sender's side ---------------------------------------------------------------------------
 
     async def send(self, node: str, kind: str, payload: bytes, deadline_s: float,
-                   meta: Mapping[str, Any] | None = None) -> bytes:
-        """Have the replica serving `node` run a command; its answer's payload within `deadline_s`,
-        else ReplicaCommandError ("timeout: ..." or "gone: ...")."""
+                   meta: Mapping[str, Any] | None = None, *, claim_s: float | None = None) -> bytes:
+        """Have the replica serving `node` (or "@REPLICA") run a command; its answer's payload within
+        `deadline_s`, else ReplicaCommandError ("timeout: ..." or "gone: ..."). With `claim_s`, a
+        row still unclaimed after claim_s is given up at once: a replica that is there claims a row
+        within a sweep, so its replica is gone (or cut off from the store)."""
+        try:
+            result = await self._send(node, kind, payload, deadline_s, meta, claim_s)
+        except ReplicaCommandError as e:
+            self.stats.add(SENT, kind, "timeout" if e.answered is None else "error")
+            raise
+        self.stats.add(SENT, kind, "ok")
+        return result
+
+    async def _send(self, node: str, kind: str, payload: bytes, deadline_s: float,
+                    meta: Mapping[str, Any] | None, claim_s: float | None) -> bytes:
         deadline_mono = time.monotonic() + deadline_s
-        owner = self.owners.get(node, "serving it")
+        claim_by = deadline_mono if claim_s is None else time.monotonic() + claim_s
+        owner = node[1:] if node.startswith("@") else self.owners.get(node, "serving it")
+        what = kind if node.startswith("@") else f"{kind} for node {node}"
         cid = await self._insert(node, kind, payload, deadline_s, meta)
-        self.stats.sent_total += 1
         wake = self._waiting[cid] = asyncio.Event()
         delay = self.timing.first_poll_s if self.listening else self.timing.first_poll_s / 2
         max_delay = self.timing.max_poll_s if self.listening else self.timing.max_poll_s / 4
         try:
             while (remaining := deadline_mono - time.monotonic()) > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), min(delay, remaining))
+                    await asyncio.wait_for(wake.wait(), max(0.0, min(delay, remaining,
+                                                                     claim_by - time.monotonic())))
                 wake.clear()
                 delay = min(delay * 2, max_delay)
                 with contextlib.suppress(*_STORE_ERRORS):  # the store out of reach: poll again
                     result = await asyncio.wrap_future(self.store.read(partial(read_answer, cid=cid)))
                     if result is not None:
                         return decode_result(result)
-            line = (f"timeout: replica {owner} did not answer {kind} for node {node} within "
-                    f"{deadline_s:g} s")
+                if claim_by < deadline_mono and time.monotonic() >= claim_by:  # with claim_s: once
+                    claim_by = deadline_mono
+                    line = (f"timeout: replica {owner} did not take {what} within {claim_s:g} s "
+                            "(is it running?)")
+                    with contextlib.suppress(*_STORE_ERRORS):
+                        if await asyncio.wrap_future(self.store.read_write(
+                                partial(give_up_open, cid=cid, line=line, now_unix_ns=time.time_ns()))):
+                            raise ReplicaCommandError(line, timeout=True, answered=None)
+            line = f"timeout: replica {owner} did not answer {what} within {deadline_s:g} s"
             with contextlib.suppress(*_STORE_ERRORS):
                 result = await asyncio.wrap_future(self.store.read_write(
                     partial(give_up, cid=cid, line=line, now_unix_ns=time.time_ns())))
                 if result is not None:
                     return decode_result(result)
-            self.stats.timeouts_total += 1
-            raise ReplicaCommandError(line, timeout=True)
+            raise ReplicaCommandError(line, timeout=True, answered=None)
         finally:
             self._waiting.pop(cid, None)
 
@@ -455,7 +513,7 @@ class ReplicaCommands:
         fut = self.store.read_write(partial(insert_command, node=node, kind=kind, body=body,
                                             sender=self.replica_id, now_unix_ns=time.time_ns()))
         fut.add_done_callback(partial(_log_failure, f"{kind} for {node}"))
-        self.stats.sent_total += 1
+        self.stats.add(SENT, kind, "posted")
 
     async def _insert(self, node: str, kind: str, payload: bytes, deadline_s: float,
                       meta: Mapping[str, Any] | None) -> int:
@@ -466,8 +524,9 @@ class ReplicaCommands:
                 now_unix_ns=time.time_ns())))
         except Exception as e:  # the store out of reach, or failed for good
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ReplicaCommandError(f"gone: cannot hand {kind} for node {node} to the replica serving it "
-                                      f"({first})") from None
+            to = (f"to replica {node[1:]}" if node.startswith("@")
+                  else f"for node {node} to the replica serving it")
+            raise ReplicaCommandError(f"gone: cannot hand {kind} {to} ({first})") from None
 
     def _cri_call(self, node: str, method: str, request: bytes, timeout_s: float) -> bytes:
         """One CRI call through the node's replica (blocking: a worker thread's)."""
@@ -573,10 +632,10 @@ class ReplicaCommands:
     async def _run(self, cmd: ReplicaCommand) -> None:
         """Run a claimed row and write its answer."""
         self._running.add(cmd.id)
-        self.stats.run_total += 1
-        self.stats.kinds[cmd.kind] = self.stats.kinds.get(cmd.kind, 0) + 1
         try:
             result = await self._result(cmd)
+            self.stats.add(RUN, cmd.kind if cmd.kind in self._handlers else OTHER_KIND,
+                           "ok" if result[:1] == bytes([OK]) else "error")
             await asyncio.wrap_future(self.store.read_write(partial(
                 answer, cid=cmd.id, sender=cmd.from_replica, result=result, now_unix_ns=time.time_ns())))
         finally:

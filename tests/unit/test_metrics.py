@@ -102,6 +102,16 @@ class FakeLeases:
         self.held, self.steals_total = held, steals_total
 
 
+class FakeNotifier:
+    """collector/notify.py's Notifier as /metrics reads it."""
+
+    def __init__(self) -> None:
+        self.notifications_by_channel = {"ghostgpu_commands": 0, "ghostgpu_findings": 0, "ghostgpu_trace": 0}
+        self.reconnects_total = 0
+        self.down_since: float | None = None
+        self.listening = True
+
+
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Sample name -> [(labels, value)], through prometheus_client's own parser."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -175,7 +185,8 @@ def test_page_parses_and_every_family_is_declared() -> None:
     m = w.metrics(cri_stats=lambda: CriStats(calls_total=3, call_seconds_total=0.02,
                                              call_latency_bucket_counts=(1,) * 3 + (3,) * 9),
                   audit_head=lambda: (41, 3),  # the audit chain's head: a witness outside the collector
-                  store=FakeStore(), leases=FakeLeases({"n1": 1, "n2": 4, "n3": 2}))
+                  store=FakeStore(), leases=FakeLeases({"n1": 1, "n2": 4, "n3": 2}),
+                  notifier=FakeNotifier(), replica=SimpleNamespace(counts={("sent", "cri", "ok"): 1}))
     text = m.page().decode()
     assert text.endswith("\n")
     got_audit = samples(text)
@@ -532,6 +543,38 @@ def test_store_families_say_the_engine_its_reach_and_each_commit_once() -> None:
     assert got["ghostgpu_store_up"] == [({}, 0)] and got["ghostgpu_store_down_seconds"] == [({}, 12.5)]
     store.db_down_since, store.failed = None, RuntimeError("--db /c.db: write failed")
     assert samples(m.page().decode())["ghostgpu_store_up"] == [({}, 0)]  # failed for good: down too
+
+
+def test_the_listener_and_the_replica_commands_are_counted() -> None:
+    w = busy_world()
+    notifier, now = FakeNotifier(), [500.0]
+    replica = SimpleNamespace(counts={("sent", "trace_start", "ok"): 3, ("sent", "cri", "timeout"): 1,
+                                      ("run", "trace_part", "ok"): 7, ("run", "other", "error"): 1})
+    m = w.metrics(store=FakeStore("postgresql"), leases=FakeLeases({}), notifier=notifier, replica=replica,
+                  clock=lambda: now[0])
+    notifier.notifications_by_channel["ghostgpu_findings"] = 12
+    got = samples(m.page().decode())
+    assert sorted((s["channel"], v) for s, v in got["ghostgpu_collector_notifications_total"]) == [
+        ("ghostgpu_commands", 0), ("ghostgpu_findings", 12), ("ghostgpu_trace", 0)]
+    assert got["ghostgpu_collector_notify_up"] == [({}, 1)]
+    assert got["ghostgpu_collector_notify_down_seconds"] == [({}, 0)]
+    assert got["ghostgpu_collector_notify_reconnects_total"] == [({}, 0)]
+    assert sorted((s["role"], s["kind"], s["result"], v)
+                  for s, v in got["ghostgpu_collector_replica_commands_total"]) == [
+        ("run", "other", "error", 1), ("run", "trace_part", "ok", 7), ("sent", "cri", "timeout", 1),
+        ("sent", "trace_start", "ok", 3)]
+
+    notifier.listening, notifier.down_since = False, now[0] - 4.0  # the listener lost its connection
+    got = samples(m.page().decode())
+    assert got["ghostgpu_collector_notify_up"] == [({}, 0)]
+    assert got["ghostgpu_collector_notify_down_seconds"] == [({}, 4.0)]
+    notifier.listening, notifier.down_since, notifier.reconnects_total = True, None, 1  # back
+    got = samples(m.page().decode())
+    assert (got["ghostgpu_collector_notify_up"], got["ghostgpu_collector_notify_reconnects_total"]) == (
+        [({}, 1)], [({}, 1)])
+    # SQLite: no listener, no replica commands, none of their families
+    text = w.metrics(store=FakeStore("sqlite"), leases=FakeLeases({})).page().decode()
+    assert "ghostgpu_collector_notif" not in text and "ghostgpu_collector_replica_commands" not in text
 
 
 def test_a_replica_writes_the_series_of_the_nodes_it_holds_only() -> None:

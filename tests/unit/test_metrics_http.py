@@ -18,7 +18,7 @@ import pytest
 from ghostgpu.collector.cluster import Watcher
 from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
-from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS
+from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, SHARED_STORE_METRICS
 
 from ghostgpu.common.model.consumers import ConsumerClass, K8sInfo
 from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpListenError
@@ -130,7 +130,8 @@ def test_a_planted_consumer_shows_on_a_real_scrape(collector: Collector) -> None
         (heartbeat,) = got["ghostgpu_tracer_last_heartbeat_timestamp_seconds"]
         assert heartbeat[1] > 1.7e9
         with_samples = {n for n in COLLECTOR_METRICS if any(s == n or s.startswith(n + "_") for s in got)}
-        assert with_samples == set(COLLECTOR_METRICS) - ALERTMANAGER_METRICS  # each family has data here
+        # each family has data here, but a shared store's (this collector is on SQLite)
+        assert with_samples == set(COLLECTOR_METRICS) - ALERTMANAGER_METRICS - SHARED_STORE_METRICS
         assert {n for n in typed_families(text) if n.startswith("ghostgpu_")} == with_samples
     wait_until(lambda: samples(scrape(collector)[0])["ghostgpu_tracer_connected"][0][1] == 0,
                "the stream's end on /metrics")
@@ -178,7 +179,7 @@ def test_the_pusher_is_built_registered_started_stopped_and_counted(tmp_path: Pa
         assert got["ghostgpu_alertmanager_pending_alerts"] == [({}, 1)]
         assert got["ghostgpu_alertmanager_last_success_timestamp_seconds"] == [({}, 1.7e9)]
         families = {n for n in typed_families(scrape(c)[0]) if n.startswith("ghostgpu_")}
-        assert families == set(COLLECTOR_METRICS)
+        assert families == set(COLLECTOR_METRICS) - SHARED_STORE_METRICS  # on SQLite
     assert pusher.calls == ["start", "stop"]
 
 
