@@ -307,7 +307,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         book = await self._book(context)
         who = current_principal()
         try:
-            session = book.get(request.id)
+            session = await book.find(request.id)  # on any replica: its home ends it
             await self._may_trace(context, "StopTrace", who, session.scope.namespace, 0.0)
             if (why := stop_refusal(who.subject, self._admin(who), session)) is not None:
                 await self._deny(context, "StopTrace", who, why, request.id)
@@ -333,7 +333,11 @@ class QueryService(query_pb2_grpc.QueryServicer):
         book = await self._book(context)
         who = current_principal()
         admin, in_namespace = self._admin(who), self._in_namespace(who)
-        readable = [s for s in book.list() if read_refusal(who.subject, admin, in_namespace, s) is None]
+        try:
+            sessions = await book.list_all()  # with replicas: every replica's
+        except TraceError as e:
+            await context.abort(e.code, e.line)
+        readable = [s for s in sessions if read_refusal(who.subject, admin, in_namespace, s) is None]
         return trace_pb2.ListTracesResponse(sessions=[session_to_proto(s) for s in readable])
 
     async def WatchTrace(self, request: trace_pb2.WatchTraceRequest,

@@ -50,6 +50,9 @@ class TraceTiming:
     command_timeout_s: float = 5.0  # for each trace_start/update/stop answer
     reresolve_s: float = 1.0  # a namespace scope takes in containers started since
     tick_s: float = 0.25
+    # With replicas: how often a replica looks for sessions whose home replica is gone
+    # (collector/trace_homes.py); a store read of the running sessions, so not every tick.
+    home_gone_check_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -87,15 +90,20 @@ def validate(scope: TraceScope, duration_ms: int, max_records: int, limits: Trac
     return duration_ms, max_records or limits.max_records
 
 
+def line_error(error: str) -> TraceError:
+    """An error line as the client gets it: the gRPC code by its prefix, the prefix dropped."""
+    line = error.strip()
+    for prefix, code in _CODES.items():
+        if line.startswith(prefix):
+            return TraceError(code, line[len(prefix):].strip())
+    return TraceError(grpc.StatusCode.FAILED_PRECONDITION, line)
+
+
 def node_error(node: str, error: str) -> TraceError:
     """A tracer's (or the command's) error line as the client gets it: code by prefix, node named."""
-    code, line = grpc.StatusCode.FAILED_PRECONDITION, error.strip()
-    for prefix, c in _CODES.items():
-        if line.startswith(prefix):
-            code, line = c, line[len(prefix):].strip()
-            break
-    named = f"node {node}" in line or f"on {node}" in line  # "tracer on gpu-3: ..." names it too
-    return TraceError(code, line if named else f"node {node}: {line}")
+    e = line_error(error)
+    named = f"node {node}" in e.line or f"on {node}" in e.line  # "tracer on gpu-3: ..." names it too
+    return e if named else TraceError(e.code, f"node {node}: {e.line}")
 
 
 class TraceCommands:

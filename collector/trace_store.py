@@ -32,8 +32,12 @@ from ghostgpu.v1 import trace_pb2
 
 log = logging.getLogger(__name__)
 
-_UPSERT_SESSION = upsert_sql("trace_sessions", ("id", "started_unix_ns", "ended_unix_ns", "session", "home"),
-                             ("id",))
+# A session's row is its home's to write. A replica that ended the session of a home that was gone
+# took the row over (home = itself: collector/trace_homes.py), and the old home, if it comes back,
+# leaves it alone. "" is SQLite's one collector, and rows written before schema 3 (anyone's).
+_UPSERT_SESSION = (upsert_sql("trace_sessions", ("id", "started_unix_ns", "ended_unix_ns", "session", "home"),
+                              ("id",))
+                   + " WHERE trace_sessions.home = excluded.home OR trace_sessions.home = ''")
 RESTARTED = "collector restarted while it ran; records so far are kept"
 RecordRow = tuple[str, int, bytes]  # node, codec, blob (a serialized TraceBatch)
 

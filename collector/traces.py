@@ -15,6 +15,9 @@ that replica (collector/replica_commands.py: its CRI calls and trace commands go
 `replica_commands`): the replica the user called stays the session's home (policy, audit, the
 trace_sessions row, the deadline, the end), the serving replica runs the node's part and stores its
 records (collector/trace_guests.py), telling the home the part's counters and end (`remote_part`).
+A stop may come to any replica: it is handed to the home, and a home that is gone has its sessions
+ended by another replica past their deadline; ListTraces lists every replica's sessions
+(collector/trace_homes.py).
 
 A tracer's error line becomes the client's gRPC error by its prefix (collector/trace_commands.py).
 Every start, stop, expiry, node loss, refusal and mid-session error is a trace_audit row (actions
@@ -35,11 +38,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from ghostgpu.collector.db import db_errors
 from ghostgpu.collector.replica_commands import ClusterStreams, ReplicaCommand
+from ghostgpu.collector.store import StoreError
 from ghostgpu.collector.trace_access import InNamespace, confine
 from ghostgpu.collector.trace_commands import TraceCommands, TraceLimits, node_error, validate
 from ghostgpu.collector.trace_follow import TraceFollow
 from ghostgpu.collector.trace_guests import PART, TraceGuests
+from ghostgpu.collector.trace_homes import TraceHomes
 from ghostgpu.collector.trace_scope import (
     Names,
     TraceError,
@@ -69,6 +75,7 @@ log = logging.getLogger(__name__)
 RETENTION_CHECK_S = 60.0
 STOPPED = "the collector stopped while it ran; records so far are kept"
 MAX_KEPT_SESSIONS = 10_000  # ended sessions in memory and in the table; the oldest go first
+_STORE_ERRORS: tuple[type[BaseException], ...] = (*db_errors(), StoreError)
 
 
 class TraceBook:
@@ -94,10 +101,13 @@ class TraceBook:
         self.answer = self.commands.answer  # a CommandResult from a stream: True when it was ours
         # the parts of other replicas' sessions on this replica's nodes (collector/trace_guests.py)
         self.guests: TraceGuests | None = None
+        # stops handed to a session's home, sessions of a home that is gone (collector/trace_homes.py)
+        self.homes: TraceHomes | None = None
         if replica is not None:
             self.guests = TraceGuests(streams, store, self.commands, replica, limits.timing.end_grace_s,
                                       resolve_names)
             replica.handle(PART, self.remote_part)
+            self.homes = TraceHomes(store, replica, limits.timing, self.stop_for_home)
         self.sessions: dict[str, TraceSession] = {s.id: s for s in store.load()}
         self._live: dict[str, LiveSession] = {}
         self._running: dict[str, LiveSession] = {}
@@ -105,6 +115,8 @@ class TraceBook:
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_prune = 0.0
+        self._next_home_check = 0.0
+        self._checking_homes = False
         # Replicas sharing a PostgreSQL store: WatchTrace is answered from the store, on any replica,
         # as the nodes' records may be stored by other replicas (collector/trace_follow.py); the
         # Collector sets it.
@@ -157,13 +169,32 @@ class TraceBook:
         return s
 
     async def stop(self, sid: str, who: str) -> TraceSession:
+        """Stop a session: here when this replica is its home, else handed to its home."""
+        if self.homes is not None and sid not in self.sessions:
+            stored = await self.homes.session(sid)
+            if stored is None:
+                return self.get(sid)  # NOT_FOUND
+            s, home = stored
+            if s.status.ended or home in ("", self.store.home):
+                return s  # ended already (or ended here at a restart): stopping it changes nothing
+            return await self.homes.stop(s, home, who)
+        return await self._stop(sid, who, audit=True)
+
+    async def stop_for_home(self, sid: str, who: str) -> TraceSession:
+        """Another replica's stop of a session whose home this replica is: it audited the stop."""
+        if sid not in self._running:
+            return self.get(sid)  # ended already, or NOT_FOUND
+        return await self._stop(sid, who, audit=False)
+
+    async def _stop(self, sid: str, who: str, audit: bool) -> TraceSession:
         s = self.get(sid)
         live = self._running.get(sid)
         if live is None:
             return s  # ended already: stopping it again changes nothing
         if not live.stopping_by:
             live.stopping_by = who
-            self.store.audit(sid, "stop", who, f"stopped by {who}")
+            if audit:
+                self.store.audit(sid, "stop", who, f"stopped by {who}")
             parts = {n: p for n, p in live.parts.items() if not p.ended}
             stop = trace_pb2.TraceStop(session=sid)
             answers = await asyncio.gather(*(self.commands.call(p.stream, trace_stop=stop)
@@ -194,8 +225,17 @@ class TraceBook:
         return s if s is not None else self.get(sid)
 
     def list(self) -> list[TraceSession]:
-        """Running and kept sessions, newest first."""
+        """Running and kept sessions of this collector, newest first."""
         return sorted(self.sessions.values(), key=lambda s: (s.started_unix_ns, s.id), reverse=True)
+
+    async def list_all(self) -> builtins.list[TraceSession]:
+        """list(), and with replicas every replica's sessions as stored (this replica's running ones
+        as it counts them now: fresher than their rows). TraceError UNAVAILABLE: store out of reach."""
+        if self.homes is None:
+            return self.list()
+        by_id = {s.id: s for s in await self.homes.sessions()}
+        by_id.update({sid: self.sessions[sid] for sid in self._running})
+        return sorted(by_id.values(), key=lambda s: (s.started_unix_ns, s.id), reverse=True)
 
     async def watch(self, sid: str, follow: bool) -> AsyncIterator[trace_pb2.TraceWatchMessage]:
         if self.follow is not None:  # replicas: the store has every node's records, whoever stored them
@@ -361,12 +401,31 @@ class TraceBook:
                 task.add_done_callback(self._tasks.discard)
         if self.guests is not None:
             self.guests.tick()
+        if self.homes is not None and mono >= self._next_home_check and not self._checking_homes:
+            self._next_home_check = mono + self.limits.timing.home_gone_check_s
+            self._checking_homes = True
+            task = asyncio.get_running_loop().create_task(self._end_orphans(self.homes))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         self._flush()
         if mono >= self._next_prune:
             self._next_prune = mono + RETENTION_CHECK_S
             ended = [(s.id, s.ended_unix_ns) for s in self.sessions.values() if s.status.ended]
             self._forget(self.store.expired(ended, now, MAX_KEPT_SESSIONS), "retention (--trace-retention-h)")
             self.store.prune_audit(now - int(self.store.store.retention_s * 1e9))
+
+    async def _end_orphans(self, homes: TraceHomes) -> None:
+        """The sessions of home replicas that are gone, ended; kept here from now on (this replica
+        took their rows over), so that its retention deletes them in time."""
+        try:
+            for s in await homes.end_orphans():
+                self.sessions[s.id] = s
+        except _STORE_ERRORS as e:  # the store out of reach (it says so): the next check tries again
+            log.debug("trace sessions: no look for sessions of home replicas that are gone: %s", e)
+        except Exception:
+            log.exception("trace sessions: looking for sessions of home replicas that are gone failed")
+        finally:
+            self._checking_homes = False
 
     # ---- inside ---------------------------------------------------------------------------------
 

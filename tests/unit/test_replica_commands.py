@@ -262,6 +262,47 @@ def test_a_command_for_a_node_another_replica_serves_runs_there(store: Store) ->
     _run(main)
 
 
+def test_a_row_nobody_claims_within_claim_s_is_given_up_and_every_command_is_counted(store: Store) -> None:
+    async def main() -> None:
+        a = ReplicaCommands(store, None, "a", {}, timing=FAST)
+        b = ReplicaCommands(store, None, "b", {}, timing=FAST)
+        release = asyncio.Event()
+
+        async def slow(cmd: ReplicaCommand) -> bytes:
+            await release.wait()
+            return b"late but sure"
+
+        b.handle("slow", slow)
+        a.start()
+        b.start()
+        try:
+            # nobody is replica "gone": the row is given up once claim_s passed, not at the deadline
+            with pytest.raises(ReplicaCommandError) as e:
+                await a.send("@gone", "slow", b"", 600.0, claim_s=0.1)
+            assert (e.value.timeout, e.value.answered) == (True, None)
+            assert e.value.line == "timeout: replica gone did not take slow within 0.1 s (is it running?)"
+            # b takes its row at once and runs it past claim_s: claimed, so its answer is waited for
+            started = time.monotonic()
+            sent = asyncio.ensure_future(a.send("@b", "slow", b"", 600.0, claim_s=0.1))
+            await until(lambda: bool(b._running) and time.monotonic() > started + 0.3,
+                        "b running the row, and claim_s past")
+            release.set()
+            assert await sent == b"late but sure"
+            with pytest.raises(ReplicaCommandError, match="replica b runs no nothing commands"):
+                await a.send("@b", "nothing", b"", 5.0)
+            a.post("@b", "slow")
+            await until(lambda: b.stats.total("run") == 3, "b running the message posted")
+        finally:
+            a.close()
+            b.close()
+        assert a.stats.counts == {("sent", "slow", "timeout"): 1, ("sent", "slow", "ok"): 1,
+                                  ("sent", "nothing", "error"): 1, ("sent", "slow", "posted"): 1}
+        assert b.stats.counts == {("run", "slow", "ok"): 2, ("run", "other", "error"): 1}
+        assert (a.stats.sent_total, a.stats.timeouts_total, b.stats.run_total) == (4, 1, 3)
+
+    _run(main)
+
+
 def test_a_cri_call_through_the_replica_serving_the_node(store: Store) -> None:
     calls: list[tuple[str, str, bytes, float]] = []
 
