@@ -11,13 +11,16 @@ Everything runs here, against a throwaway PostgreSQL 15 (tests/helpers/postgres.
   events table) must then hold every event once. The reference is PostgreSQL's own ceiling: a bare
   psycopg client doing the same deduplicating inserts at the same batch sizes, one transaction per
   batch (bench/bench_pg_driver.py's fastest method, per-event rows with the event key unique), and
-  the same bare client writing the store's own row shape (one row per batch slice).
+  the same bare client writing the store's own row shape (one row per batch, its bytes compressed as
+  the store does, the store's schema and exclusion constraint).
 - failover: 3 replicas, 6 tracers spread over them; SIGKILL the replica a tracer streams to, the
   tracer reconnects to the next address at once (what gRPC's pick_first does with a dead address) and
   sends on; the time from the SIGKILL to the first acknowledged batch of each moved node, over `--kills`
   kills (the killed replica restarts between kills). Goal: p99 <= 3 s.
-- memory: `--nodes` sim tracers (a 20-consumer snapshot each) spread over 3 replicas; each replica's
-  RSS over its idle RSS, per node it owns.
+- memory: `--nodes` sim tracers (a 20-consumer snapshot each, every consumer a hidden one: an open
+  finding) spread over 3 replicas; each replica's RSS over its idle RSS, per node it owns. Each
+  replica also holds the other replicas' open findings (collector/findings_remote.py, for its
+  include_open watchers), so this is more per node than one collector holding them all.
 Writes bench/results/replicas.json. Watch latency across replicas: bench/bench_watch_latency.py.
 """
 
@@ -183,6 +186,35 @@ def bare_client(pg: Any, batch: int, events: int) -> dict[str, Any]:
             "events_per_s": round(rows_n / wall_s)}
 
 
+def bare_store_shape(pg: Any, batch: int, events: int) -> dict[str, Any]:
+    """The same bare client writing the store's own row shape: one events row per batch (the batch's
+    bytes, zlib level 1 as the store stores them), the store's schema and its exclusion constraint,
+    INSERT ... ON CONFLICT DO NOTHING, one transaction per batch."""
+    import zlib
+
+    import psycopg
+    from ghostgpu.collector.db import PgConn
+    from ghostgpu.collector.migrations import migrate
+
+    from tests.helpers.sim_tracer import synthetic_batches
+
+    dsn = pg.create_database(f"bare_shape_{batch}")
+    nbatches = max(1, events // batch)
+    blobs = [zlib.compress(b, 1) for b in synthetic_batches("bare-node", min(nbatches, 50), batch)]
+    sql = ("INSERT INTO events (node, boot_id, instance_id, first_seq, last_seq, count, stored_unix_ns, "
+           "codec, blob) VALUES (%s, %s, %s, %s, %s, %s, %s, 1, %s) ON CONFLICT DO NOTHING")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(PgConn(conn), "postgresql", "bench")
+        start = time.perf_counter()
+        for k in range(nbatches):
+            with conn.transaction():
+                conn.execute(sql, (f"bare-node-{k % 30}", "boot", "inst", k * batch + 1, (k + 1) * batch,
+                                   batch, time.time_ns(), blobs[k % len(blobs)]))
+        wall_s = time.perf_counter() - start
+    return {"target": "bare-client-store-shape", "batch_events": batch, "events": nbatches * batch,
+            "wall_s": round(wall_s, 3), "events_per_s": round(nbatches * batch / wall_s)}
+
+
 # ---- failover ------------------------------------------------------------------------------------
 
 
@@ -302,19 +334,21 @@ def main() -> int:
             for batch in (int(x) for x in args.batch_events.split(",")):
                 total = args.tracers * args.events_per_tracer
                 runs.append(bare_client(pg, batch, total))
+                runs.append(bare_store_shape(pg, batch, total))
                 for kind in ("sqlite-1", "pg-1", "pg-3"):
                     r = ingest_run(kind, pg, tmp, args, batch)
                     runs.append(r)
                     print(f"{kind:8s} batch {batch:5d}: {r['events_per_s']} events/s", file=sys.stderr,
                           flush=True)
             for r in runs:
-                ref = next(x for x in runs
-                           if x["target"] == "bare-client" and x["batch_events"] == r["batch_events"])
-                r["ratio_vs_bare_client"] = (round(r["events_per_s"] / ref["events_per_s"], 3)
-                                             if r["events_per_s"] else None)
-            print_table(["target", "batch", "events/s", "vs bare client", "exactly once"],
+                for ref_name, key in (("bare-client", "ratio_vs_bare_client"),
+                                      ("bare-client-store-shape", "ratio_vs_bare_store_shape")):
+                    ref = next(x for x in runs
+                               if x["target"] == ref_name and x["batch_events"] == r["batch_events"])
+                    r[key] = round(r["events_per_s"] / ref["events_per_s"], 3) if r["events_per_s"] else None
+            print_table(["target", "batch", "events/s", "vs bare client", "vs its row shape", "exactly once"],
                         [[r["target"], r["batch_events"], r["events_per_s"], r["ratio_vs_bare_client"],
-                          r.get("exactly_once", "-")] for r in runs])
+                          r["ratio_vs_bare_store_shape"], r.get("exactly_once", "-")] for r in runs])
             data["ingest"] = runs
         if "failover" not in skip:
             data["failover"] = failover(pg, args.kills)
