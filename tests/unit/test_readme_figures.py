@@ -107,6 +107,32 @@ def ingest_goal(d: dict[str, Any]) -> str:
     return f"met at {' and '.join(met)}; missed at {' and '.join(missed)}"
 
 
+def replica_run(target: str, batch: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda d: next(r for r in d["ingest"] if r["target"] == target and r["batch_events"] == batch)
+
+
+def replica_pair(target: str, key: str, fmt: str = "{:,}") -> Callable[[dict[str, Any]], str]:
+    """`key` of bench_replicas' ingest runs of `target` at 2,000 and 200 events, as 'A / B'."""
+    return lambda d: " / ".join(fmt.format(replica_run(target, b)(d)[key]) for b in (2000, 200))
+
+
+def replicas_goal(d: dict[str, Any]) -> str:
+    goal = d["goal_ratio_vs_bare"]
+    met = [f"{b:,}" for b in (2000, 200) if replica_run("pg-3", b)(d)["ratio_vs_bare_client"] >= goal]
+    missed = [f"{b:,}" for b in (2000, 200) if f"{b:,}" not in met]
+    return (f"met at {' and '.join(met)}" if met else "") + ("; " if met and missed else "") + (
+        f"missed at {' and '.join(missed)}" if missed else "")
+
+
+def driver(method: str, batch: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda d: next(r for r in d["results"] if r["method"] == method and r["batch_rows"] == batch)
+
+
+def driver_best(name: str, batch: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda d: max((r for r in d["results"] if r["driver"] == name and r["batch_rows"] == batch),
+                         key=lambda r: r["rows_per_s_median"])
+
+
 SCRAPE_GOAL_CASES = ("warm", "cold", "warm_gzip", "cold_gzip")  # bench_metrics_scrape.py goal_cases
 
 
@@ -604,6 +630,67 @@ ROWS: dict[str, list[Figure]] = {
             "scrape.new_connection.plaintext.p50_ms", "scrape.new_connection.plaintext.p99_ms"),
         fig("keep-alive {:.2f}x, new connection {:.2f}x", "tls",
             *(f"scrape.{mode}.ratio_p50_tls_vs_plaintext" for mode in ("keep_alive", "new_connection"))),
+    ],
+    "collector replicas over PostgreSQL 15": [
+        fixed("PostgreSQL 15", "Debian 12's postgresql, which tests/helpers/postgres.py starts"),
+        fig("{} simulated tracers", "replicas", "tracers"),
+        fig("batches of {} events", "replicas",
+            lambda d: " / ".join(f"{r['batch_events']:,}" for r in d["ingest"] if r["target"] == "pg-3")),
+        fixed("| 3 replicas:", "bench_replicas.py's pg-3 target: three replicas (code)"),
+        fixed("| 3 replicas 4", "bench_replicas.py's pg-3 target: three replicas (code)"),
+        fig("3 replicas: {} events/s; 1 replica: {}; one collector on SQLite: {} |", "replicas",
+            replica_pair("pg-3", "events_per_s"), replica_pair("pg-1", "events_per_s"),
+            replica_pair("sqlite-1", "events_per_s")),
+        fig("a row per event: {} events/s", "replicas", replica_pair("bare-client", "events_per_s")),
+        fig("(a row per batch): {} |", "replicas", replica_pair("bare-client-store-shape", "events_per_s")),
+        fig("3 replicas {}x the bare client, {}x its row shape", "replicas",
+            replica_pair("pg-3", "ratio_vs_bare_client", "{:.2f}"),
+            replica_pair("pg-3", "ratio_vs_bare_store_shape", "{:.2f}")),
+        fig("≥ {}x the bare client ({})", "replicas", "goal_ratio_vs_bare", replicas_goal),
+    ],
+    "replica failover": [
+        fig("{} kills", "replicas", "failover.kills"),
+        fixed("6 tracers over 3 replicas", "bench_replicas.py failover(): six tracers, three replicas"),
+        fig("p50 {:.0f} ms, p99 {:.0f} ms ({} moves)", "replicas", lambda d: d["failover"]["p50_s"] * 1000,
+            lambda d: d["failover"]["p99_s"] * 1000, "failover.moved_nodes"),
+        fig("every event stored once | - | - | p99 ≤ {:g} s ({})", "replicas", "failover.goal_p99_s",
+            lambda d: "met" if d["failover"]["exactly_once"] and d["failover"]["p99_s"] <= d["failover"][
+                "goal_p99_s"] else "missed"),
+    ],
+    "a finding committed on one replica": [
+        fig("{} notifications a run", "watch_latency", "workload.notifications"),
+        fig("p50 {:.1f} ms, p99 {:.1f} ms; while the watching replica ingests {:,} events/s: p50 {:.1f} ms, "
+            "p99 {:.1f} ms", "watch_latency", "runs.0.stats_ms.commit_to_watcher.p50",
+            "runs.0.stats_ms.commit_to_watcher.p99", "runs.2.load_on_b.events_per_s_sent",
+            "runs.2.stats_ms.commit_to_watcher.p50", "runs.2.stats_ms.commit_to_watcher.p99"),
+        fig("p99 < {:g} ms ({})", "watch_latency", "budget_commit_to_watcher_p99_ms",
+            lambda d: "met" if d["met"] else "missed"),
+    ],
+    "collector memory with replicas": [
+        fig("{:,} simulated nodes", "replicas", "memory.nodes"),
+        fig("{} KiB per node per replica", "replicas",
+            lambda d: max(d["memory"]["kib_per_node_per_replica"])),
+        fixed("× 20 consumers", "bench_ingest.py's client processes send a 20-consumer snapshot (code)"),  # noqa: RUF001
+        fixed("over 3 replicas", "bench_replicas.py starts three replicas (code)"),
+        fig("all {:,} nodes: {:.0f} KiB per node", "collector_memory", "nodes", "collector.per_node_kib"),
+        fig("| {:.2f}x |", "replicas", lambda d: max(d["memory"]["kib_per_node_per_replica"])
+            / result("collector_memory")["collector"]["per_node_kib"]),
+    ],
+    "the store's PostgreSQL driver": [
+        fig("median of {} rounds", "pg_driver", "workload.rounds"),
+        fig("inserts of {:,} / {:,} events", "pg_driver", "workload.batch_rows.0", "workload.batch_rows.1"),
+        fig("psycopg 3's best method: {:,} / {:,} rows/s", "pg_driver",
+            lambda d: driver_best("psycopg", 2000)(d)["rows_per_s_median"],
+            lambda d: driver_best("psycopg", 200)(d)["rows_per_s_median"]),
+        fig("asyncpg's best: {:,} / {:,}", "pg_driver",
+            lambda d: driver_best("asyncpg", 2000)(d)["rows_per_s_median"],
+            lambda d: driver_best("asyncpg", 200)(d)["rows_per_s_median"]),
+        fig("no driver: {:,} / {:,} |", "pg_driver",
+            lambda d: driver("server-side (ceiling)", 2000)(d)["rows_per_s_median"],
+            lambda d: driver("server-side (ceiling)", 200)(d)["rows_per_s_median"]),
+        fig("psycopg {:.2f} / {:.2f} of the server's ceiling", "pg_driver",
+            lambda d: driver_best("psycopg", 2000)(d)["vs_ceiling"],
+            lambda d: driver_best("psycopg", 200)(d)["vs_ceiling"]),
     ],
 }
 
