@@ -280,6 +280,10 @@ class QueryService(query_pb2_grpc.QueryServicer):
             if e.code == grpc.StatusCode.PERMISSION_DENIED:
                 self._audit_denied("StartTrace", who, e.line, scope=scope.describe())
             await context.abort(e.code, e.line)
+        if self.store.engine != "sqlite":
+            # Replicas: the session's row is committed before the answer, so a WatchTrace or `trace
+            # show` the client sends next to any other replica finds it (they read it from the store).
+            await self._read(lambda conn: None, context)
         return trace_pb2.StartTraceResponse(session=session_to_proto(s))
 
     def _admin(self, who: Principal) -> bool:
