@@ -7,17 +7,16 @@ their leases run out (collector/node_state.py)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 
 from ghostgpu.common.model.consumers import K8sInfo
 from tests.helpers.collector_env import QueryClient
 from tests.helpers.polling import wait_until
+from tests.helpers.replicas import replica as shared_replica
 from tests.helpers.sim_tracer import SimTracer, make_consumer
 
 pytestmark = pytest.mark.postgres
@@ -38,15 +37,9 @@ class NamesResolver:
         return K8sInfo("unresolved", error="CRI lookup pending")
 
 
-@contextlib.contextmanager
-def replica(tmp_path: Path, dsn: str, name: str, **settings: Any) -> Iterator[Collector]:
-    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / f"{name}-unused.db"),
-                             store_url=dsn, replica_id=name, **settings)
-    c = Collector(config, resolver_factory=NamesResolver).start()
-    try:
-        yield c
-    finally:
-        c.stop(grace_s=0.5)
+def replica(tmp_path: Path, dsn: str, name: str,
+            **settings: Any) -> contextlib.AbstractContextManager[Collector]:
+    return shared_replica(tmp_path, dsn, name, settings=settings, resolver_factory=NamesResolver)
 
 
 def test_ps_and_node_status_on_any_replica_show_every_node(tmp_path: Path, postgres_dsn: str) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 import pytest
-from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.notify import Notifier
 from ghostgpu.collector.replica_commands import ReplicaCommand, ReplicaCommands, ReplicaTiming
@@ -24,6 +23,7 @@ from ghostgpu.collector.store import Store
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until
+from tests.helpers.replicas import replica as shared_replica
 from tests.helpers.sim_tracer import SimTracer, trace_record
 from tests.helpers.trace_env import FAST, TRACE_CAPS, TraceClient, cri_via
 
@@ -34,15 +34,9 @@ DEADLINE_S = 20.0  # a hand-over takes a sweep (0.1 s) and a poll; generous for 
 S = trace_pb2.TraceStatus
 
 
-@contextlib.contextmanager
-def replica(tmp_path: Path, dsn: str, name: str, **settings: Any) -> Iterator[Collector]:
-    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / f"{name}-unused.db"),
-                             store_url=dsn, replica_id=name, **settings)
-    c = Collector(config, trace_timing=FAST).start()
-    try:
-        yield c
-    finally:
-        c.stop(grace_s=0.5)
+def replica(tmp_path: Path, dsn: str, name: str,
+            **settings: Any) -> contextlib.AbstractContextManager[Collector]:
+    return shared_replica(tmp_path, dsn, name, settings=settings, trace_timing=FAST)
 
 
 @pytest.fixture

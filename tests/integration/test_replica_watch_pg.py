@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.notices import FINDINGS_CHANNEL, OPENED, decode_findings
 from ghostgpu.collector.notify import Notifier, finding_announcer
@@ -30,6 +28,7 @@ from tests.helpers.collector_env import QueryClient
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until
 from tests.helpers.postgres import PostgresServer
+from tests.helpers.replicas import replica as shared_replica
 from tests.helpers.sim_tracer import SimTracer, finding, make_consumer, resolved, trace_record
 from tests.helpers.trace_env import FAST, TRACE_CAPS, TraceClient, cri_via
 
@@ -54,16 +53,9 @@ class NamesResolver:
         return K8sInfo("resolved", ns, f"pod-{ns}", f"uid-{ns}", "main", "img:1")
 
 
-@contextlib.contextmanager
-def replica(tmp_path: Path, dsn: str, name: str, **kw: Any) -> Iterator[Collector]:
-    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / f"{name}-unused.db"),
-                             store_url=dsn, replica_id=name)
-    c = Collector(config, **kw).start()
-    try:
-        assert c.notifier.wait_listening(DEADLINE_S), f"replica {name} never listened"
-        yield c
-    finally:
-        c.stop(grace_s=0.5)
+def replica(tmp_path: Path, dsn: str, name: str,
+            **kw: Any) -> contextlib.AbstractContextManager[Collector]:
+    return shared_replica(tmp_path, dsn, name, listening_s=DEADLINE_S, **kw)
 
 
 class Reader:

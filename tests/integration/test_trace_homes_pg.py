@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 import pytest
-from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
 from ghostgpu.collector.store import Store
 from ghostgpu.collector.trace_homes import HOME_GONE_GRACE_S, HOME_STOP
@@ -28,6 +27,7 @@ from ghostgpu.common.model.trace import TraceScope, TraceSession, TraceStatus
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until
+from tests.helpers.replicas import replica as shared_replica
 from tests.helpers.sim_tracer import SimTracer, trace_record
 from tests.helpers.trace_env import FAST, TRACE_CAPS, TraceClient, cri_via
 
@@ -40,16 +40,10 @@ GONE = "replica-gone"
 CHECK_OFTEN = replace(FAST, home_gone_check_s=0.05)
 
 
-@contextlib.contextmanager
-def replica(tmp_path: Path, dsn: str, name: str, **settings: Any) -> Iterator[Collector]:
+def replica(tmp_path: Path, dsn: str, name: str,
+            **settings: Any) -> contextlib.AbstractContextManager[Collector]:
     timing = settings.pop("trace_timing", FAST)
-    config = CollectorConfig(listen=("127.0.0.1:0",), db_path=str(tmp_path / f"{name}-unused.db"),
-                             store_url=dsn, replica_id=name, **settings)
-    c = Collector(config, trace_timing=timing).start()
-    try:
-        yield c
-    finally:
-        c.stop(grace_s=0.5)
+    return shared_replica(tmp_path, dsn, name, settings=settings, trace_timing=timing)
 
 
 @pytest.fixture
