@@ -119,6 +119,11 @@ def test_idle_flood_on_the_mtls_port_locks_out_neither_admins_nor_tracers(
         # The collector has taken them all off its accept queue (an attacker would keep them open).
         wait_until(lambda: _accept_queue(port) == 0, "the flood accepted by the collector", 30.0)
         assert col.running, col.stderr()
+        # ... and its gate has closed the flood's surplus: until then gRPC's connection quota refuses
+        # every newcomer at accept (collector/tcpgate.py). The gate looks every 0.1 s, slower on a
+        # loaded machine; an admin arriving in that moment retries as any client does.
+        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) < FD_LIMIT - 64, "the gate to trim the flood",
+                   30.0)
         # The flood is still open (the last ones are younger than gRPC's handshake deadline), and:
         out = ghostgpu_cli("ps", "--collector", col.address, "-o", "json", *admin, timeout_s=60.0)
         assert out.returncode == 0, f"admin locked out under the flood: {out.stderr.strip()}"
