@@ -207,6 +207,14 @@ def upsert_sql(table: str, columns: Sequence[str], key: Sequence[str]) -> str:
             f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in rest))
 
 
+def connection_lost(error: BaseException) -> bool:
+    """A transient error (is_transient) that broke the connection or found the server gone (SQLSTATE
+    class 08, 57P0x, 25P03: the server ended the session; or no SQLSTATE at all), rather than one the
+    same connection may simply try again (a deadlock, a serialization failure, a lock wait cut short)."""
+    sqlstate = getattr(error, "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith(("08", "57P0")) or sqlstate in ("25P03", "53300")
+
+
 def serialize_writers(conn: Conn, key: int) -> None:
     """Serialize the transactions of several replicas that read-then-write one thing (the next fault id,
     the audit chain's head): PostgreSQL's transaction-scoped advisory lock `key`, held to the commit.

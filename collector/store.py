@@ -56,6 +56,7 @@ from ghostgpu.collector.db import (
     StoreUrl,
     StoreUrlError,
     connect_postgresql,
+    connection_lost,
     db_errors,
     is_transient,
     parse_store_url,
@@ -383,8 +384,13 @@ class Store:
             self._conn.close()
         self._conn = _open_postgresql(self.url, self._password_file, f"ghostgpu-collector {self.replica_id}")
 
-    def _wait_for_database(self, attempt: int) -> None:
-        """Back off, then try to reconnect (PostgreSQL); the down time is what /readyz reports."""
+    def _wait_for_database(self, attempt: int, error: BaseException) -> None:
+        """Back off, then try again (PostgreSQL). A connection that broke is opened again, and the time
+        the database is out of reach is what /readyz reports; a deadlock or a lock wait cut short
+        (connection_lost says no) is only tried again on the same connection."""
+        if not connection_lost(error) and not self._conn.closed:
+            time.sleep(min(_RECONNECT_MAX_S, 0.02 * (2 ** min(attempt, 6))))
+            return
         if self.db_down_since is None:
             self.db_down_since = time.monotonic()
             log.error("%s: the database is out of reach; not acknowledging events until it is back "
@@ -454,7 +460,7 @@ class Store:
             try:
                 return job.read(self._conn)
             except db_errors() as e:
-                if self.engine == "postgresql" and is_transient(e):
+                if self.engine == "postgresql" and connection_lost(e):
                     with contextlib.suppress(StoreError):
                         self._reconnect()
                 raise
@@ -467,7 +473,7 @@ class Store:
             return out
         except BaseException as e:
             self._rollback()
-            if self.engine == "postgresql" and isinstance(e, db_errors()) and is_transient(e):
+            if self.engine == "postgresql" and isinstance(e, db_errors()) and connection_lost(e):
                 with contextlib.suppress(StoreError):
                     self._reconnect()
             raise
@@ -496,7 +502,7 @@ class Store:
                 last = e
                 if self.engine == "postgresql" and is_transient(e) and self.failed is None:
                     attempt += 1
-                    self._wait_for_database(attempt)
+                    self._wait_for_database(attempt, e)
                     continue
                 hard_tries += 1
                 if hard_tries >= 3:
