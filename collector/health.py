@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from ghostgpu.common.web.httpserve import Request, Response
+from ghostgpu.common.web.httpserve import Request, Response, probe_routes
 
 LIVE_WINDOW_S = 30.0  # the loop wakes every second (FINDINGS_FLUSH_S); 30 s without running is wedged
 PROBE_PATHS = ("/healthz", "/readyz")  # kubelet probes: no credentials needed (TLS still applies)
@@ -120,12 +120,4 @@ class CollectorHealth:
         return True, ["ok: serving; the store takes writes"]
 
     def routes(self) -> dict[str, Callable[[Request], Response]]:
-        def healthz(_req: Request) -> Response:
-            ok, line = self.liveness()
-            return Response(200 if ok else 503, (line + "\n").encode())
-
-        def readyz(_req: Request) -> Response:
-            ok, lines = self.readiness()
-            return Response(200 if ok else 503, "".join(f"{ln}\n" for ln in lines).encode())
-
-        return {"/healthz": healthz, "/readyz": readyz}
+        return probe_routes(self.liveness, self.readiness)

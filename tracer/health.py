@@ -42,7 +42,14 @@ from prometheus_client.metrics_core import (
 
 from ghostgpu import __version__
 from ghostgpu.common.model.consumers import ConsumerClass
-from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, HttpServer, Request, Response, given_caps
+from ghostgpu.common.web.httpserve import (
+    PROMETHEUS_TEXT,
+    HttpServer,
+    Request,
+    Response,
+    given_caps,
+    probe_routes,
+)
 from ghostgpu.common.wire import protocol
 
 if TYPE_CHECKING:
@@ -264,20 +271,12 @@ def health_routes(health: AgentHealth, registry: CollectorRegistry | None = None
                   ) -> dict[str, Callable[[Request], Response]]:
     registry = registry or make_registry(health)
 
-    def healthz(_req: Request) -> Response:
-        ok, line = health.liveness()
-        return Response(200 if ok else 503, (line + "\n").encode())
-
-    def readyz(_req: Request) -> Response:
-        ok, lines = health.readiness()
-        return Response(200 if ok else 503, "".join(f"{ln}\n" for ln in lines).encode())
-
     def metrics(_req: Request) -> Response:
         # The 0.0.4 text format: what Prometheus 2.42 negotiates, and what generate_latest writes
         # for names that need no escaping (all of ours).
         return Response(200, generate_latest(registry), PROMETHEUS_TEXT)
 
-    return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
+    return {**probe_routes(health.liveness, health.readiness), "/metrics": metrics}
 
 
 def start_health_server(listen: str, health: AgentHealth, flag: str = FLAG,

@@ -110,6 +110,21 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
+def probe_routes(liveness: Callable[[], tuple[bool, str]],
+                 readiness: Callable[[], tuple[bool, list[str]]]) -> dict[str, Handler]:
+    """/healthz and /readyz for Kubernetes' probes (the tracer's health port, the collector's metrics
+    port): 200 or 503, the reason as plain text, one line each."""
+    def healthz(_req: Request) -> Response:
+        ok, line = liveness()
+        return Response(200 if ok else 503, (line + "\n").encode())
+
+    def readyz(_req: Request) -> Response:
+        ok, lines = readiness()
+        return Response(200 if ok else 503, "".join(f"{ln}\n" for ln in lines).encode())
+
+    return {"/healthz": healthz, "/readyz": readyz}
+
+
 class HttpCaps(TypedDict, total=False):
     """The connection caps a command passes on to HttpServer: those given (the rest keep its defaults)."""
 
