@@ -13,7 +13,7 @@ import pytest
 from ghostgpu.collector.cluster import ClusterTable, FindingRec, Watcher
 from ghostgpu.collector.findings_remote import RemoteFindings
 from ghostgpu.collector.notices import CHANGED, FINDINGS_CHANNEL, OPENED, RESOLVED, encode_findings
-from ghostgpu.collector.notify import Callback
+from ghostgpu.collector.notify import Callback, NullNotifier
 from ghostgpu.collector.store import Store
 
 from ghostgpu.common.model.consumers import ClusterConsumer, K8sInfo
@@ -23,22 +23,15 @@ from tests.helpers.sim_tracer import make_consumer
 K = query_pb2.FindingEvent
 
 
-class FakeNotifier:
+class FakeNotifier(NullNotifier):
+    """The test plays the listener: `tell` hands subscribers a payload as a NOTIFY would."""
+
     def __init__(self) -> None:
         self.subs: dict[str, list[Callback]] = {}
 
     def subscribe(self, channel: str, callback: Callback) -> Callable[[], None]:
         self.subs.setdefault(channel, []).append(callback)
         return lambda: self.subs[channel].remove(callback)
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        pass
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        pass
-
-    def wait_listening(self, timeout_s: float) -> bool:
-        return True
 
     def tell(self, payload: str | None) -> None:
         for cb in list(self.subs.get(FINDINGS_CHANNEL, [])):
