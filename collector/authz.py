@@ -195,14 +195,13 @@ def _streaming(inner: Streaming, method: str, admit: Admit,
         async def generator(request: object, context: Context) -> None:
             who = await admit(method, context)
             _CURRENT.set(who)
-            await streams.run(who, method, context,
-                              lambda: streams.write_all(inner(request, context), context))
+            await streams.run(who, method, context, lambda ctx: streams.write_all(inner(request, ctx), ctx))
 
         return generator
 
     async def coroutine(request: object, context: Context) -> object:
         who = await admit(method, context)
         _CURRENT.set(who)
-        return await streams.run(who, method, context, lambda: inner(request, context))
+        return await streams.run(who, method, context, lambda ctx: inner(request, ctx))
 
     return coroutine

@@ -169,9 +169,44 @@ def connect_postgresql(url: StoreUrl, password_file: str | None = None, *, appli
     # until the server's own keepalive gives up (hours). The server ends such a session after
     # PARTITION_TIMEOUT_MS idle in a transaction (the store's transactions take milliseconds), and a
     # lease take waits at most as long for a lock before its Hello is refused and retried.
+    # The server's own keepalives on this session (its default is the kernel's two hours) end it when
+    # the replica's host or network is gone, taking its locks with it.
     kwargs["options"] = (f"-c idle_in_transaction_session_timeout={PARTITION_TIMEOUT_MS} "
-                         f"-c lock_timeout={PARTITION_TIMEOUT_MS}")
+                         f"-c lock_timeout={PARTITION_TIMEOUT_MS} "
+                         "-c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3 "
+                         f"-c tcp_user_timeout={PARTITION_TIMEOUT_MS}")
     return PgConn(psycopg.connect(url.target, **kwargs))
+
+
+# A collector's session inside a transaction, waiting on its client for longer than any store
+# transaction takes. idle_in_transaction_session_timeout does not cover a session cut off between two
+# messages of one extended-protocol exchange (psycopg's pipelined executemany; PostgreSQL 15 arms the
+# idle timeouts only once it answers ReadyForQuery, at Sync), nor does the server's keepalive while
+# the peer's kernel still answers it: such a session keeps its locks until TCP gives up.
+_STALLED_SESSIONS = (
+    "SELECT pid, application_name FROM pg_stat_activity "
+    "WHERE pid <> pg_backend_pid() AND datname = current_database() AND backend_type = 'client backend' "
+    "AND application_name LIKE 'ghostgpu-collector %' AND xact_start IS NOT NULL "
+    "AND wait_event_type = 'Client' AND wait_event = 'ClientRead' "
+    "AND state_change < clock_timestamp() - make_interval(secs => ?)")
+
+
+def lock_wait_ran_out(error: BaseException) -> bool:
+    """PostgreSQL's lock_timeout cut a statement short (SQLSTATE 55P03)."""
+    return getattr(error, "sqlstate", None) == "55P03"
+
+
+def end_stalled_sessions(conn: Conn, stalled_s: float = PARTITION_TIMEOUT_MS / 1000) -> list[str]:
+    """PostgreSQL, outside a transaction: end every collector session stalled inside a transaction on
+    its client for `stalled_s` (see _STALLED_SESSIONS), after a lock wait ran out on one. Its
+    transaction rolls back; the lease fence (collector/store.py) already refuses what its replica
+    would commit. The sessions ended, as "pid (application_name)"; a role that may not end them
+    (pg_signal_backend, or the same role) ends none and the lock wait is just tried again."""
+    ended: list[str] = []
+    for pid, name in conn.execute(_STALLED_SESSIONS, (stalled_s,)).fetchall():
+        if conn.execute("SELECT pg_terminate_backend(?)", (pid,)).fetchone()[0]:
+            ended.append(f"{pid} ({name})")
+    return ended
 
 
 def db_errors() -> tuple[type[BaseException], ...]:

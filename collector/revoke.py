@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 from ghostgpu.collector.aio_handlers import Context
@@ -54,6 +54,32 @@ class OpenStream:
     task: asyncio.Task[Any] | None
     not_after_s: float | None  # the client certificate's notAfter (Unix seconds); None: no certificate
     ended: tuple[grpc.StatusCode, str] | None = field(default=None)  # set when revoked
+    writing: asyncio.Future[Any] | None = field(default=None)  # the message send in flight, if any
+
+
+# How long a revoked stream's message send in flight may take before its status goes out anyway.
+_WRITE_DRAIN_S = 5.0
+
+
+class _TrackedWrites:
+    """The handler's context, its context.write run beside the handler task so that a revocation
+    (which cancels that task) can wait for the send in flight: gRPC core refuses a status while a
+    message send is still in flight (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, grpcio 1.85), and the
+    stream would then stay open with no status at all."""
+
+    def __init__(self, context: Context, stream: OpenStream) -> None:
+        self._context = context
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def write(self, message: object) -> None:
+        sending = asyncio.ensure_future(self._context.write(message))
+        # Its error is the handler's to see; one that comes after the handler was cancelled is not news.
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._stream.writing = sending
+        await asyncio.shield(sending)
 
 
 @lru_cache(maxsize=1024)  # one parse per certificate, not per stream
@@ -97,12 +123,13 @@ class OpenStreams:
     # ---- the handler's side (collector/authz.py) -----------------------------------------------
 
     async def run(self, principal: Principal, method: str, context: Context,
-                  serve: Callable[[], Awaitable[object]]) -> object:
-        """`serve()` (the handler), registered while it runs; a revocation ends it with its status."""
+                  serve: Callable[[Context], Awaitable[object]]) -> object:
+        """`serve(context)` (the handler, given the context to write with), registered while it runs;
+        a revocation ends it with its status."""
         stream = self._add(principal, method, cert_not_after_s(context) if principal.via == "mtls" else None)
         try:
             try:
-                result = await serve()
+                result = await serve(cast(Context, _TrackedWrites(context, stream)))
             except asyncio.CancelledError:
                 if stream.ended is None:
                     raise  # the client went away, or the server is stopping
@@ -114,6 +141,8 @@ class OpenStreams:
             self._remove(stream)
         if stream.ended is not None:
             code, details = stream.ended
+            if stream.writing is not None and not stream.writing.done():
+                await asyncio.wait([stream.writing], timeout=_WRITE_DRAIN_S)
             await context.abort(code, details)  # raises AbortError, which gRPC expects
         return result
 

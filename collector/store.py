@@ -58,7 +58,9 @@ from ghostgpu.collector.db import (
     connect_postgresql,
     connection_lost,
     db_errors,
+    end_stalled_sessions,
     is_transient,
+    lock_wait_ran_out,
     parse_store_url,
     upsert_sql,
 )
@@ -228,6 +230,7 @@ class Store:
         self.db_down_since: float | None = None  # monotonic time the database went out of reach, or None
         self.errors_total = 0  # failed tries of a group commit (transient ones included)
         self.fenced_out_total = 0  # jobs refused because their node's lease moved (LeaseLost)
+        self.stalled_ended_total = 0  # other collectors' sessions ended for holding locks mid-transaction
         self.commit_seconds: list[float] = []  # group commit times since stats() last took them
         self._id_next, self._id_end = 0, 0  # the finding id block in hand (next_finding_id)
         self._id_spare: Future[tuple[int, int]] | None = None
@@ -401,6 +404,24 @@ class Store:
         except StoreError as e:
             log.debug("%s", e)
 
+    def _after_lock_wait(self, error: BaseException) -> None:
+        """After a lock wait ran out (PostgreSQL, rolled back): end the collector sessions stalled on
+        their client while they hold locks (collector/db.py's end_stalled_sessions), so the next try
+        does not wait on a replica cut off mid-transaction."""
+        if self.engine != "postgresql" or not lock_wait_ran_out(error):
+            return
+        try:
+            ended = end_stalled_sessions(self._conn)
+        except db_errors() as e:
+            log.warning("%s: cannot end the collector sessions stalled mid-transaction (%s); grant this "
+                        "role pg_signal_backend, or wait for the server's keepalive to end them",
+                        self.url.flag, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            return
+        if ended:
+            self.stalled_ended_total += len(ended)
+            log.warning("%s: ended %d collector session(s) stalled mid-transaction on their client, holding "
+                        "locks: %s", self.url.flag, len(ended), ", ".join(ended))
+
     def _database_back(self) -> None:
         if self.db_down_since is not None:
             log.warning("%s: the database is back after %.1f s", self.url.flag,
@@ -473,6 +494,7 @@ class Store:
             return out
         except BaseException as e:
             self._rollback()
+            self._after_lock_wait(e)
             if self.engine == "postgresql" and isinstance(e, db_errors()) and connection_lost(e):
                 with contextlib.suppress(StoreError):
                     self._reconnect()
@@ -498,6 +520,7 @@ class Store:
                 return None, refused
             except db_errors() as e:
                 self._rollback()
+                self._after_lock_wait(e)
                 self.errors_total += 1
                 last = e
                 if self.engine == "postgresql" and is_transient(e) and self.failed is None:

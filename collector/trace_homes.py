@@ -170,7 +170,11 @@ class TraceHomes:
                                  f"session ends at its deadline, or {HOME_GONE_GRACE_S:g} s after it by any "
                                  "replica") from None
             raise why from None
-        self.store.audit(s.id, "stop", who, f"stopped by {who} at replica {me}, ended by its home {home}")
+        # Committed before the answer (the caller may read the audit through any replica next), unless
+        # the database went away meanwhile: the row is still queued, the answer is not held for it.
+        audited = self.store.audit(s.id, "stop", who,
+                                   f"stopped by {who} at replica {me}, ended by its home {home}")
+        await asyncio.wait([asyncio.wrap_future(audited)], timeout=wait_s)
         return session_from_proto(trace_pb2.TraceSession.FromString(raw))
 
     async def _stop_request(self, cmd: ReplicaCommand) -> bytes:

@@ -139,7 +139,9 @@ class TraceStore:
     def _announced(self, session: str) -> list[CallOp]:
         return [self.announce(session)] if self.announce is not None else []
 
-    def audit(self, session: str, action: str, who: str, detail: str, ts_unix_ns: int = 0) -> None:
+    def audit(self, session: str, action: str, who: str, detail: str, ts_unix_ns: int = 0) -> Future[None]:
+        """Queue a trace_audit row; the future is done once it is committed (or failed: the store logs
+        and counts that), for a caller whose answer must not outrun its audit row."""
         row = (ts_unix_ns or time.time_ns(), session, action, who, detail)
         if self.on_audit is not None:
             self.on_audit(session, action, who, detail)
@@ -148,7 +150,9 @@ class TraceStore:
             conn.execute("INSERT INTO trace_audit (ts_unix_ns, session, action, who, detail) "
                          "VALUES (?, ?, ?, ?, ?)", row)
 
-        self.store.submit([Store.op_call(run)])
+        committed: Future[None] = Future()
+        self.store.submit([Store.op_call(run)], done=lambda _error: committed.set_result(None))
+        return committed
 
     def fit(self, session: str, n: int, session_max: int) -> int:
         """How many of n new records of `session` the per-session and total bounds let in."""

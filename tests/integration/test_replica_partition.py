@@ -15,7 +15,9 @@ import grpc
 import psycopg
 import pytest
 from ghostgpu.collector.config import CollectorConfig
+from ghostgpu.collector.leases import Leases
 from ghostgpu.collector.main import Collector
+from ghostgpu.collector.store import Store
 
 from ghostgpu.v1 import stream_pb2
 from tests.helpers.polling import wait_until
@@ -99,3 +101,48 @@ def test_a_partitioned_replica_hands_its_node_over_and_its_late_writes_are_refus
         relay.heal()
         a.stop()
         b.stop()
+
+
+def test_a_session_stalled_mid_pipeline_on_a_lease_row_is_ended_by_the_next_lease_take(
+        postgres_dsn: str) -> None:
+    """A replica cut off between two messages of one pipelined exchange (no Sync yet) is not idle in
+    its transaction as PostgreSQL 15 counts it, so idle_in_transaction_session_timeout never ends it.
+    Here the relay's kernel would still answer the server's keepalives too: the lock wait of the
+    replica taking the node ends it (collector/db.py's end_stalled_sessions)."""
+    a = Store(postgres_dsn, 1_000_000, 7.0, replica_id="replica-a")
+    b = Store(postgres_dsn, 1_000_000, 7.0, replica_id="replica-b")
+    stuck = psycopg.connect(postgres_dsn, autocommit=True, application_name="ghostgpu-collector replica-a")
+    try:
+        Leases(a, "replica-a", LEASE_TTL_S).take("n1").result(10)
+        # replica A's write, cut off after the fence's share lock was flushed and before its Sync
+        pg = stuck.pgconn
+        pg.enter_pipeline_mode()
+        pg.send_query_params(b"BEGIN", None)
+        pg.send_query_params(b"SELECT token FROM node_leases WHERE node = 'n1' FOR SHARE", None)
+        pg.send_flush_request()
+        pg.flush()
+        with psycopg.connect(postgres_dsn, autocommit=True) as watcher:
+            def holding() -> bool:
+                row = watcher.execute("SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s",
+                                      (pg.backend_pid,)).fetchone()
+                return row == ("active", "ClientRead")
+            wait_until(holding, "replica A's session holding the lease row mid-pipeline", 10)
+
+            taker = Leases(b, "replica-b", LEASE_TTL_S)
+            refused = 0
+            while True:  # as the tracer does: a Hello refused for a lock wait is sent again
+                try:
+                    taken = taker.take("n1").result(30)
+                    break
+                except psycopg.errors.LockNotAvailable:
+                    refused += 1
+                    assert refused < 3, "the lease take kept waiting on the stalled session"
+            assert (taken.previous_owner, refused) == ("replica-a", 1)
+            assert b.stalled_ended_total == 1
+            gone = watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                   (pg.backend_pid,)).fetchone()
+            assert gone == (0,)
+    finally:
+        stuck.close()
+        a.close()
+        b.close()

@@ -10,6 +10,7 @@ with a deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 import time
@@ -22,9 +23,11 @@ import grpc
 import pytest
 from ghostgpu.collector.config import CollectorConfig
 from ghostgpu.collector.main import Collector
+from ghostgpu.collector.revoke import OpenStreams
 from ghostgpu.tracer.stream import StreamSink
 from ghostgpu.tracer.stream_sender import StreamOptions
 
+from ghostgpu.common.transport.principal import Principal
 from ghostgpu.common.transport.tls import TlsFiles
 from ghostgpu.v1 import query_pb2
 from tests.helpers.audit_log import audit_records, secure_options
@@ -276,3 +279,58 @@ def test_a_revoked_tracer_comes_back_is_refused_and_backs_off(secure: Secure) ->
         sink.close()
     revoked = secure.audit_records("stream.revoked")
     assert [(r["subject"], r["detail"]["method"]) for r in revoked] == [("node:n1", CONNECT)]
+
+
+class _CoreLikeContext:
+    """A ServicerContext as gRPC core treats one: a status cannot start while a message send is in
+    flight (grpcio 1.85 raises ExecuteBatchError, GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, and the call
+    then never gets a status). The send in flight completes when the test lets the client read."""
+
+    def __init__(self) -> None:
+        self.client_reads = asyncio.Event()
+        self.sending = False
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    async def write(self, message: object) -> None:
+        self.sending = True
+        try:
+            await self.client_reads.wait()
+        finally:
+            self.sending = False
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        if self.sending:
+            raise RuntimeError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+        self.status = (code, details)
+        raise grpc.aio.AbortError()
+
+
+def test_a_stream_revoked_while_a_message_is_in_flight_still_gets_its_status() -> None:
+    class Deny:
+        def denial(self, principal: Principal, method: str) -> str | None:
+            return "role tracer"
+
+    async def run() -> tuple[grpc.StatusCode, str] | None:
+        streams, context = OpenStreams(), _CoreLikeContext()
+
+        async def handler(ctx: Any) -> None:
+            await ctx.write(b"ack")  # held: the client does not read yet
+
+        task = asyncio.ensure_future(streams.run(Principal("node", "n1", (), "mtls", "peer"), "/m",
+                                                 context, handler))
+        while not context.sending:
+            await asyncio.sleep(0)
+        streams.recheck(Deny())
+        for _ in range(100):  # the handler is cancelled; its send is still in flight
+            await asyncio.sleep(0)
+        assert not task.done() and context.status is None
+        context.client_reads.set()
+        with pytest.raises(grpc.aio.AbortError):
+            await asyncio.wait_for(task, 5)
+        return context.status
+
+    status = asyncio.run(run())
+    assert status is not None and status[0] == grpc.StatusCode.PERMISSION_DENIED
