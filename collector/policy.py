@@ -11,6 +11,8 @@ The policy file (YAML, `--policy FILE`) maps subjects to roles:
         max_duration: 10m                # default: the collector's own limit; trace-operator only
       - role: tracer
         subjects: ["node:*"]             # a node certificate speaks only for its own node
+      - role: remediator
+        subjects: [user:oncall]          # `ghostgpu remediate`: by hand, pause, resume, the mode
 
 Subjects: `user:NAME` (a user certificate), `node:NAME` (a tracer certificate), `group:NAME` (a
 certificate's O), `uid:N` (the unix socket, or a loopback peer), and `anonymous` (plaintext with
@@ -43,7 +45,8 @@ from ghostgpu.common.transport.principal import Principal
 log = logging.getLogger(__name__)
 
 VIEWER, TRACER, TRACE_OPERATOR, ADMIN = "viewer", "tracer", "trace-operator", "admin"
-ROLES = (VIEWER, TRACER, TRACE_OPERATOR, ADMIN)
+REMEDIATOR = "remediator"  # acts on findings (docs/REMEDIATION.md): kills, pauses, sets the mode
+ROLES = (VIEWER, TRACER, TRACE_OPERATOR, REMEDIATOR, ADMIN)
 RULE_KEYS = ("role", "subjects", "namespaces", "max_duration")
 _QUERY = "/ghostgpu.v1.Query/"
 # The role each RPC needs (any one of them; admin always will do). A method not here is admin only,
@@ -58,6 +61,8 @@ METHOD_ROLES: dict[str, tuple[str, ...]] = {
     _QUERY + "StartTrace": (TRACE_OPERATOR,),
     _QUERY + "StopTrace": (TRACE_OPERATOR,),
     _QUERY + "ListAudit": (ADMIN,),
+    _QUERY + "Remediate": (REMEDIATOR,),
+    _QUERY + "RemediationControl": (REMEDIATOR,),
 }
 _SUBJECT = re.compile(r"(user|node|group):(\S.*)|uid:([0-9*?\[\]!-]+)|anonymous")
 _SUBJECT_HELP = "write user:NAME, node:NAME, group:NAME, uid:N or anonymous (NAME may be a glob)"

@@ -80,18 +80,38 @@ class ListConsumersResponse(_message.Message):
     def __init__(self, consumers: _Optional[_Iterable[_Union[ClusterConsumer, _Mapping]]] = ..., ts_unix_ns: _Optional[int] = ...) -> None: ...
 
 class Finding(_message.Message):
-    __slots__ = ("id", "node", "consumer", "opened_unix_ns", "resolved_unix_ns")
+    __slots__ = ("id", "node", "consumer", "opened_unix_ns", "resolved_unix_ns", "remediation")
     ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     OPENED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     RESOLVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    REMEDIATION_FIELD_NUMBER: _ClassVar[int]
     id: int
     node: str
     consumer: ClusterConsumer
     opened_unix_ns: int
     resolved_unix_ns: int
-    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., consumer: _Optional[_Union[ClusterConsumer, _Mapping]] = ..., opened_unix_ns: _Optional[int] = ..., resolved_unix_ns: _Optional[int] = ...) -> None: ...
+    remediation: Remediation
+    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., consumer: _Optional[_Union[ClusterConsumer, _Mapping]] = ..., opened_unix_ns: _Optional[int] = ..., resolved_unix_ns: _Optional[int] = ..., remediation: _Optional[_Union[Remediation, _Mapping]] = ...) -> None: ...
+
+class Remediation(_message.Message):
+    __slots__ = ("state", "action", "at_unix_ns", "reason", "mode", "incident", "audit_seq")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    action: str
+    at_unix_ns: int
+    reason: str
+    mode: str
+    incident: str
+    audit_seq: int
+    def __init__(self, state: _Optional[str] = ..., action: _Optional[str] = ..., at_unix_ns: _Optional[int] = ..., reason: _Optional[str] = ..., mode: _Optional[str] = ..., incident: _Optional[str] = ..., audit_seq: _Optional[int] = ...) -> None: ...
 
 class FindingEvent(_message.Message):
     __slots__ = ("kind", "finding")
@@ -306,3 +326,65 @@ class ListFaultsResponse(_message.Message):
     faults: _containers.RepeatedCompositeFieldContainer[ClusterFault]
     left_out: int
     def __init__(self, faults: _Optional[_Iterable[_Union[ClusterFault, _Mapping]]] = ..., left_out: _Optional[int] = ...) -> None: ...
+
+class RemediateRequest(_message.Message):
+    __slots__ = ("finding", "dry_run")
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    finding: int
+    dry_run: bool
+    def __init__(self, finding: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class RemediateResponse(_message.Message):
+    __slots__ = ("remediation", "detail")
+    REMEDIATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    remediation: Remediation
+    detail: str
+    def __init__(self, remediation: _Optional[_Union[Remediation, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RemediationControlRequest(_message.Message):
+    __slots__ = ("verb", "mode", "reason")
+    class Verb(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        VERB_UNSPECIFIED: _ClassVar[RemediationControlRequest.Verb]
+        VERB_PAUSE: _ClassVar[RemediationControlRequest.Verb]
+        VERB_RESUME: _ClassVar[RemediationControlRequest.Verb]
+        VERB_SET_MODE: _ClassVar[RemediationControlRequest.Verb]
+    VERB_UNSPECIFIED: RemediationControlRequest.Verb
+    VERB_PAUSE: RemediationControlRequest.Verb
+    VERB_RESUME: RemediationControlRequest.Verb
+    VERB_SET_MODE: RemediationControlRequest.Verb
+    VERB_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    verb: RemediationControlRequest.Verb
+    mode: str
+    reason: str
+    def __init__(self, verb: _Optional[_Union[RemediationControlRequest.Verb, str]] = ..., mode: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RemediationStatus(_message.Message):
+    __slots__ = ("mode", "config_mode", "override_mode", "paused", "paused_by", "paused_unix_ns", "breaker_open", "breaker_reason", "actions_in_window", "max_actions", "isolated_nodes")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_MODE_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_MODE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_BY_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_OPEN_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_REASON_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_NODES_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    config_mode: str
+    override_mode: str
+    paused: bool
+    paused_by: str
+    paused_unix_ns: int
+    breaker_open: bool
+    breaker_reason: str
+    actions_in_window: int
+    max_actions: int
+    isolated_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[str] = ..., config_mode: _Optional[str] = ..., override_mode: _Optional[str] = ..., paused: _Optional[bool] = ..., paused_by: _Optional[str] = ..., paused_unix_ns: _Optional[int] = ..., breaker_open: _Optional[bool] = ..., breaker_reason: _Optional[str] = ..., actions_in_window: _Optional[int] = ..., max_actions: _Optional[int] = ..., isolated_nodes: _Optional[_Iterable[str]] = ...) -> None: ...

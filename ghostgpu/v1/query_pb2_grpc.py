@@ -90,6 +90,16 @@ class QueryStub:
                 request_serializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsRequest.SerializeToString,
                 response_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsResponse.FromString,
                 _registered_method=True)
+        self.Remediate = channel.unary_unary(
+                '/ghostgpu.v1.Query/Remediate',
+                request_serializer=ghostgpu_dot_v1_dot_query__pb2.RemediateRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_query__pb2.RemediateResponse.FromString,
+                _registered_method=True)
+        self.RemediationControl = channel.unary_unary(
+                '/ghostgpu.v1.Query/RemediationControl',
+                request_serializer=ghostgpu_dot_v1_dot_query__pb2.RemediationControlRequest.SerializeToString,
+                response_deserializer=ghostgpu_dot_v1_dot_query__pb2.RemediationStatus.FromString,
+                _registered_method=True)
 
 
 class QueryServicer:
@@ -164,6 +174,21 @@ class QueryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Remediate(self, request, context):
+        """Remediation (docs/REMEDIATION.md): role remediator. One finding's remediation by hand, through
+        the same guarded path the automatic one takes; and the cluster-wide switch (pause, resume,
+        the mode) with what is in force.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemediationControl(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +246,16 @@ def add_QueryServicer_to_server(servicer, server):
                     servicer.ListFaults,
                     request_deserializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsRequest.FromString,
                     response_serializer=ghostgpu_dot_v1_dot_query__pb2.ListFaultsResponse.SerializeToString,
+            ),
+            'Remediate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Remediate,
+                    request_deserializer=ghostgpu_dot_v1_dot_query__pb2.RemediateRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_query__pb2.RemediateResponse.SerializeToString,
+            ),
+            'RemediationControl': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemediationControl,
+                    request_deserializer=ghostgpu_dot_v1_dot_query__pb2.RemediationControlRequest.FromString,
+                    response_serializer=ghostgpu_dot_v1_dot_query__pb2.RemediationStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -520,6 +555,60 @@ class Query:
             '/ghostgpu.v1.Query/ListFaults',
             ghostgpu_dot_v1_dot_query__pb2.ListFaultsRequest.SerializeToString,
             ghostgpu_dot_v1_dot_query__pb2.ListFaultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Remediate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/Remediate',
+            ghostgpu_dot_v1_dot_query__pb2.RemediateRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_query__pb2.RemediateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemediationControl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ghostgpu.v1.Query/RemediationControl',
+            ghostgpu_dot_v1_dot_query__pb2.RemediationControlRequest.SerializeToString,
+            ghostgpu_dot_v1_dot_query__pb2.RemediationStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -259,28 +259,72 @@ class Ack(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "cri", "trace_start", "trace_update", "trace_stop")
+    __slots__ = ("id", "cri", "trace_start", "trace_update", "trace_stop", "remediate")
     ID_FIELD_NUMBER: _ClassVar[int]
     CRI_FIELD_NUMBER: _ClassVar[int]
     TRACE_START_FIELD_NUMBER: _ClassVar[int]
     TRACE_UPDATE_FIELD_NUMBER: _ClassVar[int]
     TRACE_STOP_FIELD_NUMBER: _ClassVar[int]
+    REMEDIATE_FIELD_NUMBER: _ClassVar[int]
     id: int
     cri: CriRequest
     trace_start: _trace_pb2.TraceStart
     trace_update: _trace_pb2.TraceUpdate
     trace_stop: _trace_pb2.TraceStop
-    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriRequest, _Mapping]] = ..., trace_start: _Optional[_Union[_trace_pb2.TraceStart, _Mapping]] = ..., trace_update: _Optional[_Union[_trace_pb2.TraceUpdate, _Mapping]] = ..., trace_stop: _Optional[_Union[_trace_pb2.TraceStop, _Mapping]] = ...) -> None: ...
+    remediate: RemediateCommand
+    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriRequest, _Mapping]] = ..., trace_start: _Optional[_Union[_trace_pb2.TraceStart, _Mapping]] = ..., trace_update: _Optional[_Union[_trace_pb2.TraceUpdate, _Mapping]] = ..., trace_stop: _Optional[_Union[_trace_pb2.TraceStop, _Mapping]] = ..., remediate: _Optional[_Union[RemediateCommand, _Mapping]] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("id", "cri", "trace")
+    __slots__ = ("id", "cri", "trace", "remediate")
     ID_FIELD_NUMBER: _ClassVar[int]
     CRI_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    REMEDIATE_FIELD_NUMBER: _ClassVar[int]
     id: int
     cri: CriResponse
     trace: _trace_pb2.TraceCommandResult
-    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriResponse, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceCommandResult, _Mapping]] = ...) -> None: ...
+    remediate: RemediateResult
+    def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriResponse, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceCommandResult, _Mapping]] = ..., remediate: _Optional[_Union[RemediateResult, _Mapping]] = ...) -> None: ...
+
+class RemediateCommand(_message.Message):
+    __slots__ = ("incident", "process", "container_id", "devices", "grace_ms", "dry_run")
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    incident: str
+    process: _node_pb2.Process
+    container_id: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    grace_ms: int
+    dry_run: bool
+    def __init__(self, incident: _Optional[str] = ..., process: _Optional[_Union[_node_pb2.Process, _Mapping]] = ..., container_id: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., grace_ms: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class RemediateResult(_message.Message):
+    __slots__ = ("incident", "outcome", "reason", "signals", "released", "proc_state", "wchan", "stack", "stuck_tids", "elapsed_ms")
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PROC_STATE_FIELD_NUMBER: _ClassVar[int]
+    WCHAN_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    STUCK_TIDS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    incident: str
+    outcome: str
+    reason: str
+    signals: _containers.RepeatedScalarFieldContainer[str]
+    released: bool
+    proc_state: str
+    wchan: str
+    stack: str
+    stuck_tids: _containers.RepeatedScalarFieldContainer[int]
+    elapsed_ms: int
+    def __init__(self, incident: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[str]] = ..., released: _Optional[bool] = ..., proc_state: _Optional[str] = ..., wchan: _Optional[str] = ..., stack: _Optional[str] = ..., stuck_tids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ...) -> None: ...
 
 class CriRequest(_message.Message):
     __slots__ = ("method", "request", "timeout_ms")

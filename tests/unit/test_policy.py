@@ -57,9 +57,9 @@ def policy() -> Policy:
 
 @pytest.mark.parametrize(("text", "line"), [
     ("rules:\n  - role: boss\n    subjects: [user:a]",
-     "rules[0].role: 'boss' is not a role; use one of viewer, tracer, trace-operator, admin"),
+     "rules[0].role: 'boss' is not a role; use one of viewer, tracer, trace-operator, remediator, admin"),
     ("rules:\n  - {role: viewer, subjects: [user:a]}\n  - subjects: [user:b]",
-     "rules[1].role: is missing; use one of viewer, tracer, trace-operator, admin"),
+     "rules[1].role: is missing; use one of viewer, tracer, trace-operator, remediator, admin"),
     ("rules:\n  - {role: viewer, subjects: [user:a], who: me}",
      "rules[0].who: unknown key; use role, subjects, namespaces, max_duration"),
     ("rules:\n  - {role: viewer, subjects: [alice]}",
@@ -234,7 +234,8 @@ def test_watcher_reloads_on_change_and_keeps_the_old_policy_on_a_bad_one(tmp_pat
     assert w.maybe_reload() is False
     assert w.policy.roles(BOB) == {ADMIN}  # the old policy stays in force
     assert events[-1] == ("policy.reload_error", f"policy {path}: rules[0].role: 'boss' is not a role; use "
-                          "one of viewer, tracer, trace-operator, admin; the old policy stays in force")
+                          "one of viewer, tracer, trace-operator, remediator, admin; the old policy stays in "
+                          "force")
     assert w.maybe_reload() is False and len(events) == 2  # reported once per change, not per look
 
     path.unlink()  # a ConfigMap mid-swap: the old policy stays, said once
