@@ -24,6 +24,13 @@ then running with exactly NEEDED and with NEEDED less one, and records what brok
   tracepoint (bpf/printk.bpf.c), which CAP_BPF and CAP_PERFMON cover: the DaemonSet (no /dev/kmsg
   in its container anyway) grants the five others only.
 
+Optional: CAP_KILL, for remediation only (tracer/remediate.py, docs/REMEDIATION.md). Without it the
+kernel's kill permission check (kernel/signal.c kill_ok_by_cred) lets the tracer (uid 0) signal only
+processes of uid 0: a holder of another uid is answered `failed` ("the tracer lacks CAP_KILL"), and
+orphans are reported but not signalled. It is not in NEEDED: nothing of the tracer's watching needs
+it, and a node that never remediates (`--remediation off`) should not hold it. The DaemonSet adds it
+to the tracer container's securityContext.capabilities.add where remediation is wanted.
+
 Not needed on Linux >= 5.11: CAP_SYS_ADMIN (tracefs is mounted by the host and readable by uid 0;
 CAP_BPF+CAP_PERFMON cover BPF), CAP_SYS_RESOURCE and CAP_IPC_LOCK (BPF memory is charged to the
 memory cgroup, not RLIMIT_MEMLOCK: the tracer starts with a 64 KiB memlock limit), CAP_DAC_OVERRIDE
@@ -152,3 +159,14 @@ def check_capabilities(bpf: bool = True, status_path: str = "/proc/self/status",
     if mask is None:
         return []
     return [need.line for need in missing(mask, bpf, dmesg_restricted(dmesg_restrict_path))]
+
+
+def has_effective(name: str, status_path: str = "/proc/self/status") -> bool | None:
+    """Whether this process's effective set holds capability `name` (e.g. CAP_KILL); None when the
+    status file or its CapEff line cannot be read (not Linux)."""
+    try:
+        with open(status_path, encoding="ascii", errors="replace") as f:
+            mask = effective_mask(f.read())
+    except OSError:
+        return None
+    return None if mask is None else bool(mask & mask_of((name,)))

@@ -51,6 +51,9 @@ DEFAULT_SYSTEM_ALLOWLIST = (
 
 
 BPF_MODES = ("auto", "on", "off")
+# on: the node takes part in remediation (docs/REMEDIATION.md; the collector decides whether anything is
+# done at all); off: the node opts out, every remediation command is answered "skipped".
+REMEDIATION_MODES = ("on", "off")
 # Trace sessions the kernel side holds at once: bpf/trace.bpf.c GG_TRACE_SLOTS (tracer/trace_kernel.py
 # reads its slot masks with it).
 TRACE_SLOTS = 8
@@ -106,6 +109,11 @@ class TracerConfig:
     reaper_comms: list[str] = field(default_factory=lambda: ["systemd", "init"])
     bpf: str = setting("auto", flag="--bpf", choices=BPF_MODES,
                        help="kernel tracing (default {default})")  # auto | on | off
+    remediation: str = setting(
+        "on", flag="--remediation", choices=REMEDIATION_MODES,
+        help="on: this node takes part in remediation when the collector enables it (it signals an "
+        "orphaned GPU holder after re-checking it; needs CAP_KILL); off: it opts out (default {default}; "
+        "env GHOSTGPU_REMEDIATION)")
     bpf_max_fds: int = 65536
     bpf_ringbuf_pages: int = 64
     # RM objects the GPU memory accountant tracks node-wide (tracer/gpu_memory.py, docs/MEMORY.md): one
@@ -187,6 +195,9 @@ class TracerConfig:
             raise ConfigError(f"grace_s: must be >= 0 seconds, got {self.grace_s}")
         if self.bpf not in BPF_MODES:
             raise ConfigError(f"bpf: must be auto, on or off, got {self.bpf!r}")
+        if self.remediation not in REMEDIATION_MODES:
+            raise ConfigError(f"remediation (--remediation, GHOSTGPU_REMEDIATION): must be on or off, got "
+                              f"{self.remediation!r}")
         if not 64 <= self.bpf_max_fds <= 1 << 22:
             raise ConfigError(f"bpf_max_fds: must be between 64 and 4194304, got {self.bpf_max_fds}")
         if not 1 <= self.max_memory_objects <= MAX_MEMORY_OBJECTS:

@@ -8,6 +8,10 @@ API passes through unchanged, and no CRI socket is ever reachable from beyond it
 Only the five read-only methods pass (Version, ListContainers, ContainerStatus, ListPodSandbox,
 PodSandboxStatus); anything else is refused with PERMISSION_DENIED before the socket is touched,
 so a compromised collector cannot stop, create or exec into containers through a tracer.
+
+`CommandRunner` answers every command of the stream on its pool: CRI calls, trace sessions
+(tracer/trace_sessions.py) and remediation (tracer/remediate.py, which reads one field of a
+ContainerStatus answer itself: whether the container runs).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from ghostgpu.common.model.remediation import FAILED, SKIPPED
 from ghostgpu.common.transport.addresses import socket_path
 from ghostgpu.common.wire import protocol
 from ghostgpu.v1 import stream_pb2, trace_pb2
@@ -146,6 +151,7 @@ class CriRelay:
 
 
 TRACE_SETUP_WAIT_S = 10.0
+RemediateHandler = Callable[[stream_pb2.RemediateCommand], stream_pb2.RemediateResult]
 
 
 class CommandRunner:
@@ -167,6 +173,9 @@ class CommandRunner:
         self.trace_handler: Callable[[stream_pb2.Command], trace_pb2.TraceCommandResult] | None = None
         self.trace_unavailable = "the tracer is starting"
         self.trace_ready = threading.Event()  # set once trace_handler (or why there is none) is known
+        # Remediation (tracer/remediate.py Remediator.handle): blocks up to its grace period plus a
+        # fixed kill wait, which the pool's worker may spend; None: this tracer runs none.
+        self.remediate_handler: RemediateHandler | None = None
 
     def submit(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
         with self._lock:
@@ -174,8 +183,12 @@ class CommandRunner:
             if not busy:
                 self.running += 1
         if busy:
-            reply(self._result(command.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"tracer on {self._node} has {self._max_queued} commands waiting; retry"))
+            why = f"tracer on {self._node} has {self._max_queued} commands waiting; retry"
+            if command.WhichOneof("body") == "remediate":  # answered in kind: the collector reads an outcome
+                reply(stream_pb2.CommandResult(id=command.id, remediate=stream_pb2.RemediateResult(
+                    incident=command.remediate.incident, outcome=FAILED, reason=f"nothing signalled: {why}")))
+            else:
+                reply(self._result(command.id, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
             return
         try:
             self._pool.submit(self._run, command, reply)
@@ -203,6 +216,8 @@ class CommandRunner:
                 else:
                     answer = handler(command)
                 result = stream_pb2.CommandResult(id=command.id, trace=answer)
+            elif body == "remediate":
+                result = stream_pb2.CommandResult(id=command.id, remediate=self._remediate(command.remediate))
             else:
                 # No body is a command from a newer collector: answer, never leave it hanging.
                 result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,
@@ -213,6 +228,19 @@ class CommandRunner:
         finally:
             with self._lock:
                 self.running -= 1
+
+    def _remediate(self, command: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        """The act's result; never raises, so the collector always hears how the incident ended."""
+        handler = self.remediate_handler
+        if handler is None:
+            return stream_pb2.RemediateResult(incident=command.incident, outcome=SKIPPED,
+                                              reason=f"tracer on {self._node} runs no remediation")
+        try:
+            return handler(command)
+        except Exception as exc:  # the handler answers its own errors; this is the last net
+            log.exception("remediation %s failed", command.incident)
+            reason = f"tracer on {self._node}: {type(exc).__name__}: {exc}".replace("\n", " ")
+            return stream_pb2.RemediateResult(incident=command.incident, outcome=FAILED, reason=reason)
 
     @staticmethod
     def _result(command_id: int, code: grpc.StatusCode, message: str) -> stream_pb2.CommandResult:

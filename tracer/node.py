@@ -29,10 +29,13 @@ from ghostgpu.tracer.agent import Tracer
 from ghostgpu.tracer.capabilities import check_capabilities
 from ghostgpu.tracer.config import TracerConfig
 from ghostgpu.tracer.cri_relay import CriRelay
+from ghostgpu.tracer.devices import DeviceCatalog
 from ghostgpu.tracer.podresources import PodResourcesPoller
+from ghostgpu.tracer.remediate import Remediator, cap_kill_note
 from ghostgpu.tracer.sinks import FanOut, JsonlSink, Sink
 from ghostgpu.tracer.stream import StreamOptions, StreamSink
 
+from ghostgpu.common.model.remediation import CAPABILITY as REMEDIATION_CAPABILITY
 from ghostgpu.common.system.fdlimit import raise_fd_limit
 from ghostgpu.common.transport.collector_target import collector_address
 from ghostgpu.common.transport.tls import TlsFiles, check_client
@@ -70,10 +73,19 @@ def build_sinks(cfg: TracerConfig, args: argparse.Namespace, poller_runs: bool,
     options = StreamOptions(spool_events=cfg.spool_events, tls=tls, collector_uid=trusted)
     # The spool checks its bound (a one-line ValueError naming --spool-events) before any thread starts.
     relay = CriRelay(getattr(args, "cri_endpoint", None), node=cfg.node_name)
-    stream = StreamSink(target, cfg.node_name, relay=relay,
-                        capabilities=["podresources"] if poller_runs else [], options=options)
+    remediator = build_remediator(cfg, relay)
+    capabilities = [*(["podresources"] if poller_runs else []),
+                    *([REMEDIATION_CAPABILITY] if remediator.enabled else [])]
+    stream = StreamSink(target, cfg.node_name, relay=relay, capabilities=capabilities, options=options,
+                        remediate=remediator.handle)
     sinks.append(stream)
     return sinks, stream, relay
+
+
+def build_remediator(cfg: TracerConfig, relay: CriRelay | None) -> Remediator:
+    """The act of remediation (tracer/remediate.py): on, or opted out with --remediation off."""
+    catalog = DeviceCatalog(cfg.prefixes, cfg.proc_root)  # its own: the agent's is its thread's
+    return Remediator(cfg.node_name, catalog, relay, enabled=cfg.remediation == "on", proc_root=cfg.proc_root)
 
 
 def tracer_tls(cfg: TracerConfig) -> TlsFiles | None:
@@ -168,6 +180,8 @@ def _run(cfg: TracerConfig, args: argparse.Namespace, install_signals: Callable[
             poller = PodResourcesPoller(pr_endpoint, sink.emit, PODRESOURCES_INTERVAL_S, node=cfg.node_name)
         for line in check_capabilities(bpf=cfg.bpf != "off"):  # one line per missing capability
             log.warning("%s", line)
+        if stream is not None and cfg.remediation == "on" and (note := cap_kill_note()):
+            log.info("%s", note)
         tracer = Tracer(cfg, sink, health=health)
         if stream is not None:
             stream.ringbuf_dropped = _ringbuf_drops(tracer)

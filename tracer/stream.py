@@ -55,7 +55,9 @@ class StreamSink:
     def __init__(self, target: str, node: str, *, relay: CriRelay | None = None,
                  capabilities: Iterable[str] = (), options: StreamOptions | None = None,
                  boot_id: str | None = None, ringbuf_dropped: Callable[[], int] | None = None,
-                 counters: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 counters: Callable[[], Mapping[str, int]] | None = None,
+                 remediate: Callable[[stream_pb2.RemediateCommand], stream_pb2.RemediateResult] | None = None,
+                 ) -> None:
         self.target = target
         self.node = node
         self.options = opts = options or StreamOptions()
@@ -68,6 +70,9 @@ class StreamSink:
         self._out = Outbox(opts.spool_events)
         self._wake = threading.Event()  # the sender's: set once per batch by emit, by acks and by close()
         self._commands = CommandRunner(relay, node)
+        # Remediation's act (tracer/remediate.py); the Hello's "remediation" capability is the
+        # caller's to offer (tracer --remediation on).
+        self._commands.remediate_handler = remediate
         capabilities = [*(["cri-relay"] if relay is not None else []), *capabilities]
         self._sender = StreamSender(target, node, opts, self._out, wake=self._wake, commands=self._commands,
                                     instance_id=self.instance_id, boot_id=self.boot_id,

@@ -90,7 +90,8 @@ def test_streaming_with_relay_and_podresources(collector: FakeCollector, tmp_pat
         wait_until(lambda: any(ev.WhichOneof("body") == "allocations" for ev in collector.events()),
                    "the allocations event", timeout_s=30)
         hello = collector.messages("hello")[0].msg.hello
-        assert hello.node == "node-t" and list(hello.capabilities) == ["cri-relay", "podresources"]
+        assert hello.node == "node-t"
+        assert list(hello.capabilities) == ["cri-relay", "podresources", "remediation"]  # --remediation on
         assert collector.messages("snapshot")[0].msg.snapshot.info.nvml is False
         alloc = next(ev.allocations for ev in collector.events() if ev.WhichOneof("body") == "allocations")
         assert alloc.available and alloc.containers[0].device_ids == [UUID0]
