@@ -36,6 +36,9 @@ from ghostgpu.common.wire.protocol import API_VERSION, API_VERSION_METADATA, MAX
 from ghostgpu.v1 import query_pb2, query_pb2_grpc, trace_pb2
 
 CALL_TIMEOUT_S = 10.0
+# A Remediate by hand waits for the tracer's re-check, then its SIGTERM .. SIGKILL grace and the
+# device's release (collector/remediation.py RemediationTiming: 10 s + the grace + 15 s)
+REMEDIATE_TIMEOUT_S = 120.0
 WATCH_REDRAW_S = 2.0  # ages in the SINCE column move even when no finding does
 RECONNECT_MAX_S = 2.0
 
@@ -177,6 +180,28 @@ class Query:
         req = query_pb2.ListFaultsRequest(since_unix_ns=since_unix_ns, node=node or "",
                                           namespace=namespace or "", limit=max(0, limit))
         answer: query_pb2.ListFaultsResponse = self._call(self.stub.ListFaults, req)
+        return answer
+
+    def remediate(self, finding: int, dry_run: bool, timeout_s: float = REMEDIATE_TIMEOUT_S,
+                  ) -> query_pb2.RemediateResponse:
+        """Remediate: one finding by hand (role remediator). A refusal (not orphaned, paused, no such
+        finding) is a TraceRefused with the collector's one line."""
+        req = query_pb2.RemediateRequest(finding=finding, dry_run=dry_run)
+        try:
+            answer: query_pb2.RemediateResponse = self.stub.Remediate(req, metadata=self.metadata,
+                                                                      timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise trace_error(exc, self.address, self.tls) from exc
+        return answer
+
+    def remediation_control(self, verb: query_pb2.RemediationControlRequest.Verb, mode: str = "",
+                            reason: str = "") -> query_pb2.RemediationStatus:
+        req = query_pb2.RemediationControlRequest(verb=verb, mode=mode, reason=reason)
+        try:
+            answer: query_pb2.RemediationStatus = self.stub.RemediationControl(req, metadata=self.metadata,
+                                                                               timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise trace_error(exc, self.address, self.tls) from exc
         return answer
 
     def events(self, node: str, instance_id: str, after_seq: int,

@@ -204,6 +204,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from ghostgpu.cli import certs as certs_cli  # flags only; cryptography is imported when it runs
 
     certs_cli.add_parser(sub)
+    from ghostgpu.cli import remediate as remediate_cli  # flags only; grpc is imported when it runs
+
+    remediate_cli.add_parser(sub)
     _add_up_parser(sub)
     return parser
 
@@ -223,6 +226,7 @@ def _add_tracer_parser(sub: Any) -> None:
     tracer.add_argument("--collector", help=f"stream to this collector: {COLLECTOR_FORMS}; one stream, to "
                         "one replica, moving to another when it is lost")
     _add_tracer_flag(tracer, "spool_events")
+    _add_tracer_flag(tracer, "remediation")  # config key remediation, env GHOSTGPU_REMEDIATION
     _add_tracer_flags(tracer)
     _add_node_flags(tracer)
     _add_health_flag(tracer)
@@ -232,8 +236,9 @@ def _add_tracer_parser(sub: Any) -> None:
 def _add_collector_parser(sub: Any) -> None:
     coll = sub.add_parser("collector", help="the cluster collector: ingests tracers, resolves containers "
                           "through CRI, answers queries")
-    coll.add_argument("--config", metavar="FILE", help="TOML config file (keys as in collector/config.py, "
-                      "in a [collector] table or at the top level); a flag given wins over it")
+    coll.add_argument("--config", metavar="FILE", help="TOML config file, or YAML when it ends in .yaml/.yml "
+                      "(keys as in collector/config.py, in a [collector] table or at the top level; its "
+                      "remediation section: docs/REMEDIATION.md); a flag given wins over it")
     _add_collector_flags(coll)
     # Replicas over a shared store (docs/REPLICAS.md): the collector's own flags; `up` stays on SQLite.
     from ghostgpu.collector.config import CollectorConfig
@@ -356,6 +361,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return certs_cli.run(args)
 
 
+def cmd_remediate(args: argparse.Namespace) -> int:
+    from ghostgpu.cli.remediate import cmd_remediate as run
+
+    return run(args)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from ghostgpu.cli.up import run_up
 
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.setswitchinterval(0.0005)
         commands = {"snapshot": cmd_snapshot, "tracer": cmd_tracer, "collector": cmd_collector,
                     "ps": cmd_query, "findings": cmd_query, "faults": cmd_faults, "up": cmd_up,
-                    "trace": cmd_trace, "audit": cmd_audit, "certs": cmd_certs}
+                    "trace": cmd_trace, "audit": cmd_audit, "certs": cmd_certs, "remediate": cmd_remediate}
         return commands[args.command](args)
     except ConfigError as exc:
         print(f"ghostgpu: config: {exc}", file=sys.stderr)

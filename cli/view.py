@@ -25,6 +25,7 @@ from ghostgpu.common.wire.convert import (
     cluster_consumer_from_proto,
     gpu_from_proto,
     holder_kind,
+    remediation_from_proto,
 )
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
@@ -199,11 +200,23 @@ def _stamp(unix_ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_ns / 1e9))
 
 
+def remediation_json(f: query_pb2.Finding) -> dict[str, Any] | None:
+    """A finding's `remediation` (docs/REMEDIATION.md): state, action, at (unix seconds, as the other
+    times), reason, mode, incident, audit_seq; None when no remediation considered it."""
+    r = remediation_from_proto(f.remediation) if f.HasField("remediation") else None
+    if r is None:
+        return None
+    return {"state": r.state, "action": r.action, "at": r.at_unix_ns / 1e9 if r.at_unix_ns else None,
+            "reason": r.reason, "mode": r.mode, "incident": r.incident, "audit_seq": r.audit_seq}
+
+
 def finding_json(f: query_pb2.Finding) -> dict[str, Any]:
-    """`ClusterConsumer.to_json()` plus the finding's id and times (unix seconds; resolved: None if open)."""
+    """`ClusterConsumer.to_json()` plus the finding's id and times (unix seconds; resolved: None if open)
+    and its remediation (None: none)."""
     d = cluster_consumer_from_proto(f.consumer).to_json()
     d.update({"id": f.id, "opened": f.opened_unix_ns / 1e9,
-              "resolved": f.resolved_unix_ns / 1e9 if f.resolved_unix_ns else None})
+              "resolved": f.resolved_unix_ns / 1e9 if f.resolved_unix_ns else None,
+              "remediation": remediation_json(f)})
     if not d.get("node"):
         d["node"] = f.node
     return d
@@ -228,6 +241,7 @@ def _finding_columns(wide: bool) -> list[Column[FindingRow]]:
             ("CONTAINER", lambda r: r[1].k8s.container
              or short_id(r[1].consumer.container_id, LISTING_ID_LEN) or "-"),
             ("DEVICES", lambda r: _devices(r[1])),
+            ("REMEDIATION", lambda r: r[0].remediation.state or "-"),
         ]
     return [*cols, ("REASON", lambda r: r[1].consumer.reason)]
 

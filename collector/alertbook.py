@@ -232,6 +232,18 @@ class _Finding:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+# While remediation is paused, or its breaker is open, every act is a dry run (collector/remediation.py):
+# one alert for the cluster (each replica sends the same label set), resolved when neither holds.
+PAUSED_ALERT = "GhostGPURemediationPaused"
+PAUSED_ANNOTATIONS = {
+    "summary": "ghostgpu remediation acts only in dry-run: {why}",
+    "description": ("Remediation is paused (`ghostgpu remediate pause`) or its circuit breaker is open (too "
+                    "many acts in its window): every orphaned GPU holder is only reported, none is killed. "
+                    "Now: {why}. `ghostgpu remediate status` says more; `ghostgpu remediate resume` ends a "
+                    "pause; an open breaker closes by itself as its window passes."),
+}
+
+
 class AlertBook:
     """Per Alertmanager, `unsent` holds the label sets whose latest version it has not taken (sent
     first, at once), and `resend` the rest, queued every resend_s: a loop step costs what changed,
@@ -256,6 +268,9 @@ class AlertBook:
         self.fault_hold_s = 3600.0  # AlertPusher sets it from --alert-fault-hold
         self.faults_held: dict[int, tuple[query_pb2.ClusterFault, float]] = {}  # ID -> (fault, until mono)
         self.fault_ends: dict[Key, float] = {}  # fault alerts -> their endsAt (unix s), oldest first
+        # Finding ID -> what remediation did or would do: the alert's `remediation` annotation
+        self.notes: dict[int, str] = {}
+        self.paused_since_unix_s = 0.0  # the GhostGPURemediationPaused alert fires since; 0: it does not
 
     # ---- findings in ----------------------------------------------------------------------------
 
@@ -273,6 +288,48 @@ class AlertBook:
                               or self._first_resolved_mono() + self.resolved_keep_s <= now_mono):
             self._expire(now_mono)
         return changed
+
+    # ---- remediation in ------------------------------------------------------------------------------
+
+    def apply_notes(self, notes: dict[int, str]) -> bool:
+        """Take remediation notes (the latest per finding): a firing alert is sent again with its
+        `remediation` annotation; True when one changed."""
+        changed = False
+        for fid, note in notes.items():
+            if self.notes.get(fid) == note:
+                continue
+            self.notes[fid] = note
+            st = self.findings.get(fid)
+            if st is not None and st.fired and fid not in self.held:
+                for key in st.fired:
+                    self._put(key, st.labels, st, None)
+                changed = True
+        return changed
+
+    def set_paused(self, reason: str, now_mono: float) -> bool:
+        """Fire the GhostGPURemediationPaused alert with `reason`, or resolve it ("" ); True on a change."""
+        self._now = now_mono
+        labels = {"alertname": PAUSED_ALERT, "severity": "warning", "source": SOURCE, **self.extra}
+        key = _key(labels)
+        now_s = time.time()
+        if reason:
+            self.paused_since_unix_s = self.paused_since_unix_s or now_s
+            annotations = {k: v.format(why=reason) for k, v in PAUSED_ANNOTATIONS.items()}
+            body: dict[str, object] = {"labels": labels, "annotations": annotations,
+                                       "startsAt": rfc3339(self.paused_since_unix_s)}
+            self.resolved.pop(key, None)
+        elif self.paused_since_unix_s and key in self.alerts:
+            body = dict(self.alerts[key].body)
+            body["endsAt"] = rfc3339(max(now_s, self.paused_since_unix_s))
+            self.paused_since_unix_s = 0.0
+            self.resolved[key] = now_mono
+        else:
+            return False
+        self._version += 1
+        self.alerts[key] = _Alert(body, self._version, 0)
+        for unsent in self.unsent.values():
+            unsent[key] = None
+        return True
 
     # ---- GPU faults in ------------------------------------------------------------------------------
 
@@ -338,6 +395,7 @@ class AlertBook:
         changed = False
         for fid in finding_ids:
             self.held.pop(fid, None)
+            self.notes.pop(fid, None)
             st = self.findings.pop(fid, None)
             if st is None:
                 continue
@@ -373,6 +431,7 @@ class AlertBook:
                 self._put(_key(labels), labels, st, ends_unix_s)
             for key in st.fired:
                 self._resolve(key, st, ends_unix_s)
+            self.notes.pop(f.id, None)
             return True
         if st is None:  # OPENED, or CHANGED of a finding opened before this watcher
             st = self.findings[f.id] = _Finding(f.id, f.opened_unix_ns / 1e9 or time.time(), labels=labels)
@@ -407,7 +466,10 @@ class AlertBook:
 
     def _put(self, key: Key, labels: dict[str, str], st: _Finding, ends_unix_s: float | None) -> None:
         self._version += 1
-        body: dict[str, object] = {"labels": labels, "annotations": alert_annotations(labels),
+        annotations = alert_annotations(labels)
+        if note := self.notes.get(st.id):
+            annotations["remediation"] = note
+        body: dict[str, object] = {"labels": labels, "annotations": annotations,
                                    "startsAt": rfc3339(st.starts_unix_s)}
         if ends_unix_s is not None:
             body["endsAt"] = rfc3339(max(ends_unix_s, st.starts_unix_s))

@@ -13,6 +13,10 @@ alert) and posts what its Alertmanager has not yet acknowledged, or everything e
 firing alerts without endsAt (so Alertmanager's resolve_timeout ends them if the collector dies),
 resolved ones with endsAt for `resolved_keep_s`, as Alertmanager's docs ask of a direct client.
 
+Remediation (collector/remediation.py) adds to it: `offer_remediation()` files what was (or would be)
+done for a finding, sent as its alert's `remediation` annotation, and `set_remediation_paused()` fires
+or resolves the GhostGPURemediationPaused alert.
+
 GPU faults (collector/faults.py) come the same way: the fault book calls `offer_fault()` on the loop
 for each new fault and each change of its pod names; it is filed by fault ID (the latest wins) and
 becomes one alert with endsAt `fault_hold_s` after the fault (collector/alertbook.py).
@@ -139,6 +143,8 @@ class AlertPusher:
         self._inbox: dict[int, query_pb2.FindingEvent] = {}
         self._fault_inbox: dict[int, query_pb2.ClusterFault] = {}
         self._released: set[int] = set()  # findings whose node moved to another replica (release_findings)
+        self._note_inbox: dict[int, str] = {}  # finding ID -> its remediation note (offer_remediation)
+        self._paused_inbox: str | None = None  # the paused alert's reason to apply ("" resolves it)
         self._inbox_lock = threading.Lock()  # held only to file or swap the inbox: push() never waits long
         self._inbox_dropped = 0
         self._lock = threading.Lock()  # the book and the counters below; never held across a POST
@@ -202,6 +208,22 @@ class AlertPusher:
         except Exception:  # as _offer: the next change carries the fault again
             log.exception("alertpush: could not queue a GPU fault")
 
+    def offer_remediation(self, finding_id: int, note: str) -> None:
+        """What remediation did or would do for a finding (collector/remediation.py): the `remediation`
+        annotation of its alert. O(1), never blocks; the engine calls it on the loop."""
+        with self._inbox_lock:
+            self._note_inbox[finding_id] = note
+        for t in self._targets:
+            t.wake.set()
+
+    def set_remediation_paused(self, reason: str) -> None:
+        """Fire the GhostGPURemediationPaused alert (remediation paused, or its breaker open: `reason`),
+        or resolve it (""). O(1), never blocks."""
+        with self._inbox_lock:
+            self._paused_inbox = reason
+        for t in self._targets:
+            t.wake.set()
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -239,9 +261,15 @@ class AlertPusher:
             events, self._inbox = self._inbox, {}
             faults, self._fault_inbox = self._fault_inbox, {}
             released, self._released = self._released, set()
+            notes, self._note_inbox = self._note_inbox, {}
+            paused, self._paused_inbox = self._paused_inbox, None
         changed = self._book.release(released) if released else False
         changed |= self._book.apply(events.values(), now_mono)
         changed |= self._book.apply_faults(faults.values(), now_mono)
+        if notes:
+            changed |= self._book.apply_notes(notes)
+        if paused is not None:
+            changed |= self._book.set_paused(paused, now_mono)
         if changed:
             for t in self._targets:
                 t.wake.set()

@@ -2,27 +2,23 @@
 
 `collector.alertpush.AlertPusher` runs one thread per Alertmanager, so an HA pair's members never
 wait for each other: a member that hangs costs its own thread `timeout_s` per attempt, nothing more.
-The HTTP/1.1 connection is kept between POSTs (Alertmanager's Go server keeps it alive) and opened
-again after any error.
+The HTTP/1.1 connection (`collector/httppost.py`) is kept between POSTs (Alertmanager's Go server
+keeps it alive) and opened again after any error; one sent again after the peer closed an idle
+connection is harmless, as Alertmanager merges alerts by label set.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import json
-import random
-import socket
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
+
+from ghostgpu.collector.httppost import Connection, jittered_backoff_s, one_line
 
 API_PATH = "/api/v2/alerts"
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
-REASON_MAX_CHARS = 300  # an Alertmanager's error text, cut to one readable log line
-# What a POST on a kept-alive connection the other side closed while idle raises (posting alerts
-# again is harmless: Alertmanager merges them by label set).
-_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 URL_HELP = ("use http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:9093; a path prefix such as "
             "http://HOST:PORT/alertmanager is kept)")
 
@@ -77,11 +73,6 @@ class PostResult:
         return self.status == 400
 
 
-def one_line(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= REASON_MAX_CHARS else line[:REASON_MAX_CHARS - 3] + "..."
-
-
 def _reason(body: bytes) -> str:
     """Alertmanager answers a 400 with a JSON string (0.25) or an object with `message`; else raw text."""
     text = body.decode("utf-8", errors="replace")
@@ -100,7 +91,7 @@ class Sender:
     def __init__(self, endpoint: Endpoint, timeout_s: float) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._conn: http.client.HTTPConnection | None = None
+        self._http = Connection(endpoint.scheme, endpoint.host, endpoint.port, timeout_s, endpoint.display)
         self.failures = 0  # consecutive failed POSTs (no answer or 5xx)
 
     def post(self, alerts: list[dict[str, object]], timeout_s: float | None = None) -> PostResult:
@@ -108,48 +99,20 @@ class Sender:
         headers = {"Content-Type": "application/json", "User-Agent": "ghostgpu-collector"}
         if self.endpoint.authorization:
             headers["Authorization"] = self.endpoint.authorization
-        for attempt in (1, 2):
-            reused = self._conn is not None and self._conn.sock is not None
-            conn = self._connection(timeout_s or self.timeout_s)
-            try:
-                conn.request("POST", self.endpoint.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                break
-            except (OSError, http.client.HTTPException) as e:
-                self.close()
-                if reused and attempt == 1 and isinstance(e, _STALE):
-                    continue  # the peer (or a proxy) closed the idle kept-alive connection: a fresh one
-                timed_out = isinstance(e, socket.timeout | TimeoutError)
-                what = "timed out" if timed_out else f"{type(e).__name__}: {e}"
-                return PostResult(0, one_line(f"no answer from {self.endpoint.display}: {what}"))
-        if resp.will_close:
-            self.close()
-        if resp.status == 200:
+        reply = self._http.post(self.endpoint.path, body, headers, timeout_s or self.timeout_s)
+        if reply.status == 0:
+            return PostResult(0, reply.error)
+        if reply.status == 200:
             return PostResult(200, "")
-        reason = _reason(data) or resp.reason
-        if resp.status == 404:
+        reason = _reason(reply.body) or reply.phrase
+        if reply.status == 404:
             reason += f" (is {self.endpoint.display} an Alertmanager with API v2? check --alertmanager)"
-        return PostResult(resp.status, one_line(f"{self.endpoint.display} answered {resp.status}: {reason}"))
-
-    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        if self._conn is None:
-            https = self.endpoint.scheme == "https"
-            cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
-            self._conn = cls(self.endpoint.host, self.endpoint.port, timeout=timeout_s)
-        else:
-            self._conn.timeout = timeout_s
-            if self._conn.sock is not None:
-                self._conn.sock.settimeout(timeout_s)
-        return self._conn
+        line = one_line(f"{self.endpoint.display} answered {reply.status}: {reason}")
+        return PostResult(reply.status, line)
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        self._http.close()
 
     def backoff_s(self) -> float:
-        """Delay before the next attempt after `failures` failed ones: 0.5 s doubling to 30 s, each
-        drawn from [half, full] so the collectors of a fleet do not retry in step."""
-        full = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, self.failures - 1))
-        return random.uniform(full / 2, full)
+        """Delay before the next attempt after `failures` failed ones: 0.5 s doubling to 30 s, jittered."""
+        return jittered_backoff_s(self.failures, BACKOFF_FIRST_S, BACKOFF_MAX_S)

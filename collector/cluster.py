@@ -154,6 +154,9 @@ class ClusterTable:
             self.announce = finding_announcer(store.replica_id)
         self.also_open: Callable[[], Iterable[FindingRec]] | None = None
         self.on_forget: list[Callable[[list[int]], None]] = []  # finding ids of a node that moved away
+        # Called with each finding opened, changed or resolved here (the remediation engine's nudge:
+        # collector/remediation.py); cheap, on the loop, never raising.
+        self.on_finding: list[Callable[[FindingRec], None]] = []
         self._changes: list[tuple[str, int, int]] = []  # (node, id, kind) written since the last _flush
         self._ops: list[tuple] = []
         self._dirty: dict[int, FindingRec] = {}  # changed open findings not yet written
@@ -302,6 +305,8 @@ class ClusterTable:
             rec.consumer = cc
 
     def _emit(self, kind: query_pb2.FindingEvent.Kind, rec: FindingRec, write: bool = True) -> None:
+        for hook in self.on_finding:
+            hook(rec)
         if write:
             self._ops.append(Store.op_finding(rec.row()))
             if self.announce is not None:

@@ -9,11 +9,14 @@ default than the one the collector uses. What a component takes (SecurityOptions
 trace store's caps, /metrics' HttpCaps, the CRI cache's ttl, the Alertmanager resend) comes from
 here; none of them has a default of its own for it.
 
-The file is read by the reader the tracer's is (ghostgpu/common/system/configfile.py): TOML, its
-keys the field names, in a `[collector]` table or at the top level; a flag that is given wins over
-the file. Durations are seconds in the file (`trace_max_duration_s = 600`) and "10m" on the command
-line. A bad value is a ValueError with one line: a flag's names the flag, a file's (ConfigError)
-names the file and the key.
+The file is read by the reader the tracer's is (ghostgpu/common/system/configfile.py): TOML (YAML
+when its name ends in .yaml or .yml), its keys the field names, in a `[collector]` table or at the
+top level; a flag that is given wins over the file. Its `remediation` section is not a field: it is
+the remediation policy's (collector/remediation_policy.py), re-read when the file changes
+(collector/remediation_config.py), so the file's path travels in `config_path`. Durations are
+seconds in the file (`trace_max_duration_s = 600`; the remediation section's are written 5m, 1h) and
+"10m" on the command line. A bad value is a ValueError with one line: a flag's names the flag, a
+file's (ConfigError) names the file and the key.
 
 This module is imported when the parser is built, by every command: nothing heavy at module level.
 """
@@ -31,6 +34,10 @@ from ghostgpu.common.model.durations import duration_flag, format_s
 from ghostgpu.common.model.trace_limits import TRACE_MAX_DURATION_S, TRACE_MAX_RECORDS
 from ghostgpu.common.system.configfile import comma_list, read_config_file
 from ghostgpu.common.system.settings import flag_values, meta, setting
+
+# The config file's section the remediation policy reads (collector/remediation_policy.py's SECTION),
+# skipped by the settings' reader; written here too, as that module is not imported to build a parser.
+REMEDIATION_SECTION = "remediation"
 
 if TYPE_CHECKING:
     from ghostgpu.collector.security import SecurityOptions
@@ -157,6 +164,9 @@ class CollectorConfig:
         help="seconds a CRI answer is cached (default {default}; unknown containers 5)")
     # The node the collector itself runs on (`up`): its containers are resolved through cri_endpoint.
     node_name: str | None = setting(in_file=False)
+    # --config FILE, as given: its remediation section is read (and re-read) by the remediation policy's
+    # watcher (collector/remediation_config.py); None: no file, remediation off.
+    config_path: str | None = setting(in_file=False)
     # ---- /metrics and the Alertmanager push ----
     metrics_listen: str | None = setting(
         flag="--metrics-listen", check=_check_metrics_listen, metavar="HOST:PORT",
@@ -286,5 +296,6 @@ class CollectorConfig:
 def collector_config(args: argparse.Namespace) -> CollectorConfig:
     """`ghostgpu collector`'s settings: the defaults, then --config FILE, then the flags."""
     path = getattr(args, "config", None)
-    from_file = read_config_file(path, CollectorConfig, "collector", where=f"--config {path}") if path else {}
-    return CollectorConfig(**{**from_file, **flag_values(CollectorConfig, args)})
+    from_file = read_config_file(path, CollectorConfig, "collector", where=f"--config {path}",
+                                 sections=(REMEDIATION_SECTION,)) if path else {}
+    return CollectorConfig(**{**from_file, **flag_values(CollectorConfig, args)}, config_path=path)

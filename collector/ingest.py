@@ -68,6 +68,14 @@ class TraceSink(Protocol):
     def stream_ended(self, stream: IngestSession) -> None: ...
 
 
+class CommandSink(Protocol):
+    """What ingest hands the remediation commands' waiters (collector/remediation_commands.py)."""
+
+    def answer(self, stream: IngestSession, result: stream_pb2.CommandResult) -> bool: ...
+
+    def stream_ended(self, stream: IngestSession) -> None: ...
+
+
 def node_binding_refusal(node: str, who: Principal, local_node: str | None,
                          local_uids: frozenset[int]) -> str | None:
     """None when `who` may send a Hello for `node`; else why not (one clause)."""
@@ -145,6 +153,9 @@ class Ingest:
         self.sessions = sessions
         self.relay = CriRelayClient(self.sessions)
         self.traces = traces
+        # Remediate commands' answers (collector/remediation_commands.py RemediateCalls); the Collector
+        # sets it. Asked first: it claims the ids it waits for, whatever the body.
+        self.remediation: CommandSink | None = None
         self.audit = audit
         self.faults = faults
         self.leases = leases
@@ -380,6 +391,8 @@ class Ingest:
         self.relay.stream_ended(session)
         if self.traces is not None:
             self.traces.stream_ended(session)
+        if self.remediation is not None:
+            self.remediation.stream_ended(session)
         if self.sessions.get(session.node) is session:
             del self.sessions[session.node]
             # The lease stays this replica's until another replica takes the node: the last replica that
@@ -463,7 +476,9 @@ class Ingest:
                 state.set_stats(msg.heartbeat.stats)
                 self._store_position(state)
         elif kind == "result":
-            if self.traces is None or not self.traces.answer(session, msg.result):
+            if self.remediation is not None and self.remediation.answer(session, msg.result):
+                pass  # a RemediateResult (collector/remediation_commands.py)
+            elif self.traces is None or not self.traces.answer(session, msg.result):
                 self.relay.answer(session, msg.result)
         elif kind == "trace":
             if self.traces is not None:

@@ -34,16 +34,19 @@ from ghostgpu.collector.faults import FaultBook, select_unended
 from ghostgpu.collector.findings_remote import RemoteFindings
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
+from ghostgpu.collector.isolation import Isolator
 from ghostgpu.collector.leases import Leases
 from ghostgpu.collector.node_state import NodeStateWriter
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.notify import Notifications, Notifier, notifier_for
 from ghostgpu.collector.policy import ADMIN
 from ghostgpu.collector.query import QueryService
+from ghostgpu.collector.remediation_config import RemediationConfig
 from ghostgpu.collector.replica_commands import ReplicaCommands
 from ghostgpu.collector.security import Security, SecurityOptions
 from ghostgpu.collector.server import ListenError, start_server
 from ghostgpu.collector.store import Store
+from ghostgpu.collector.tickets import TicketDesk
 from ghostgpu.collector.trace_commands import TraceTiming
 from ghostgpu.collector.trace_follow import TraceFollow
 from ghostgpu.collector.trace_store import TraceStore
@@ -77,17 +80,23 @@ class Collector:
 
     def __init__(self, config: CollectorConfig, *, resolver_factory: ResolverFactory | None = None,
                  pusher_factory: Callable[..., Any] | None = None, heap: HeapPolicy | None = None,
-                 trace_timing: TraceTiming | None = None, security: SecurityOptions | None = None) -> None:
+                 trace_timing: TraceTiming | None = None, security: SecurityOptions | None = None,
+                 remediation_timing: Any = None) -> None:
         """resolver_factory, pusher_factory: stand-ins for the CRI resolver and the Alertmanager pusher;
         heap: the commands' gc policy (collector/heap.py), ticked by the loop; trace_timing: the trace
         sessions' waits and ticks (tests shorten them); security: SecurityOptions already built (tests
-        with their own TLS files), else the config's."""
+        with their own TLS files), else the config's; remediation_timing: the remediation engine's
+        RemediationTiming (tests shorten it)."""
         self.config = config
         self._resolver_factory = resolver_factory
         self._pusher_factory = pusher_factory
         self.heap = heap
+        self._remediation_timing = remediation_timing
         self.trace_limits = config.trace_limits(trace_timing)  # collector/traces.py: trace sessions
         self.security_options = security or config.security_options()  # collector/security.py
+        # The remediation policy in force (--config's remediation section; a bad one: ConfigError here),
+        # re-read when the file changes (the loop's tick) and on SIGHUP (collector/run.py).
+        self.remediation_config = RemediationConfig(config.config_path)
         self._init_loop_state()
         self._init_components()
 
@@ -149,6 +158,7 @@ class Collector:
         self._build_ingest()
         self._build_query()
         self._build_pusher()
+        self._build_remediation()
         self._serve_metrics()
 
     def _open_local_cri(self) -> None:
@@ -258,6 +268,41 @@ class Collector:
                               resend_s=cfg.alert_resend_s, fault_hold_s=cfg.alert_fault_hold_s)
         self.faults.listeners.append(self.pusher.offer_fault)  # one alert per GPU fault
 
+    def _build_remediation(self) -> None:
+        """The remediation engine (collector/remediation.py): Remediate and RemediationControl, and a tick
+        on the loop; off until the config's remediation section (or `ghostgpu remediate mode`) says so."""
+        from ghostgpu.collector.remediation import REPLICA_KIND, Remediator, replica_forward, replica_handler
+
+        assert self.security is not None
+        shared = self.store.engine != "sqlite"
+        leases, replica = self.leases, self.replica
+
+        def owner_of(node: str) -> str | None:
+            remote = replica.remote_stream(node) if replica is not None else None
+            return remote.owner if remote is not None else None
+
+        # Action 2 (collector/isolation.py, through the Kubernetes API: its client made at the first
+        # act) and action 3 (collector/tickets.py), each off until the remediation section turns it on.
+        self.isolator = isolator = Isolator(self.store, self.remediation_config, nodes=self.nodes,
+                                            audit=self.security.audit, view=lambda: self.remediator.view,
+                                            replica_id=self.store.replica_id)
+        self.faults.listeners.append(isolator.on_fault)  # a critical Xid isolates its node
+        self.tickets = tickets = TicketDesk(lambda: self.remediation_config().ticket)
+        self.remediator = Remediator(
+            self.store, self.cluster, self.streams, policy=self.remediation_config,
+            replica_id=self.store.replica_id, audit=self.security.audit,
+            applies=(lambda node: leases.fence(node) is not None) if shared else None, owner_of=owner_of,
+            alerts=self.pusher if hasattr(self.pusher, "offer_remediation") else None,
+            isolate=isolator.isolate_unkillable, ticket=tickets.submit,
+            forward=replica_forward(replica) if replica is not None else None,
+            timing=self._remediation_timing)
+        if replica is not None:  # Remediate calls other replicas hand over for this replica's nodes
+            replica.handle(REPLICA_KIND, replica_handler(self.remediator))
+        self.ingest.remediation = self.remediator.calls  # the tracers' RemediateResults
+        self.remediation_config.on_change.append(self.remediator.config_changed)  # audited
+        self.remediation_config.on_refused.append(self.remediator.config_refused)
+        self.query.remediator = self.remediator
+
     def _serve_metrics(self) -> None:
         """/metrics, with metrics_listen only. Bound before the loop runs (a taken port fails start()
         at once); a scrape that comes before the loop is up is answered 503 by _call_for_scrape."""
@@ -275,7 +320,8 @@ class Collector:
             audit_head=self.security.audit_head, max_process_series=cfg.metrics_max_process_series,
             faults=self.faults, store=self.store, leases=self.leases,
             notifier=self.notifier if isinstance(self.notifier, Notifier) else None,  # PostgreSQL's
-            replica=self.replica.stats if self.replica is not None else None)
+            replica=self.replica.stats if self.replica is not None else None, remediation=self.remediator,
+            tickets=self.tickets.stats, isolations=lambda: dict(self.isolator.outcomes_total))
         # /healthz and /readyz beside /metrics (collector/health.py), open to kubelet's probes
         self.health = CollectorHealth(self.store, loop=lambda: self.loop, serving=self._serving,
                                       leases=self.leases)
@@ -313,6 +359,8 @@ class Collector:
             self.cluster.watch(self.pusher.watcher, include_open=True)
             await self._offer_recent_faults()
         self.traces.start_ticking()
+        self.cluster.on_finding.append(self.remediator.on_finding)  # an orphan opened: a tick now
+        self.remediator.start_ticking()
         self.notifier.start(self.loop)
         if self.remote_findings is not None:
             self.remote_findings.start()
@@ -334,9 +382,14 @@ class Collector:
                 self.cluster.flush_changed()
                 self.cluster.release_unused()
                 security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
+                self.remediation_config.maybe_reload()  # and so is a changed remediation section
+                self.isolator.check_memory()  # memory no process owns, for too long: isolation
                 if self.heap is not None:
                     self.heap.tick()
         renewals.cancel()
+        self.remediator.shutdown()
+        self.isolator.close()
+        self.tickets.close()
         if self.node_state is not None:
             self.node_state.stop()
         self.cluster.flush_changed()

@@ -58,12 +58,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ghostgpu import __version__
 from ghostgpu.common.model.consumers import ClusterConsumer, ConsumerKey
+from ghostgpu.common.model.remediation import (
+    DONE,
+    FAILED,
+    ISOLATION_TRIGGERS,
+    KILL_ORPHAN,
+    MODE_DRY_RUN,
+    MODE_MANUAL,
+    MODE_ON,
+    MODES,
+    PROPOSED,
+    SKIPPED,
+    STATES,
+)
 from ghostgpu.common.web.httpserve import PROMETHEUS_TEXT, Request, Response
 from ghostgpu.common.wire.protocol import API_VERSION
 from ghostgpu.v1 import stream_pb2
 
 if TYPE_CHECKING:
     from ghostgpu.collector.alertpush import AlertPushStats  # imported only with --alertmanager
+    from ghostgpu.collector.remediation import RemediationView
 
 __all__ = ["ALERTMANAGER_METRICS", "COLLECTOR_METRICS", "REPLICA_METRICS", "SHARED_STORE_METRICS",
            "STORE_METRICS", "CollectorMetrics"]
@@ -96,6 +110,15 @@ class StoreStats(Protocol):
 
     @property
     def failed(self) -> BaseException | None: ...
+
+
+class RemediationStats(Protocol):
+    """What /metrics reads of the remediation engine (collector/remediation.py's Remediator)."""
+
+    incidents_total: dict[tuple[str, str, str], int]  # (action, state, mode) -> incidents that reached it
+
+    @property
+    def view(self) -> RemediationView: ...
 
 
 class LeaseStats(Protocol):
@@ -160,13 +183,18 @@ class CollectorMetrics:
                  max_process_series: int, faults: FaultBook | None = None,
                  store: StoreStats | None = None, leases: LeaseStats | None = None,
                  notifier: NotifierStats | None = None, replica: ReplicaCommandStats | None = None,
+                 remediation: RemediationStats | None = None,
+                 tickets: Callable[[], Mapping[str, int]] | None = None,
+                 isolations: Callable[[], Mapping[tuple[str, str], int]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """audit_head: (the audit chain's newest seq, records this run appended), Security.audit_head;
         max_process_series: CollectorConfig.metrics_max_process_series (checked there); faults: the GPU
         faults' book (collector/faults.py), for ghostgpu_xid_errors_total; store: the Store, for
         ghostgpu_store_*; leases: this replica's Leases, for ghostgpu_collector_* and, with a
         PostgreSQL store, to write per-node series for the nodes this replica holds only; notifier and
-        replica (PostgreSQL only): the listener and ReplicaCommands.stats, for ghostgpu_collector_*."""
+        replica (PostgreSQL only): the listener and ReplicaCommands.stats, for ghostgpu_collector_*;
+        remediation: the remediation engine, for ghostgpu_remediation_*; tickets: TicketDesk.stats
+        (collector/tickets.py); isolations: the Isolator's outcome counts (collector/isolation.py)."""
         self.nodes, self.cluster = nodes, cluster
         self.call = call
         self.cri_stats, self.push_stats = cri_stats, push_stats
@@ -176,6 +204,7 @@ class CollectorMetrics:
         self.faults_dropped = 0
         self.store, self.leases, self.clock = store, leases, clock
         self.notifier, self.replica = notifier, replica
+        self.remediation, self.tickets, self.isolations = remediation, tickets, isolations
         # Only with a shared store: one SQLite collector writes every node it knows, as before.
         self.owned_only = leases is not None and store is not None and store.engine == "postgresql"
         self.owned_nodes: int | None = None
@@ -382,6 +411,58 @@ class _GlobalCollector:
             yield commands
         if m.push_stats is not None:
             yield from _alertmanager(m.push_stats())
+        if m.remediation is not None:
+            yield from _remediation(m.remediation)
+        if m.tickets is not None:
+            yield from _tickets(m.tickets())
+        if m.isolations is not None:
+            yield from _isolations(m.isolations())
+
+
+def _tickets(stats: Mapping[str, int]) -> Iterator[Metric]:
+    name = "ghostgpu_remediation_tickets_total"
+    tickets = CounterMetricFamily(name, _help(name), labels=["result"])
+    for result in ("sent", "failed", "dropped"):
+        tickets.add_metric([result], stats.get(result, 0))
+    yield tickets
+    name = "ghostgpu_remediation_ticket_retries_total"
+    yield CounterMetricFamily(name, _help(name), value=stats.get("retries", 0))
+
+
+def _isolations(outcomes: Mapping[tuple[str, str], int]) -> Iterator[Metric]:
+    name = "ghostgpu_remediation_isolations_total"
+    family = CounterMetricFamily(name, _help(name), labels=["trigger", "state"])
+    # every trigger's end states from 0, as for the incidents (collector/isolation.py's triggers)
+    counts = {(trigger, state): 0 for trigger in ISOLATION_TRIGGERS
+              for state in (PROPOSED, SKIPPED, DONE, FAILED)}
+    counts.update(dict(outcomes))
+    for (trigger, state), n in sorted(counts.items()):
+        family.add_metric([trigger, state], n)
+    yield family
+
+
+def _remediation(r: RemediationStats) -> Iterator[Metric]:
+    """ghostgpu_remediation_*: the engine's incidents and switches, as its last tick saw them (read from
+    the scraping thread: a copy of a dict the loop only adds to, and a view it replaces whole)."""
+    view = r.view
+    name = "ghostgpu_remediation_incidents_total"
+    incidents = CounterMetricFamily(name, _help(name), labels=["action", "state", "mode"])
+    # Every state and mode of action 1 from 0 (Prometheus' advice for known label sets: rate() and
+    # increase() see the first incident), then whatever else the engine counted.
+    counts = {(KILL_ORPHAN, state, mode): 0 for state in STATES
+              for mode in (MODE_DRY_RUN, MODE_ON, MODE_MANUAL)}
+    counts.update(dict(r.incidents_total))
+    for (action, state, decided_in), n in sorted(counts.items()):
+        incidents.add_metric([action, state, decided_in], n)
+    yield incidents
+    yield GaugeMetricFamily("ghostgpu_remediation_paused", _help("ghostgpu_remediation_paused"),
+                            value=int(view.paused))
+    yield GaugeMetricFamily("ghostgpu_remediation_breaker_open", _help("ghostgpu_remediation_breaker_open"),
+                            value=int(view.breaker_open or bool(view.nodes_over)))
+    mode = GaugeMetricFamily("ghostgpu_remediation_mode", _help("ghostgpu_remediation_mode"), labels=["mode"])
+    for each in MODES:
+        mode.add_metric([each], int(view.mode == each))
+    yield mode
 
 
 def _store(m: CollectorMetrics, store: StoreStats) -> Iterator[Metric]:

@@ -123,6 +123,24 @@ COLLECTOR_METRICS: dict[str, tuple[str, str]] = {
     "ghostgpu_collector_replica_commands_total": (
         "counter", "Commands between replicas (trace and CRI commands for a node another replica serves, "
         "trace parts' reports, stops for a session's home), by role (sent, run), kind and result"),
+    "ghostgpu_remediation_incidents_total": (
+        "counter", "Remediation incidents that reached a state (proposed, skipped, done, failed, unkillable) "
+        "on this collector, by action, state and the mode they were decided in"),
+    "ghostgpu_remediation_paused": (
+        "gauge", "1 while remediation is paused (ghostgpu remediate pause): every act is a dry run"),
+    "ghostgpu_remediation_breaker_open": (
+        "gauge", "1 while the remediation breaker is open (too many acts in its window, cluster-wide or on "
+        "a node): acts are dry runs"),
+    "ghostgpu_remediation_mode": (
+        "gauge", "The remediation mode in force: 1 for it, 0 for the others (off, dry-run, on)"),
+    "ghostgpu_remediation_tickets_total": (
+        "counter", "Remediation tickets by result: sent (the webhook took it), failed (refused, or out "
+        "of attempts or time), dropped (the queue was full: the oldest is dropped)"),
+    "ghostgpu_remediation_ticket_retries_total": (
+        "counter", "Ticket POSTs sent again after no answer, a 5xx or a 429"),
+    "ghostgpu_remediation_isolations_total": (
+        "counter", "Node isolation incidents that reached a state (proposed, skipped, done, failed), by "
+        "trigger (xid, unkillable, unaccounted-memory)"),
     "ghostgpu_alertmanager_posts_total": (
         "counter", "POSTs to Alertmanager, by result (only with --alertmanager)"),
     "ghostgpu_alertmanager_alerts_sent_total": ("counter", "Alerts Alertmanager accepted"),

@@ -9,6 +9,9 @@ History (findings, the event log) is read from SQLite on the
 store's thread, after every write queued before the call, so a finding just opened is already in
 ListFindings. The API-version check happens before these handlers (collector/server.py).
 
+Remediate and RemediationControl are the remediation engine's (collector/remediation.py), the caller
+its audit subject; ListFindings gives each finding its remediation state from the store.
+
 Trace sessions (StartTrace, StopTrace, ListTraces, WatchTrace) are the book's (collector/traces.py);
 here the caller (collector/authz.py, already admitted to the method's role) is checked against its
 trace-operator rules' namespaces and maximum duration, and becomes `requested_by`: "user:alice",
@@ -31,6 +34,8 @@ from ghostgpu.collector.db import Conn, db_errors
 from ghostgpu.collector.faults import select_faults
 from ghostgpu.collector.node_state import NodeStateRow, merged_consumers, merged_statuses, select_node_states
 from ghostgpu.collector.nodes import NodeView
+from ghostgpu.collector.remediation import RemediationError, Remediator
+from ghostgpu.collector.remediation_store import select_states
 from ghostgpu.collector.store import FindingRow, Store, decode_blob
 from ghostgpu.collector.trace_access import read_refusal, stop_refusal
 from ghostgpu.collector.trace_scope import TraceError
@@ -39,8 +44,9 @@ from google.protobuf.message import Message
 
 from ghostgpu import __version__
 from ghostgpu.common.audit.chain import AuditRecord
+from ghostgpu.common.model.remediation import RemediationState
 from ghostgpu.common.transport.principal import Principal
-from ghostgpu.common.wire.convert import class_from_proto, cluster_consumer_to_proto
+from ghostgpu.common.wire.convert import class_from_proto, cluster_consumer_to_proto, remediation_to_proto
 from ghostgpu.common.wire.convert_audit import audit_record_to_proto
 from ghostgpu.common.wire.convert_trace import scope_from_proto, session_to_proto
 from ghostgpu.common.wire.protocol import MAX_MESSAGE_BYTES
@@ -57,6 +63,9 @@ EVENTS_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
 # The policy's word on a trace: (caller, namespace or None, duration in seconds) -> None when allowed,
 # else the line saying which limit it passes (collector/policy.py Policy.trace_denial).
 TraceDenial = Callable[[Principal, str | None, float], str | None]
+_Verb = query_pb2.RemediationControlRequest.Verb
+_CONTROL_VERBS = {_Verb.VERB_UNSPECIFIED: "status", _Verb.VERB_PAUSE: "pause", _Verb.VERB_RESUME: "resume",
+                  _Verb.VERB_SET_MODE: "mode"}
 
 
 def select_findings(since_unix_ns: int, node: str, namespace: str, classes: Sequence[str],
@@ -117,6 +126,11 @@ def _classes(values: Iterable[int]) -> list[str]:
     return [str(class_from_proto(v)) for v in values]
 
 
+def _remediation(states: dict[int, RemediationState], finding_id: int) -> query_pb2.Remediation | None:
+    state = states.get(finding_id)
+    return remediation_to_proto(state) if state is not None else None
+
+
 def _limit(value: int) -> int:
     return min(value or DEFAULT_LIMIT, MAX_LIMIT)
 
@@ -162,6 +176,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         # With replicas (a PostgreSQL store) the Collector sets it: the nodes this replica holds the
         # leases of. ListConsumers and NodeStatus then read every other node's node_state row.
         self.owned_nodes: Callable[[], Collection[str]] | None = None
+        self.remediator: Remediator | None = None  # the Collector sets it: Remediate, RemediationControl
         self._closing = False
 
     async def ListConsumers(self, request: query_pb2.ListConsumersRequest,
@@ -211,9 +226,12 @@ class QueryService(query_pb2_grpc.QueryServicer):
                                _classes(request.classes), _limit(request.limit))
         self.cluster.flush_changed()
         rows = await self._read(read, context)
+        # Each finding's remediation (collector/remediation.py), as its newest incident stands
+        states = await self._read(select_states(r.id for r in rows), context) if rows else {}
         findings = [query_pb2.Finding(id=r.id, node=r.node,
                                       consumer=query_pb2.ClusterConsumer.FromString(r.consumer),
-                                      opened_unix_ns=r.opened_unix_ns, resolved_unix_ns=r.resolved_unix_ns)
+                                      opened_unix_ns=r.opened_unix_ns, resolved_unix_ns=r.resolved_unix_ns,
+                                      remediation=_remediation(states, r.id))
                     for r in rows]
         return query_pb2.ListFindingsResponse(findings=findings)
 
@@ -357,6 +375,37 @@ class QueryService(query_pb2_grpc.QueryServicer):
                 yield msg
         except TraceError as e:
             await context.abort(e.code, e.line)
+
+    # ---- remediation (collector/remediation.py); role remediator, checked before this runs ------------
+
+    async def _remediator(self, context: Context) -> Remediator:
+        if self.remediator is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this collector runs no remediation")
+        return self.remediator
+
+    async def Remediate(self, request: query_pb2.RemediateRequest,
+                        context: Context) -> query_pb2.RemediateResponse:
+        engine = await self._remediator(context)
+        who = current_principal()
+        try:
+            state, detail = await engine.remediate(request.finding, request.dry_run, who.subject)
+        except RemediationError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.line)
+        return query_pb2.RemediateResponse(remediation=remediation_to_proto(state), detail=detail)
+
+    async def RemediationControl(self, request: query_pb2.RemediationControlRequest,
+                                 context: Context) -> query_pb2.RemediationStatus:
+        engine = await self._remediator(context)
+        who = current_principal()
+        verb = _CONTROL_VERBS.get(request.verb, "")
+        if not verb:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RemediationControl verb {request.verb}: "
+                                "use pause, resume, set mode, or none for the status")
+        try:
+            view = await engine.control(verb, who.subject, request.reason, request.mode)
+        except RemediationError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.line)
+        return view.to_proto()
 
     # ---- the audit trail (collector/audit.py); admin only, checked before this runs ------------------
 

@@ -1,6 +1,7 @@
 """`ghostgpu collector`: its settings (collector/config.py: defaults, --config FILE, flags) turned into a
-Collector (collector/main.py), its life until SIGTERM, and SIGHUP re-reading the policy. `ghostgpu up`
-builds its collector from the same settings (cli/up.py)."""
+Collector (collector/main.py), its life until SIGTERM, and SIGHUP re-reading the policy and the
+config file's remediation section. `ghostgpu up` builds its collector from the same settings
+(cli/up.py)."""
 
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ def _say_started(collector: Collector) -> None:
 
 
 def reload_on_hangup(collector: Collector) -> None:
-    """SIGHUP re-reads the policy (on the collector's loop, where the policy is read)."""
+    """SIGHUP re-reads the policy and the remediation section (on the collector's loop, where both are
+    read)."""
     def on_hup(_sig: int, _frame: Any) -> None:
         loop, security = collector.loop, collector.security
         if loop is not None and security is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(security.reload)
+                loop.call_soon_threadsafe(collector.remediation_config.reload)
 
     signal.signal(signal.SIGHUP, on_hup)

@@ -190,6 +190,13 @@ put_on_path() {
   fi
 }
 
+kubectl_for_tests() {
+  # tests/integration/test_isolation_kube.py runs kubectl once against the Kubernetes API's test double.
+  # Any kubectl on the PATH will do (an image may ship one of its own, which Debian's would clash with).
+  if command -v kubectl >/dev/null; then step_note="already installed"; return 0; fi
+  apt_install kubernetes-client
+}
+
 npm_for_tests() {
   # tests/integration/test_speedscope.py installs the offline trace viewer from npm.
   if command -v npm >/dev/null; then step_note="already installed"; return 0; fi
@@ -207,6 +214,7 @@ install_runtime_steps() {
 install_test_steps() {
   step "test tools (containerd, prometheus, chromium, strace, ...)" apt_install "${TEST_PACKAGES[@]}"
   step "npm (the trace viewer's test)" npm_for_tests
+  step "kubectl (the node isolation test)" kubectl_for_tests
   step "test python packages in $venv" dev_venv
 }
 
@@ -217,7 +225,7 @@ install() {
   : >>"$logfile"
   choose_tool_venv
   step_total=5
-  if [ "$with_tests" = yes ]; then step_total=8; fi
+  if [ "$with_tests" = yes ]; then step_total=9; fi
   local started=$SECONDS
   install_runtime_steps
   if [ "$with_tests" = yes ]; then install_test_steps; fi

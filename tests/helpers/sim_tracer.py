@@ -12,6 +12,9 @@ answer's error line comes from `trace_errors[kind]`, "" by default; `trace_silen
 and on trace_stop sends the session's last batch (`ended`, "stopped") as the real tracer does.
 `send_trace()` sends a TraceBatch of records (`trace_record()` builds one; seqs are numbered per
 session), `end_trace()` a session's last batch, `wait_trace_command()` waits for a command.
+
+Remediation: a sim tracer whose capabilities include "remediation" answers RemediateCommands with
+`remediate_answer` (each one kept in `remediate_commands`).
 """
 
 from __future__ import annotations
@@ -105,6 +108,14 @@ def trace_record(kind: str = "ioctl", container_id: str = "", pid: int = 4242, *
     return trace_pb2.TraceRecord(**base)
 
 
+def _remediate_passes(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+    if cmd.dry_run:
+        return stream_pb2.RemediateResult(incident=cmd.incident, outcome="proposed",
+                                          reason="every check passed")
+    return stream_pb2.RemediateResult(incident=cmd.incident, outcome="done", reason="ended after SIGTERM",
+                                      signals=["SIGTERM"], released=True)
+
+
 def message_bytes(**body: Any) -> bytes:
     """A serialized TracerMessage, e.g. message_bytes(events=stream_pb2.EventBatch(...))."""
     return stream_pb2.TracerMessage(**body).SerializeToString()
@@ -157,6 +168,11 @@ class SimTracer:
         self.trace_commands: list[stream_pb2.Command] = []  # trace_start/update/stop, in order
         self.trace_errors: dict[str, str] = {}  # command kind -> the error line to answer it with
         self.trace_silent = False  # answer no trace command (the collector's wait runs out)
+        # Remediation (docs/REMEDIATION.md): with "remediation" in the capabilities, every RemediateCommand
+        # is kept here and answered by `remediate_answer` (default: the re-check passes, the kill is done).
+        self.remediate_commands: list[stream_pb2.RemediateCommand] = []
+        self.remediate_answer: Callable[[stream_pb2.RemediateCommand], stream_pb2.RemediateResult] = \
+            _remediate_passes
         self.trace_seq: dict[str, int] = {}  # session -> the last seq sent
         self._trace_totals: dict[str, dict[str, int]] = {}  # session -> its drop counters so far
         self._cond = threading.Condition()
@@ -224,6 +240,13 @@ class SimTracer:
         body = command.WhichOneof("body") or ""
         if body.startswith("trace_") and "trace" in self.capabilities:
             self._answer_trace(command, body)
+            return
+        if body == "remediate" and "remediation" in self.capabilities:
+            with self._cond:
+                self.remediate_commands.append(command.remediate)
+                self._cond.notify_all()
+            result = self.remediate_answer(command.remediate)
+            self.send(message_bytes(result=stream_pb2.CommandResult(id=command.id, remediate=result)))
             return
         if body != "cri":
             resp = stream_pb2.CriResponse(code=grpc.StatusCode.UNIMPLEMENTED.value[0],

@@ -271,8 +271,10 @@ def test_findings_table_and_json(server: Server, capsys: pytest.CaptureFixture[s
     assert lines[2].startswith("2025-03-04 10:12:12  open                 gpu-node-1  orphaned  deadbeefdea")
     assert main(["findings", "--collector", server.address, "-o", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0] == {**RESOLVED.to_json(), "id": 1, "opened": opened, "resolved": opened + 30}
-    assert rows[1] == {**UNRESOLVED.to_json(), "id": 2, "opened": opened + 60, "resolved": None}
+    assert rows[0] == {**RESOLVED.to_json(), "id": 1, "opened": opened, "resolved": opened + 30,
+                       "remediation": None}
+    assert rows[1] == {**UNRESOLVED.to_json(), "id": 2, "opened": opened + 60, "resolved": None,
+                       "remediation": None}
 
 
 def test_ages() -> None:

@@ -22,7 +22,7 @@ from tests.helpers.manifests import DEPLOY, MANIFESTS, Manifest, flag
 
 K8S_VERSION = "1.30.0"  # the oldest with securityContext.appArmorProfile, which the tracer sets
 # Kinds of the Kubernetes API itself: kubernetes-validate has their schemas.
-CORE_GROUPS = {"v1", "apps/v1", "policy/v1"}
+CORE_GROUPS = {"v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
 # The others, each checked field by field where it is used: cert-manager's below, the Prometheus
 # Operator's monitors in test_deploy.py and here, CloudNativePG's Cluster in test_deploy_replicated.py.
 CUSTOM_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),

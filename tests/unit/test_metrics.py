@@ -22,6 +22,7 @@ from ghostgpu.collector.db import parse_store_url
 from ghostgpu.collector.metrics import ALERTMANAGER_METRICS, COLLECTOR_METRICS, CollectorMetrics
 from ghostgpu.collector.metrics_render import escape
 from ghostgpu.collector.nodes import Changes, NodeView
+from ghostgpu.collector.remediation import RemediationView
 from ghostgpu.collector.store import Position
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -186,9 +187,26 @@ def test_page_parses_and_every_family_is_declared() -> None:
                                              call_latency_bucket_counts=(1,) * 3 + (3,) * 9),
                   audit_head=lambda: (41, 3),  # the audit chain's head: a witness outside the collector
                   store=FakeStore(), leases=FakeLeases({"n1": 1, "n2": 4, "n3": 2}),
-                  notifier=FakeNotifier(), replica=SimpleNamespace(counts={("sent", "cri", "ok"): 1}))
+                  notifier=FakeNotifier(), replica=SimpleNamespace(counts={("sent", "cri", "ok"): 1}),
+                  remediation=SimpleNamespace(incidents_total={("kill_orphan", "done", "on"): 2},
+                                              view=RemediationView(mode="on", paused=True)),
+                  tickets=lambda: {"sent": 3, "failed": 1, "dropped": 0, "retries": 2, "queued": 0},
+                  isolations=lambda: {("xid", "done"): 1})
     text = m.page().decode()
     assert text.endswith("\n")
+    remediation = samples(text)
+    incidents = {(s["state"], s["mode"]): v for s, v in remediation["ghostgpu_remediation_incidents_total"]}
+    assert incidents[("done", "on")] == 2 and incidents[("proposed", "dry-run")] == 0 and len(incidents) == 15
+    assert {s["mode"]: v for s, v in remediation["ghostgpu_remediation_mode"]} == {"off": 0, "dry-run": 0,
+                                                                                  "on": 1}
+    assert remediation["ghostgpu_remediation_paused"] == [({}, 1)]
+    assert sorted(remediation["ghostgpu_remediation_tickets_total"], key=str) == [
+        ({"result": "dropped"}, 0), ({"result": "failed"}, 1), ({"result": "sent"}, 3)]
+    assert remediation["ghostgpu_remediation_ticket_retries_total"] == [({}, 2)]
+    isolations = {(s["trigger"], s["state"]): v
+                  for s, v in remediation["ghostgpu_remediation_isolations_total"]}
+    assert isolations[("xid", "done")] == 1 and isolations[("unkillable", "proposed")] == 0
+    assert len(isolations) == 12
     got_audit = samples(text)
     assert got_audit["ghostgpu_audit_head_seq"] == [({}, 41)]
     assert got_audit["ghostgpu_audit_records_total"] == [({}, 3)]

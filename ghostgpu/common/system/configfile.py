@@ -1,10 +1,17 @@
-"""The one reader of a process's config file (TOML) and environment into its config dataclass's fields.
+"""The one reader of a process's config file (TOML or YAML) and environment into its config dataclass's
+fields.
 
 Both processes read their settings this way (tracer/config.py, collector/config.py): the file's keys are
 the dataclass's field names, in the process's table (`[tracer]`, `[collector]`) or at the top level
 when the file has none, so one file can serve both. Each value becomes its field's type and passes its
 field's check, if the field has one (settings.py's meta). A file's values have TOML's types and must
 match the field; an environment variable's (GHOSTGPU_GRACE_S=2) is text, parsed into the same types.
+
+A file whose name ends in .yaml or .yml is read as YAML (ghostgpu/common/system/safe_yaml.py's loader:
+no anchors, aliases, merge keys or duplicate keys), with the same keys and the same types: only `true`
+and `false` are booleans there, as in TOML, so `mode: on` is the string "on" and `kill: yes` is refused
+as a string, not read as YAML 1.1's boolean. A section another reader owns (the collector's
+`remediation`, collector/remediation_policy.py) is named in `sections`: this reader skips it.
 
     read_config_file(path, TracerConfig, "tracer", where=f"--config {path}")   # {"grace_s": 5.0, ...}
     environment_values(TracerConfig, os.environ, "GHOSTGPU_")                   # {"node_name": "n1", ...}
@@ -16,11 +23,15 @@ the variable) and the key, and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Any, get_args, get_origin, get_type_hints
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
+
+if TYPE_CHECKING:
+    from ghostgpu.common.system.safe_yaml import StrictLoader
 
 MAX_FILE_BYTES = 1 << 20  # a config file is small: a megabyte is plenty
 
@@ -34,7 +45,7 @@ class ConfigError(ValueError):
 
 def _kind(value: object) -> str:
     return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            dict: "a table"}.get(type(value), type(value).__name__)
+            dict: "a table", type(None): "an empty value"}.get(type(value), type(value).__name__)
 
 
 def comma_list(text: str) -> list[str]:
@@ -188,20 +199,90 @@ def _toml(text: str, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: not valid TOML ({exc})") from None
 
 
-def parse_config_text(text: str, cls: type, table: str, *, where: str) -> dict[str, Any]:
-    """The settings a config file's text sets for `cls`, each typed and checked: its `[table]`, or its
-    top level when it has none. ConfigError "WHERE: KEY: problem" (`where` names the file as the user
-    gave it, e.g. "--config c.toml")."""
-    data = _toml(text, where)
-    section = data.get(table, data)
+_YAML_SUFFIXES = (".yaml", ".yml")
+# YAML 1.2's booleans (true, false, in three spellings), not YAML 1.1's yes/no/on/off, which PyYAML 6
+# still reads as booleans: in a config file `mode: on` is a mode, and a boolean key takes what TOML's does.
+_YAML_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_YAML_BOOL_TAG = "tag:yaml.org,2002:bool"
+
+
+def is_yaml_name(path: str) -> bool:
+    """Whether a config file is read as YAML: its name ends in .yaml or .yml (any case)."""
+    return path.lower().endswith(_YAML_SUFFIXES)
+
+
+@functools.cache
+def _yaml_loader() -> type[StrictLoader]:
+    """safe_yaml's StrictLoader with YAML 1.2's booleans only (made on first use: PyYAML is not imported
+    by a command that reads no YAML)."""
+    from ghostgpu.common.system.safe_yaml import StrictLoader
+
+    class ConfigLoader(StrictLoader):
+        pass
+
+    # The resolver table copied without its boolean rows (PyYAML 6 has no call that removes a resolver),
+    # so StrictLoader's own, which the security policy and the web config are read with, keeps YAML
+    # 1.1's booleans.
+    ConfigLoader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in rows if tag != _YAML_BOOL_TAG]
+        for first, rows in StrictLoader.yaml_implicit_resolvers.items()}
+    ConfigLoader.add_implicit_resolver(_YAML_BOOL_TAG, _YAML_BOOL, list("tTfF"))
+    return ConfigLoader
+
+
+def _yaml(text: str, where: str) -> object:
+    import yaml  # only when a YAML config file is read
+
+    from ghostgpu.common.system.safe_yaml import YamlRefused
+
+    loader = _yaml_loader()(text)
+    try:
+        return loader.get_single_data()
+    except YamlRefused as exc:  # an anchor, an alias, a key given twice: "line L column C: ..."
+        raise ConfigError(f"{where}: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: {at}not valid YAML ({problem})") from None
+    finally:
+        loader.dispose()
+
+
+def parse_document(text: str, *, where: str, yaml: bool = False) -> dict[str, Any]:
+    """A config file's whole document: TOML, or YAML with `yaml`; an empty YAML file is {} as an empty
+    TOML one is. ConfigError "WHERE: ..." for a syntax error or a YAML document that is not a mapping."""
+    if not yaml:
+        return _toml(text, where)
+    doc = _yaml(text, where)
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys at the top of the file, got {_kind(doc)}")
+    return doc
+
+
+def config_table(doc: Mapping[str, Any], table: str, *, where: str) -> dict[str, Any]:
+    """The process's `[table]` of a document, or its top level when it has none."""
+    section = doc.get(table, doc)
     if not isinstance(section, dict):
         raise ConfigError(f"{where}: {table}: expected a table, got a value")
+    return dict(section)
+
+
+def table_values(section: Mapping[str, Any], cls: type, *, where: str,
+                 sections: Collection[str] = ()) -> dict[str, Any]:
+    """The settings one table sets for `cls`, each typed and checked; the keys in `sections` belong to
+    another reader and are skipped. ConfigError "WHERE: KEY: problem"."""
     hints = get_type_hints(cls)
     settable = _settable(cls)
     values: dict[str, Any] = {}
     for key, raw in section.items():
+        if key in sections:
+            continue
         if key not in settable:
-            raise ConfigError(f"{where}: {key}: unknown key; known keys: {', '.join(sorted(settable))}")
+            known = ", ".join(sorted([*settable, *sections]))
+            raise ConfigError(f"{where}: {key}: unknown key; known keys: {known}")
         try:
             values[key] = _checked(settable[key], hints[key], raw, text=False)
         except ValueError as exc:
@@ -209,9 +290,19 @@ def parse_config_text(text: str, cls: type, table: str, *, where: str) -> dict[s
     return values
 
 
-def read_config_file(path: str, cls: type, table: str, *, where: str) -> dict[str, Any]:
-    """parse_config_text of the file at `path`; ConfigError naming `where` when it cannot be read, is not
-    UTF-8 or is larger than MAX_FILE_BYTES."""
+def parse_config_text(text: str, cls: type, table: str, *, where: str, yaml: bool = False,
+                      sections: Collection[str] = ()) -> dict[str, Any]:
+    """The settings a config file's text (TOML, or YAML with `yaml`) sets for `cls`, each typed and
+    checked: its `[table]`, or its top level when it has none; the keys in `sections` are left to their
+    own reader. ConfigError "WHERE: KEY: problem" (`where` names the file as the user gave it, e.g.
+    "--config c.toml")."""
+    doc = parse_document(text, where=where, yaml=yaml)
+    return table_values(config_table(doc, table, where=where), cls, where=where, sections=sections)
+
+
+def read_config_text(path: str, *, where: str) -> str:
+    """The file's text; ConfigError naming `where` when it cannot be read, is not UTF-8 or is larger
+    than MAX_FILE_BYTES."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
@@ -222,10 +313,22 @@ def read_config_file(path: str, cls: type, table: str, *, where: str) -> dict[st
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(f"{where}: larger than {MAX_FILE_BYTES >> 20} MiB; a config file sets a few keys")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{where}: cannot read it ({exc})") from None
-    return parse_config_text(text, cls, table, where=where)
+
+
+def read_config_document(path: str, *, where: str) -> dict[str, Any]:
+    """The whole document of the file at `path`: YAML when its name says so (is_yaml_name), else TOML."""
+    return parse_document(read_config_text(path, where=where), where=where, yaml=is_yaml_name(path))
+
+
+def read_config_file(path: str, cls: type, table: str, *, where: str,
+                     sections: Collection[str] = ()) -> dict[str, Any]:
+    """parse_config_text of the file at `path` (YAML when its name ends in .yaml or .yml); ConfigError
+    naming `where` when it cannot be read, is not UTF-8 or is larger than MAX_FILE_BYTES."""
+    doc = read_config_document(path, where=where)
+    return table_values(config_table(doc, table, where=where), cls, where=where, sections=sections)
 
 
 # ---- the environment -----------------------------------------------------------------------------------

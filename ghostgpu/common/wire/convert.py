@@ -1,6 +1,6 @@
 """The one mapping between the common model and the API (ghostgpu.v1): consumers both ways, the
 tracer's typed records (ghostgpu.common.model.records) -> NodeEvent bodies and Snapshots directly,
-and the query API's ClusterConsumer both ways.
+and the query API's ClusterConsumer and a finding's Remediation both ways.
 
 The collector reads what it needs straight out of a NodeEvent (consumers, allocations); it never
 rebuilds the tracer's record, so that direction (event -> record, which the round-trip tests use to
@@ -39,6 +39,7 @@ from ghostgpu.common.model.records import (
     ProcessIdentity,
     Record,
 )
+from ghostgpu.common.model.remediation import RemediationState
 from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
 log = logging.getLogger("ghostgpu.common.wire.convert")
@@ -332,3 +333,16 @@ def cluster_consumer_from_proto(m: query_pb2.ClusterConsumer) -> ClusterConsumer
         node_class=class_from_proto(m.node_class) if m.node_class else None,
         since_unix_ns=m.since_unix_ns, updated_unix_ns=m.updated_unix_ns,
     )
+
+
+def remediation_to_proto(r: RemediationState) -> query_pb2.Remediation:
+    return query_pb2.Remediation(state=r.state, action=r.action, at_unix_ns=r.at_unix_ns, reason=r.reason,
+                                 mode=r.mode, incident=r.incident, audit_seq=r.audit_seq)
+
+
+def remediation_from_proto(m: query_pb2.Remediation) -> RemediationState | None:
+    """None for an unset field: no remediation considered the finding."""
+    if not m.state:
+        return None
+    return RemediationState(state=m.state, action=m.action, at_unix_ns=m.at_unix_ns, reason=m.reason,
+                            mode=m.mode, incident=m.incident, audit_seq=m.audit_seq)

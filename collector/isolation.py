@@ -1,0 +1,413 @@
+"""Action 2 of remediation (docs/REMEDIATION.md, "Node isolation"): a node whose GPU is in a fatal
+state is tainted ghostgpu.io/gpu-unhealthy=<trigger>:NoSchedule (or cordoned) through the Kubernetes
+API, with a Warning Event on the Node (and on the pod, where one is known) saying what a human should
+do next. Never a drain, never a GPU reset: those stop work that may still be healthy, and a reset needs
+a GPU no process holds, which only a human who drained the node can promise.
+
+Triggers, each a Trigger with its incident key:
+- a critical Xid: a FaultBook listener (`on_fault`), a fault of severity critical the driver logged
+  (origin kernel: a line user space wrote to /dev/kmsg is a drill and isolates nothing);
+- an unkillable holder: the engine's seam (`isolate_unkillable`, collector/remediation.py) once the
+  tracer reported the process stuck in the driver;
+- memory no process owns: `check_memory(nodes)` on each tick, a GPU's unaccounted_bytes above
+  IsolationSettings.unaccounted_bytes for unaccounted_for_s without a break (MemoryWatch).
+
+Guards, in order, each ending the incident `skipped` with its reason: the mode (off: nothing at all;
+dry-run, paused or the breaker open: audited and `proposed`, nothing sent), the node already isolated
+by ghostgpu (isolated_nodes, or the taint on the node), the node's opt-out (its label
+ghostgpu.io/remediation, or its tracer's --remediation off), minHealthy (at most max_isolated_nodes_pct
+of the GPU nodes isolated by ghostgpu at once; collector/remediation_guards.py holds both rules), and
+the incident key: stored before the PATCH (remediation_store.insert_incident),
+so a replica taking over after a failover finds it and does not isolate twice. Each step goes to the
+audit chain ("remediation.decided", "re-checked", "acted", "outcome") and to the incident's
+remediation_steps; an isolated node gets a row in isolated_nodes. The Kubernetes calls block and run on
+a small executor of their own, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ghostgpu.collector.audit import AuditFn
+from ghostgpu.collector.kube_api import KubeApi, KubeError, NodeState, ObjectRef, node_ref
+from ghostgpu.collector.nodes import NodeView
+from ghostgpu.collector.remediation import COLLECTOR, RemediationView
+from ghostgpu.collector.remediation_guards import min_healthy, node_opt_out
+from ghostgpu.collector.remediation_policy import RemediationPolicy
+from ghostgpu.collector.remediation_store import IncidentRow, add_step, insert_incident, mark_acted, set_state
+from ghostgpu.collector.store import Store
+
+from ghostgpu.common.model.remediation import (
+    ACTED,
+    CAPABILITY,
+    DECIDED,
+    DONE,
+    FAILED,
+    ISOLATE_NODE,
+    MODE_DRY_RUN,
+    MODE_OFF,
+    MODE_ON,
+    OUTCOME,
+    PROPOSED,
+    RECHECKED,
+    SKIPPED,
+    TAINT_KEY,
+    TRIGGER_UNACCOUNTED_MEMORY,
+    TRIGGER_UNKILLABLE,
+    TRIGGER_XID,
+    incident_key,
+)
+from ghostgpu.v1 import query_pb2, stream_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Trigger.kind
+XID, UNKILLABLE_HOLDER, UNACCOUNTED_MEMORY = TRIGGER_XID, TRIGGER_UNKILLABLE, TRIGGER_UNACCOUNTED_MEMORY
+EVENT_REASON = "GPUUnhealthy"
+TAINT_EFFECT = "NoSchedule"
+GIB = 1 << 30
+UNDO = {"taint": f"then untaint it: kubectl taint nodes {{node}} {TAINT_KEY}:{TAINT_EFFECT}-",
+        "cordon": "then uncordon it: kubectl uncordon {node}"}
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """One reason to isolate one node."""
+
+    kind: str  # XID | UNKILLABLE_HOLDER | UNACCOUNTED_MEMORY
+    node: str
+    incident: str  # stored before the act: one isolation per incident, replicas and restarts included
+    reason: str  # what was seen, one line
+    advice: str  # what a human should do next (the Event's message ends with it)
+    taint_value: str  # a label value: the trigger, e.g. xid-79
+    finding_id: int = 0  # 0: no finding (a fault, memory)
+    namespace: str = ""
+    pods: tuple[tuple[str, str], ...] = ()  # (namespace, pod): each gets the Event too
+
+    def message(self, how: str = "taint") -> str:
+        undo = UNDO.get(how, UNDO["taint"]).format(node=self.node)
+        return f"{self.reason}. ghostgpu isolated the node and did nothing else: {self.advice}; {undo}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: str  # PROPOSED (dry run) | SKIPPED | DONE | FAILED
+    reason: str
+    events: tuple[str, ...] = ()  # the Events posted
+
+
+# ---- triggers -------------------------------------------------------------------------------------
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def xid_trigger(cf: query_pb2.ClusterFault) -> Trigger | None:
+    """A fault that isolates its node: a critical Xid from the driver; None for any other."""
+    f = cf.fault
+    if f.severity != "critical" or f.origin == "user":
+        return None
+    gpu = f"GPU {f.gpu}" if f.gpu >= 0 else f"the GPU at {f.pci_bus_id or '?'}"
+    reset = f"nvidia-smi -r -i {f.gpu}" if f.gpu >= 0 else "nvidia-smi -r"
+    pods = tuple(dict.fromkeys((h.k8s.namespace, h.k8s.pod) for h in cf.hits if h.k8s.pod))
+    return Trigger(
+        kind=XID, node=cf.node, incident=f"x{cf.id}/{ISOLATE_NODE}",
+        reason=f"{gpu} logged Xid {f.xid} ({f.meaning or 'critical'})",
+        advice=(f"drain the node, then reset the GPU once no process holds it ({reset}; with persistence "
+                "mode on, nvidia-smi -pm 0 first) or reboot the node"),
+        taint_value=f"xid-{f.xid}" if f.xid >= 0 else "xid", namespace=pods[0][0] if pods else "", pods=pods)
+
+
+def unkillable_trigger(node: str, reason: str, incident: str,
+                       pods: Iterable[tuple[str, str]] = ()) -> Trigger:
+    """The engine's unkillable holder (its incident "f<finding>/kill_orphan"): isolate its node."""
+    finding_id = 0
+    head = incident.split("/", 1)[0]
+    if head.startswith("f") and head[1:].isdigit():
+        finding_id = int(head[1:])
+    pods = tuple(pods)
+    return Trigger(
+        kind=UNKILLABLE_HOLDER, node=node,
+        incident=incident_key(finding_id, ISOLATE_NODE) if finding_id else f"{incident}/{ISOLATE_NODE}",
+        reason=f"a process stuck in the driver holds a GPU and no signal frees it ({reason})",
+        advice=("drain the node, then reboot it: a GPU reset needs no process holding the GPU, and this one "
+                "cannot be ended"),
+        taint_value=UNKILLABLE_HOLDER, finding_id=finding_id, namespace=pods[0][0] if pods else "", pods=pods)
+
+
+def memory_trigger(node: str, gpu: stream_pb2.Gpu, since_unix_s: float, for_s: float) -> Trigger:
+    held = _gib(gpu.unaccounted_bytes)
+    return Trigger(
+        kind=UNACCOUNTED_MEMORY, node=node,
+        incident=f"m{node}/gpu{gpu.index}/{int(since_unix_s)}/{ISOLATE_NODE}",
+        reason=f"GPU {gpu.index} holds {held} no process owns, for {for_s / 60:.0f} min",
+        advice=(f"drain the node, then reset the GPU (nvidia-smi -r -i {gpu.index}): a reset needs no "
+                "clients, and with persistence mode on, nvidia-smi -pm 0 first; or reboot the node"),
+        taint_value=UNACCOUNTED_MEMORY)
+
+
+@dataclass
+class MemoryWatch:
+    """Since when each GPU's unaccounted memory has stayed above the threshold; a trigger once it has
+    for long enough, and again only after it fell below."""
+
+    since_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (node, gpu uuid or index)
+    fired: set[tuple[str, str]] = field(default_factory=set)
+
+    def observe(self, nodes: Mapping[str, NodeView], threshold_bytes: int, for_s: float,
+                now_unix_s: float) -> list[Trigger]:
+        out: list[Trigger] = []
+        seen: set[tuple[str, str]] = set()
+        if threshold_bytes <= 0:
+            self.since_s.clear()
+            self.fired.clear()
+            return out
+        for name, view in nodes.items():
+            if view.info is None:
+                continue
+            for gpu in view.info.gpus:
+                if not gpu.HasField("unaccounted_bytes") or gpu.unaccounted_bytes <= threshold_bytes:
+                    continue
+                key = (name, gpu.uuid or str(gpu.index))
+                seen.add(key)
+                since = self.since_s.setdefault(key, now_unix_s)
+                if now_unix_s - since >= for_s and key not in self.fired:
+                    self.fired.add(key)
+                    out.append(memory_trigger(name, gpu, since, now_unix_s - since))
+        for key in set(self.since_s) - seen:  # fell below (or went away): the clock starts over
+            del self.since_s[key]
+            self.fired.discard(key)
+        return out
+
+
+# ---- guards (the rules themselves: collector/remediation_guards.py) --------------------------------
+
+def gpu_node_count(nodes: Mapping[str, NodeView]) -> int:
+    return sum(1 for v in nodes.values() if v.info is not None and len(v.info.gpus) > 0)
+
+
+# ---- the store ------------------------------------------------------------------------------------
+
+def _isolated_nodes(conn: Any) -> list[str]:
+    return [str(r[0]) for r in conn.execute("SELECT node FROM isolated_nodes ORDER BY node").fetchall()]
+
+
+def _add_isolated(node: str, how: str, kind: str, reason: str, now_unix_ns: int, incident: str) -> Any:
+    def run(conn: Any) -> None:
+        conn.execute("INSERT INTO isolated_nodes (node, how, trigger_kind, reason, since_unix_ns, incident) "
+                     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node) DO NOTHING",
+                     (node, how, kind, reason, now_unix_ns, incident))
+
+    return run
+
+
+# ---- the isolator ---------------------------------------------------------------------------------
+
+class Isolator:
+    """See the module docstring. Every method runs on the collector's event loop."""
+
+    def __init__(self, store: Store, policy: Callable[[], RemediationPolicy], *,
+                 nodes: Mapping[str, NodeView] | None = None, audit: AuditFn | None = None,
+                 view: Callable[[], RemediationView] | None = None, replica_id: str = COLLECTOR,
+                 api: KubeApi | None = None, gpu_nodes: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """policy: the remediation section in force; nodes: the collector's NodeViews (GPU nodes for
+        minHealthy, GPUs for the memory trigger); view: the engine's view (mode override, pause, breaker;
+        None: the config's mode alone); api: a KubeApi (None: made from the policy's kubeconfig at the
+        first act); gpu_nodes: how many GPU nodes the cluster has (default: the nodes with GPUs)."""
+        self.store, self.policy, self.audit, self.replica_id = store, policy, audit, replica_id
+        self.nodes: Mapping[str, NodeView] = nodes if nodes is not None else {}
+        self.view = view
+        self.gpu_nodes = gpu_nodes or (lambda: gpu_node_count(self.nodes))
+        self.clock = clock
+        self.memory = MemoryWatch()
+        self.outcomes_total: dict[tuple[str, str], int] = {}  # (trigger kind, state) -> incidents
+        self._api = api
+        self._api_config = ""
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ghostgpu-kube")
+        self._busy: set[str] = set()  # nodes an isolation works on now
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- triggers in -----------------------------------------------------------------------------
+
+    def on_fault(self, cf: query_pb2.ClusterFault) -> None:
+        """A FaultBook listener (on the loop): a critical Xid isolates its node."""
+        trigger = xid_trigger(cf)
+        if trigger is not None and self._enabled():
+            self._spawn(self.isolate(trigger))
+
+    async def isolate_unkillable(self, node: str, trigger: str, reason: str, incident: str) -> Outcome:
+        """The engine's isolation seam (Remediator(isolate=...)): an unkillable holder on `node`."""
+        return await self.isolate(unkillable_trigger(node, reason, incident))
+
+    def check_memory(self) -> list[Trigger]:
+        """On each tick: memory no process owns past the threshold for long enough isolates the node."""
+        iso = self.policy().isolation
+        triggers = self.memory.observe(self.nodes, iso.unaccounted_bytes, iso.unaccounted_for_s, self.clock())
+        if self._enabled():
+            for t in triggers:
+                self._spawn(self.isolate(t))
+        return triggers
+
+    def _enabled(self) -> bool:
+        policy = self.policy()
+        return policy.isolate_node and self._mode(policy) != MODE_OFF
+
+    def _mode(self, policy: RemediationPolicy) -> str:
+        return self.view().mode if self.view is not None else policy.mode
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def idle(self) -> None:
+        """Wait for the isolations in flight (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # ---- one isolation ---------------------------------------------------------------------------
+
+    async def isolate(self, t: Trigger) -> Outcome:
+        policy = self.policy()
+        mode = self._mode(policy)
+        if mode == MODE_OFF or not policy.isolate_node:
+            return Outcome(SKIPPED, f"mode {mode}" if mode == MODE_OFF else "actions.isolate_node is off")
+        if t.node in self._busy:
+            return Outcome(SKIPPED, f"node {t.node} is being isolated already")
+        self._busy.add(t.node)
+        try:
+            return await self._isolate(t, policy, mode)
+        finally:
+            self._busy.discard(t.node)
+
+    async def _isolate(self, t: Trigger, policy: RemediationPolicy, mode: str) -> Outcome:
+        how = policy.isolation.how
+        action = f"taint {TAINT_KEY}={t.taint_value}:{TAINT_EFFECT}" if how == "taint" else "cordon"
+        dry_why = self._dry_run_why(mode, t.node)
+        run_mode = MODE_DRY_RUN if dry_why else MODE_ON
+        now_ns = time.time_ns()
+        row = IncidentRow(t.incident, t.finding_id, t.node, t.namespace, ISOLATE_NODE, PROPOSED, run_mode,
+                          t.reason, now_ns, now_ns, 0, self.replica_id, 0,
+                          json.dumps({"trigger": t.kind, "how": how}, sort_keys=True))
+        if not await self._write(insert_incident(row)):
+            return Outcome(SKIPPED, f"incident {t.incident} is recorded already (another replica, or "
+                                    "before a restart): not isolated twice")
+        self._step(t, DECIDED, PROPOSED, f"would {action} on node {t.node}: {t.reason}", run_mode, how=how)
+        refusal, node = await self._recheck(t, policy, how)
+        if refusal:
+            return self._end(t, SKIPPED, refusal, run_mode)
+        self._step(t, RECHECKED, PROPOSED, "every guard passed", run_mode)
+        if dry_why:
+            return self._end(t, PROPOSED, f"dry run ({dry_why}): would {action} and post an Event: "
+                                          f"{t.message(how)}", run_mode, step=True)
+        assert node is not None
+        if not await self._write(mark_acted(t.incident, time.time_ns())):
+            return self._end(t, SKIPPED, "the act was recorded already", run_mode, step=False)
+        self._step(t, ACTED, PROPOSED, f"{action} on node {t.node}", run_mode)
+        try:
+            api = await self._off_loop(self._client, policy)
+            if how == "taint":
+                await self._off_loop(api.taint, t.node, TAINT_KEY, t.taint_value, TAINT_EFFECT)
+            else:
+                await self._off_loop(api.cordon, t.node)
+            self.store.submit([Store.op_call(_add_isolated(t.node, how, t.kind, t.reason, time.time_ns(),
+                                                           t.incident))])
+            events = await self._events(api, t, node, how)
+        except KubeError as e:
+            return self._end(t, FAILED, str(e), run_mode)
+        return self._end(t, DONE, f"{action} on node {t.node}; Events: {', '.join(events) or 'none'}",
+                         run_mode, events=events)
+
+    def _dry_run_why(self, mode: str, node: str) -> str:
+        if self.view is None:
+            return "" if mode == MODE_ON else f"mode {mode}"
+        return self.view().dry_run_why(node)
+
+    async def _recheck(self, t: Trigger, policy: RemediationPolicy, how: str) -> tuple[str, NodeState | None]:
+        """"" and the node when every guard passes; else why not."""
+        isolated = await self._read(_isolated_nodes)
+        if t.node in isolated:
+            return f"node {t.node} is isolated by ghostgpu already", None
+        try:
+            api = await self._off_loop(self._client, policy)  # the first imports the client: off the loop
+            node = await self._off_loop(api.node, t.node)
+        except KubeError as e:
+            return str(e), None
+        if (node.has_taint(TAINT_KEY, TAINT_EFFECT) if how == "taint" else node.unschedulable):
+            return f"node {t.node} is {'tainted' if how == 'taint' else 'cordoned'} already", None
+        view = self.nodes.get(t.node)
+        # The collector acts here, not the tracer: a node whose tracer is not connected (a wedged node)
+        # is judged by its label alone; a tracer started with --remediation off opts its node out.
+        capabilities = (view.hello.capabilities if view is not None and view.hello is not None
+                        else (CAPABILITY,))
+        opted_out = node_opt_out(t.node, capabilities, node.labels)
+        if opted_out:
+            return opted_out, node
+        healthy = min_healthy(self.gpu_nodes(), len(isolated), policy.breaker.max_isolated_nodes_pct)
+        return ("" if healthy.allowed else f"minHealthy: {healthy.reason}"), node
+
+    async def _events(self, api: KubeApi, t: Trigger, node: NodeState, how: str) -> tuple[str, ...]:
+        """The Event on the Node, and on each pod known; one that fails is logged, the isolation stands."""
+        names: list[str] = []
+        about = [node_ref(node), *(ObjectRef("Pod", pod, ns) for ns, pod in t.pods)]
+        for ref in about:
+            try:
+                names.append(await self._off_loop(api.event, ref, EVENT_REASON, t.message(how), self.clock(),
+                                                  self.replica_id))
+            except KubeError as e:
+                log.error("node isolation: %s", e)
+        return tuple(names)
+
+    def _client(self, policy: RemediationPolicy) -> KubeApi:
+        kubeconfig = policy.isolation.kubeconfig
+        if self._api is None or kubeconfig != self._api_config:
+            self._api, self._api_config = KubeApi(kubeconfig), kubeconfig
+        return self._api
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def _step(self, t: Trigger, step: str, state: str, reason: str, mode: str, **extra: Any) -> int:
+        record = None
+        if self.audit is not None:
+            record = self.audit(f"remediation.{step}", COLLECTOR, state, remediation=ISOLATE_NODE,
+                                node=t.node, incident=t.incident, trigger=t.kind, finding=t.finding_id,
+                                mode=mode, reason=reason, **extra)
+        seq = int(getattr(record, "seq", 0) or 0)
+        detail = json.dumps({"reason": reason, "mode": mode, "trigger": t.kind, **extra}, sort_keys=True)
+        now = time.time_ns()
+        self.store.submit([Store.op_call(add_step(t.incident, t.finding_id, now, step, state, detail, seq)),
+                           Store.op_call(set_state(t.incident, state, reason, mode, now, seq))])
+        return seq
+
+    def _end(self, t: Trigger, state: str, reason: str, mode: str, step: bool = True,
+             events: tuple[str, ...] = ()) -> Outcome:
+        if step:
+            self._step(t, OUTCOME, state, reason, mode, **({"events": list(events)} if events else {}))
+        key = (t.kind, state)
+        self.outcomes_total[key] = self.outcomes_total.get(key, 0) + 1
+        level = logging.WARNING if state in (DONE, FAILED) else logging.INFO
+        log.log(level, "node isolation %s: %s: %s", t.incident, state, reason)
+        return Outcome(state, reason, events)
+
+    # ---- off the loop ----------------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _read(self, fn: Callable[[Any], T]) -> T:
+        return await asyncio.wrap_future(self.store.read(fn))
+
+    async def _write(self, fn: Callable[[Any], T]) -> T:
+        return await asyncio.wrap_future(self.store.read_write(fn))
