@@ -260,6 +260,21 @@ class ClusterTable:
             del unused[oldest]
             forget(*oldest)
 
+    def revalidate(self) -> int:
+        """Ask the resolver again for every container that has a consumer now; how many. The collector
+        calls it every second: an answer past its ttl is refreshed even while nothing on the node
+        changes, so a container stopped under a holder that outlived it is seen (orphaned) within
+        --cri-ttl-s; a refresh that changes the answer comes back through on_cri_change. Between
+        refreshes each ask is a cache hit."""
+        if self.resolve is None:
+            return 0
+        asked = 0
+        for node, containers in self.by_cid.items():
+            for cid in containers:
+                self.resolve(node, cid)
+                asked += 1
+        return asked
+
     def release_unused(self, now_mono: float | None = None) -> int:
         """Hand forget() the containers with no consumer on their node for unused_keep_s; how many.
         The collector calls it every second: it looks at the oldest entries only."""

@@ -381,6 +381,7 @@ class Collector:
                     self._prune_fault_counts()
                 self.cluster.flush_changed()
                 self.cluster.release_unused()
+                self.cluster.revalidate()  # CRI answers past their ttl asked again: a stopped container
                 security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
                 self.remediation_config.maybe_reload()  # and so is a changed remediation section
                 self.isolator.check_memory()  # memory no process owns, for too long: isolation
