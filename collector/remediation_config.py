@@ -23,8 +23,6 @@ collector's event loop, which a FIFO without a writer would hold forever.
 from __future__ import annotations
 
 import logging
-import os
-import stat
 import threading
 from collections.abc import Callable, Sequence
 
@@ -36,12 +34,7 @@ from ghostgpu.collector.remediation_policy import (
 )
 
 from ghostgpu.common.model.names import one_line
-from ghostgpu.common.system.configfile import (
-    MAX_FILE_BYTES,
-    ConfigError,
-    is_yaml_name,
-    parse_document,
-)
+from ghostgpu.common.system.configfile import ConfigError, is_yaml_name, parse_document, read_config_text
 from ghostgpu.common.system.filewatch import FileWatch
 
 log = logging.getLogger(__name__)
@@ -49,39 +42,12 @@ log = logging.getLogger(__name__)
 RELOAD_LINE_MAX = 250  # a reload's log line (and its audit detail), whatever the file holds
 TABLE = "collector"  # the collector's table of the config file; `remediation` may sit in it or at the top
 _KEPT = "; the old remediation policy stays in force"
+# --config must be a regular file: the loop re-reads it (collector/main.py's tick) and must never block
+_REGULAR_ONLY = ("the collector re-reads its remediation section when it changes: point --config at the "
+                 "file itself")
 
 ChangeHook = Callable[[RemediationPolicy, RemediationPolicy], None]
 RefusedHook = Callable[[str], None]
-
-
-def read_regular(path: str, where: str) -> str:
-    """The file's text, opened without blocking and read only when it is a regular file of at most
-    MAX_FILE_BYTES; ConfigError naming `where` otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{where}: not a regular file; the collector re-reads its remediation section "
-                              "when it changes: point --config at the file itself")
-        chunks, left = [], MAX_FILE_BYTES + 1
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(f"{where}: larger than {MAX_FILE_BYTES >> 20} MiB; a config file sets a few keys")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where}: cannot read it ({exc})") from None
 
 
 def load_remediation(path: str, where: str | None = None) -> RemediationPolicy:
@@ -89,7 +55,8 @@ def load_remediation(path: str, where: str | None = None) -> RemediationPolicy:
     has no `remediation` section. ConfigError (one line) for anything wrong with the file or section,
     or with the ticket headers file it names (collector/tickets.py reads it for each ticket)."""
     where = where or f"--config {path}"
-    doc = parse_document(read_regular(path, where), where=where, yaml=is_yaml_name(path))
+    doc = parse_document(read_config_text(path, where=where, regular_only=_REGULAR_ONLY), where=where,
+                         yaml=is_yaml_name(path))
     policy = parse_remediation(remediation_section(doc, TABLE, where), where)
     if policy.ticket.url and policy.ticket.headers_file:
         from ghostgpu.collector.tickets import TicketError, read_headers

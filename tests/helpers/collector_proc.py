@@ -169,6 +169,31 @@ def ps_json(collector: str, *args: str) -> list[dict[str, Any]]:
     return rows
 
 
+def findings_json(collector: str, *args: str) -> list[dict[str, Any]]:
+    """`ghostgpu findings --collector ADDR -o json ARGS...`: the findings it prints; fails on a non-zero
+    exit."""
+    out = ghostgpu_cli("findings", "--collector", collector, "-o", "json", *args)
+    if out.returncode != 0:
+        raise AssertionError(f"ghostgpu findings {' '.join(args)} exited {out.returncode}: "
+                             f"{out.stderr.strip()}")
+    rows = json.loads(out.stdout)
+    assert isinstance(rows, list), f"ghostgpu findings -o json printed {type(rows).__name__}, not a list"
+    return rows
+
+
+def remediation_of(collector: str, node: str, pid: int) -> dict[str, Any] | None:
+    """The `remediation` of the newest finding of `pid` on `node` (`findings -o json`), None when it
+    has none (or no finding)."""
+    rows = [r for r in findings_json(collector, "--node", node) if r["pid"] == pid]
+    remediation: dict[str, Any] | None = rows[-1]["remediation"] if rows else None
+    return remediation
+
+
+def remediation_state(collector: str, node: str, pid: int) -> str:
+    """remediation_of's state ("" with none): what a test polls for."""
+    return str((remediation_of(collector, node, pid) or {}).get("state", ""))
+
+
 def cluster_rows(q: Any, **filters: Any) -> list[dict[str, Any]]:
     """ListConsumers over a QueryClient (tests/helpers/collector_env.py), as `ps -o json` rows."""
     from ghostgpu.common.wire.convert import cluster_consumer_from_proto

@@ -346,7 +346,7 @@ def _goarch() -> str:
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
 
 
-def _rmdir(path: str, deadline: float) -> str | None:
+def rmdir_cgroup(path: str, deadline: float) -> str | None:
     """rmdir a cgroup, waiting out EBUSY while the last tasks leave; an error line, or None."""
     while True:
         try:
@@ -375,7 +375,7 @@ def remove_pod_cgroups(pod_uids: set[str], timeout_s: float = 10.0) -> list[str]
                 if not os.path.isdir(top):
                     continue
                 for directory, _subdirs, _files in os.walk(top, topdown=False):
-                    if (err := _rmdir(directory, deadline)) is not None:
+                    if (err := rmdir_cgroup(directory, deadline)) is not None:
                         errors.append(err)
             for shared in (qos, os.path.dirname(qos)):
                 if shared in registered or not os.path.isdir(shared):

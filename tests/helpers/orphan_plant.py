@@ -31,7 +31,6 @@ through a pidfd, the escape cgroups removed, the pod stopped and removed through
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
 import time
@@ -44,7 +43,7 @@ import grpc
 
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from tests.helpers.container import CgroupMount, parse_cgroup_mounts
-from tests.helpers.containerd import CALL_TIMEOUT_S, QOS_PARENT, Containerd, Pod, kubelet_labels
+from tests.helpers.containerd import CALL_TIMEOUT_S, QOS_PARENT, Containerd, Pod, kubelet_labels, rmdir_cgroup
 from tests.helpers.polling import poll, wait_until
 from tests.helpers.workload import GPUWORK_IN_IMAGE, ReadyLine, allocates, gpuwork_image
 
@@ -173,7 +172,7 @@ class PlantedOrphan:
             self._pidfd = -1
         deadline = time.monotonic() + DEADLINE_S
         for leaf in self.cgroup_leaves:
-            if (err := _rmdir(leaf, deadline)) is not None:
+            if (err := rmdir_cgroup(leaf, deadline)) is not None:
                 errors.append(err)
                 continue
             # The levels above, once empty (another planted orphan may still be in them).
@@ -192,19 +191,6 @@ class PlantedOrphan:
             errors.append(f"removing pod {self.pod.name}: {e}")
         if errors:
             raise PlantError("orphan cleanup: " + "; ".join(errors))
-
-
-def _rmdir(path: str, deadline: float) -> str | None:
-    while True:
-        try:
-            os.rmdir(path)
-            return None
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                return f"cannot remove cgroup {path}: {e}"
-            time.sleep(0.005)  # polling interval while the killed holder's exit completes
 
 
 def _mkdirs(mount: CgroupMount, path: str) -> str:

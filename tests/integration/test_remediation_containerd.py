@@ -21,7 +21,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli
+from tests.helpers.collector_proc import (
+    CollectorProcess,
+    ghostgpu_cli,
+    ps_json,
+    remediation_of,
+    remediation_state,
+)
 from tests.helpers.containerd import Containerd
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
 from tests.helpers.orphan_plant import planted_orphan
@@ -47,27 +53,6 @@ remediation:
     ticket: {url: "", headers_file: ""}
   breaker: {max_actions: 10, window: 1h, max_per_node: 3, max_isolated_nodes_pct: 10}
 """
-
-
-def findings(collector: str) -> list[dict[str, Any]]:
-    out = ghostgpu_cli("findings", "--collector", collector, "-o", "json", "--node", NODE)
-    if out.returncode != 0:
-        raise AssertionError(f"ghostgpu findings exited {out.returncode}: {out.stderr.strip()}")
-    rows: list[dict[str, Any]] = json.loads(out.stdout)
-    return rows
-
-
-def ps_rows(collector: str) -> list[dict[str, Any]]:
-    out = ghostgpu_cli("ps", "--collector", collector, "-o", "json", "--node", NODE)
-    if out.returncode != 0:
-        raise AssertionError(f"ghostgpu ps exited {out.returncode}: {out.stderr.strip()}")
-    rows: list[dict[str, Any]] = json.loads(out.stdout)
-    return rows
-
-
-def state_of(collector: str, pid: int) -> dict[str, Any] | None:
-    rows = [r for r in findings(collector) if r["pid"] == pid]
-    return rows[-1]["remediation"] if rows else None
 
 
 def test_a_planted_containerd_orphan_is_reported_in_dry_run_and_killed_in_mode_on(
@@ -97,14 +82,14 @@ def test_a_planted_containerd_orphan_is_reported_in_dry_run_and_killed_in_mode_o
                 seen: list[dict[str, Any]] = []
 
                 def orphaned() -> bool:
-                    seen[:] = [r for r in ps_rows(col.address) if r["pid"] == orphan.pid]
+                    seen[:] = [r for r in ps_json(col.address, "--node", NODE) if r["pid"] == orphan.pid]
                     return any(r["class"] == "orphaned" for r in seen)
 
                 if not poll(orphaned, DEADLINE_S):
                     raise AssertionError(f"the planted holder was not found orphaned: {seen}")
-                wait_until(lambda: (state_of(col.address, orphan.pid) or {}).get("state") == "proposed",
+                wait_until(lambda: remediation_state(col.address, NODE, orphan.pid) == "proposed",
                            "the orphan's dry run", DEADLINE_S)
-                proposed = state_of(col.address, orphan.pid)
+                proposed = remediation_of(col.address, NODE, orphan.pid)
                 assert proposed is not None and proposed["mode"] == "dry-run"
                 assert proposed["action"] == "kill_orphan"
                 assert f"pid {orphan.pid}" in proposed["reason"]
@@ -114,15 +99,15 @@ def test_a_planted_containerd_orphan_is_reported_in_dry_run_and_killed_in_mode_o
                 out = ghostgpu_cli("remediate", "mode", "on", "--reason", "containerd e2e",
                                    "--collector", col.address)
                 assert out.returncode == 0, out.stderr
-                wait_until(lambda: (state_of(col.address, orphan.pid) or {}).get("state") == "done",
+                wait_until(lambda: remediation_state(col.address, NODE, orphan.pid) == "done",
                            "the orphan killed", DEADLINE_S)
                 wait_until(lambda: not orphan.alive(), "the orphan gone", DEADLINE_S)
-                done = state_of(col.address, orphan.pid)
+                done = remediation_of(col.address, NODE, orphan.pid)
                 assert done is not None and done["incident"] == proposed["incident"]
 
             # the live container's holder: untouched, never considered
             assert containerd.container_host_pid(live_cid) == live_pid
-            assert state_of(col.address, live_pid) is None
+            assert remediation_of(col.address, NODE, live_pid) is None
         finally:
             containerd.remove_pod(live_pod.id)
 

@@ -26,7 +26,7 @@ from ghostgpu.cli.main import main
 
 from ghostgpu.common.model.consumers import ConsumerClass
 from tests.helpers.collector_env import running_collector
-from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli
+from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli, remediation_of, remediation_state
 from tests.helpers.container import FakeContainer
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
@@ -46,19 +46,6 @@ remediation:
   grace: 1s
   namespaces: {include: ["*"], exclude: ["kube-system"]}
 """
-
-
-def findings(collector: str) -> list[dict[str, Any]]:
-    out = ghostgpu_cli("findings", "--collector", collector, "-o", "json", "--node", NODE)
-    if out.returncode != 0:
-        raise AssertionError(f"ghostgpu findings exited {out.returncode}: {out.stderr.strip()}")
-    rows: list[dict[str, Any]] = json.loads(out.stdout)
-    return rows
-
-
-def remediation_of(collector: str, pid: int) -> dict[str, Any] | None:
-    rows = [r for r in findings(collector) if r["pid"] == pid]
-    return rows[-1]["remediation"] if rows else None
 
 
 def alive(pid: int) -> bool:
@@ -94,24 +81,24 @@ def test_dry_run_reports_mode_on_kills_the_orphan_and_leaves_the_live_holder(tmp
                 live.wait_ready()
 
                 # dry-run: proposed, and the orphan lives on
-                wait_until(lambda: (remediation_of(col.address, orphan.host_pid) or {}).get("state")
-                           == "proposed", "the orphan's dry run", DEADLINE_S)
-                proposed = remediation_of(col.address, orphan.host_pid)
+                wait_until(lambda: remediation_state(col.address, NODE, orphan.host_pid) == "proposed",
+                           "the orphan's dry run", DEADLINE_S)
+                proposed = remediation_of(col.address, NODE, orphan.host_pid)
                 assert proposed is not None and proposed["mode"] == "dry-run"
                 assert proposed["reason"].startswith(f"dry-run: would SIGTERM pid {orphan.host_pid}")
                 assert alive(orphan.host_pid)
 
                 out = ghostgpu_cli("remediate", "mode", "on", "--reason", "e2e", "--collector", col.address)
                 assert out.returncode == 0, out.stderr
-                wait_until(lambda: (remediation_of(col.address, orphan.host_pid) or {}).get("state")
-                           == "done", "the orphan killed", DEADLINE_S)
+                wait_until(lambda: remediation_state(col.address, NODE, orphan.host_pid) == "done",
+                           "the orphan killed", DEADLINE_S)
                 wait_until(lambda: not alive(orphan.host_pid), "the orphan gone", DEADLINE_S)
-                done = remediation_of(col.address, orphan.host_pid)
+                done = remediation_of(col.address, NODE, orphan.host_pid)
                 assert done is not None and done["audit_seq"] > 0
 
                 # the holder in a live container: alive, and no remediation ever considered it
                 assert alive(live.host_pid)
-                assert remediation_of(col.address, live.host_pid) is None
+                assert remediation_of(col.address, NODE, live.host_pid) is None
 
                 audit = ghostgpu_cli("audit", "--collector", col.address, "-o", "json", "--since", "1h")
                 assert audit.returncode == 0, audit.stderr

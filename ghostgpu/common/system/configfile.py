@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
@@ -300,16 +302,31 @@ def parse_config_text(text: str, cls: type, table: str, *, where: str, yaml: boo
     return table_values(config_table(doc, table, where=where), cls, where=where, sections=sections)
 
 
-def read_config_text(path: str, *, where: str) -> str:
+def read_config_text(path: str, *, where: str, regular_only: str = "") -> str:
     """The file's text; ConfigError naming `where` when it cannot be read, is not UTF-8 or is larger
-    than MAX_FILE_BYTES."""
+    than MAX_FILE_BYTES. It is opened without blocking (a FIFO never hangs the reader); with
+    `regular_only` (the advice to give), anything but a regular file is refused too."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        if regular_only and not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{where}: not a regular file; {regular_only}")
+        chunks, left = [], MAX_FILE_BYTES + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    except BlockingIOError:  # a FIFO or socket with nothing to read yet: not a config file
+        raise ConfigError(f"{where}: cannot read it (nothing to read without waiting); "
+                          "point it at a regular file") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(f"{where}: larger than {MAX_FILE_BYTES >> 20} MiB; a config file sets a few keys")
     try:
