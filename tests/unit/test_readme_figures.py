@@ -9,8 +9,8 @@ stated reason (`fixed`). For each row the test fails when
 - a figure's text is not in the row (the README and the stored result disagree);
 - the row holds a number that no figure accounts for (a figure with no stored source).
 
-PROSE does the same for the sentences outside the table that quote measured figures, in the README
-and docs/METRICS.md.
+PROSE does the same for the sentences outside the table that quote measured figures, in the README,
+docs/METRICS.md and docs/REMEDIATION.md ("Cost").
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ghostgpu.common.wire import protocol
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # Where PROSE's sentences are: the README, and the reference moved out of it that quotes a figure.
-PROSE_FILES = (README, ROOT / "docs" / "METRICS.md")
+PROSE_FILES = (README, ROOT / "docs" / "METRICS.md", ROOT / "docs" / "REMEDIATION.md")
 RESULTS = ROOT / "bench" / "results"
 # A number as the README writes one: 1,014,695 / 0.323 / 2.9 (not the 50 of "p50", nor the 0 of "nvidia0").
 NUMBER = re.compile(r"(?<![\w.,])\d+(?:,\d{3})*(?:\.\d+)?")
@@ -692,10 +692,53 @@ ROWS: dict[str, list[Figure]] = {
             lambda d: driver_best("psycopg", 2000)(d)["vs_ceiling"],
             lambda d: driver_best("psycopg", 200)(d)["vs_ceiling"]),
     ],
+    "guarded kill of an orphaned GPU holder": [
+        fig("{:,} `sleep` holders", "remediate", "kill.kills"),
+        fig("| p50 {:.2f} ms, p99 {:.2f} ms;", "remediate", "kill.arms.act.p50_ms", "kill.arms.act.p99_ms"),
+        fig("(dry run) p50 {:.2f} ms", "remediate", "kill.arms.recheck.p50_ms"),
+        fig("ContainerStatus p50 {:.2f} ms, the identity read {:.2f} ms, the hold scan {:.2f} ms",
+            "remediate", "kill.arms.cri.p50_ms", "kill.arms.look.p50_ms", "kill.arms.held.p50_ms"),
+        fig("on the device p50 {:.2f} ms, p99 {:.2f} ms", "remediate",
+            "kill.arms.fuser.p50_ms", "kill.arms.fuser.p99_ms"),
+        fig("{} processes here", "remediate", "kill.procs_on_host"),
+        fig("`waitpid` p50 {:.2f} ms, p99 {:.2f} ms", "remediate",
+            "kill.arms.kill.p50_ms", "kill.arms.kill.p99_ms"),
+        fig("{:.2f}x fuser; {:.2f}x the bare kill", "remediate",
+            "kill.act_vs_fuser_p50", "kill.act_vs_kill_p50"),
+    ],
+    "remediation engine's tick on the collector's loop": [
+        fig("{:,} open findings on {} nodes, {} of them orphaned", "remediate",
+            "tick.open_findings", "tick.nodes", "tick.orphaned"),
+        fig("{} ticks per mode", "remediate", "tick.ticks"),
+        fig("| p50 {:.2f} ms, p99 {:.2f} ms; loop CPU p50 {:.2f} ms ({:.2f}% of the loop", "remediate",
+            "tick.dry_run.wall.p50_ms", "tick.dry_run.wall.p99_ms", "tick.dry_run.loop_cpu.p50_ms",
+            "tick.dry_run_loop_cpu_pct_of_tick_s"),
+        fig("the first round ({} incidents decided, re-checked and proposed, each step audited) {:.1f} ms, "
+            "{:.1f} ms of loop CPU", "remediate", "tick.first_dry_run_round.incidents_proposed",
+            "tick.first_dry_run_round.wall_ms", "tick.first_dry_run_round.loop_cpu_ms"),
+        fig("mode off (the default): p50 {:.2f} ms, p99 {:.2f} ms; loop CPU p50 {:.2f} ms", "remediate",
+            "tick.off.wall.p50_ms", "tick.off.wall.p99_ms", "tick.off.loop_cpu.p50_ms"),
+        fig("| {:.2f}x off |", "remediate", "tick.dry_run_vs_off_wall_p50"),
+    ],
 }
 
 # Sentences outside the table that quote measured figures: (first words, last words) -> figures.
 PROSE: dict[tuple[str, str], list[Figure]] = {
+    ("Measured by `bench/bench_remediate.py`", "every step audited, took"): [
+        fig("took p50 {:.2f} ms, p99 {:.2f} ms over {} holders", "remediate",
+            "kill.arms.act.p50_ms", "kill.arms.act.p99_ms", "kill.kills"),
+        fig("p50 {:.2f} ms for a bare", "remediate", "kill.arms.kill.p50_ms"),
+        fig("p50 {:.2f} ms for `fuser -k -TERM`", "remediate", "kill.arms.fuser.p50_ms"),
+        fig("(p50 {:.2f} ms timed alone)", "remediate", "kill.arms.cri.p50_ms"),
+        fig("tick over {:,} open findings ({} orphaned)", "remediate", "tick.open_findings", "tick.orphaned"),
+        fig("p50 {:.2f} ms in dry-run against {:.2f} ms with remediation off", "remediate",
+            "tick.dry_run.loop_cpu.p50_ms", "tick.off.loop_cpu.p50_ms"),
+        fig("{:.2f}% of the loop", "remediate", "tick.dry_run_loop_cpu_pct_of_tick_s"),
+        fig("round, {} incidents", "remediate", "tick.first_dry_run_round.incidents_proposed"),
+    ],
+    ("every step audited, took", "ms."): [
+        fig("took {:.1f} ms.", "remediate", "tick.first_dry_run_round.wall_ms"),
+    ],
     ("Latest figures (", "; raw numbers in"): [
         Figure(lambda: f"({machines()};", "machine (or host) of every bench/results/*.json"),
     ],
