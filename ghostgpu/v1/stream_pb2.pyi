@@ -303,7 +303,7 @@ class RemediateCommand(_message.Message):
     def __init__(self, incident: _Optional[str] = ..., process: _Optional[_Union[_node_pb2.Process, _Mapping]] = ..., container_id: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., grace_ms: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class RemediateResult(_message.Message):
-    __slots__ = ("incident", "outcome", "reason", "signals", "released", "proc_state", "wchan", "stack", "stuck_tids", "elapsed_ms")
+    __slots__ = ("incident", "outcome", "reason", "signals", "released", "proc_state", "wchan", "stack", "stuck_tids", "elapsed_ms", "exited")
     INCIDENT_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class RemediateResult(_message.Message):
     STACK_FIELD_NUMBER: _ClassVar[int]
     STUCK_TIDS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
     incident: str
     outcome: str
     reason: str
@@ -324,7 +325,8 @@ class RemediateResult(_message.Message):
     stack: str
     stuck_tids: _containers.RepeatedScalarFieldContainer[int]
     elapsed_ms: int
-    def __init__(self, incident: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[str]] = ..., released: _Optional[bool] = ..., proc_state: _Optional[str] = ..., wchan: _Optional[str] = ..., stack: _Optional[str] = ..., stuck_tids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ...) -> None: ...
+    exited: bool
+    def __init__(self, incident: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[str]] = ..., released: _Optional[bool] = ..., proc_state: _Optional[str] = ..., wchan: _Optional[str] = ..., stack: _Optional[str] = ..., stuck_tids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ..., exited: _Optional[bool] = ...) -> None: ...
 
 class CriRequest(_message.Message):
     __slots__ = ("method", "request", "timeout_ms")
