@@ -114,7 +114,8 @@ def bench_kill(kills: int) -> dict[str, Any]:
         for node in nodes.values():
             os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
         catalog = DeviceCatalog((f"{tmp}/nvidia",))
-        with FakeCri() as runtime, FakeContainer() as container:
+        # The act confirms CRI speaks for the cgroup's runtime (Version) before its NOT_FOUND counts.
+        with FakeCri(runtime_name="containerd") as runtime, FakeContainer() as container:
             relay = CriRelay(runtime.endpoint, node=NODE)
             holders = Holders(container)
             try:
@@ -152,7 +153,8 @@ def _kill_trials(kills: int, nodes: dict[str, str], catalog: DeviceCatalog, rela
         return stream_pb2.RemediateCommand(
             incident=f"f{pid}/kill_orphan", container_id=container.container_id, devices=[nodes["act"]],
             grace_ms=5000, dry_run=dry_run,
-            process=node_pb2.Process(pid=pid, start_time_ns=seen.start_time_ns, exe=seen.exe, comm="sleep"))
+            process=node_pb2.Process(pid=pid, start_time_ns=seen.start_time_ns, exe=seen.exe, comm="sleep",
+                                     pod_uid=seen.pod_uid))
 
     times: dict[str, list[float]] = {"act": [], "recheck": [], "kill": [], "fuser": [], "look": [],
                                      "held": [], "cri": []}
@@ -163,7 +165,7 @@ def _kill_trials(kills: int, nodes: dict[str, str], catalog: DeviceCatalog, rela
         check_cmd, act_cmd = command(p.pid, True), command(p.pid, False)
         # The re-check's parts, each alone on the same holder: /proc identity, the scanner's hold, CRI.
         for part, fn in (("look", lambda: view.look(p.pid)), ("held", lambda: view.held(p.pid)),
-                         ("cri", lambda: remediator._cri(container.container_id))):
+                         ("cri", lambda: remediator._cri(container.container_id, ""))):
             t = time.perf_counter()
             fn()
             times[part].append(time.perf_counter() - t)

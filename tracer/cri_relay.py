@@ -11,7 +11,9 @@ so a compromised collector cannot stop, create or exec into containers through a
 
 `CommandRunner` answers every command of the stream on its pool: CRI calls, trace sessions
 (tracer/trace_sessions.py) and remediation (tracer/remediate.py, which reads one field of a
-ContainerStatus answer itself: whether the container runs).
+ContainerStatus answer itself: whether the container runs, and Version's runtime name). Remediation
+has a worker of its own: an act may wait out a 60 s grace, and must not hold up the CRI calls and
+trace setups behind it.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class CriRelay:
 
 
 TRACE_SETUP_WAIT_S = 10.0
+MAX_REMEDIATIONS = 16  # queued or running on one node; each may take its grace, a kill wait and CRI calls
 RemediateHandler = Callable[[stream_pb2.RemediateCommand], stream_pb2.RemediateResult]
 
 
@@ -160,41 +163,76 @@ class CommandRunner:
     A slow runtime must not hold up Acks, and a flood of commands must not grow threads or queues
     without end: beyond `max_queued` waiting or running, a command is answered RESOURCE_EXHAUSTED
     at once. Every command gets exactly one CommandResult, an unknown one UNIMPLEMENTED.
+    Remediations run one at a time on their own worker; beyond `max_remediations` waiting or
+    running, one is answered `failed` at once, with nothing signalled.
     """
 
-    def __init__(self, relay: CriRelay | None, node: str, workers: int = 4, max_queued: int = 64) -> None:
+    def __init__(self, relay: CriRelay | None, node: str, workers: int = 4, max_queued: int = 64,
+                 max_remediations: int = MAX_REMEDIATIONS) -> None:
         self._relay = relay
         self._node = node
         self._max_queued = max_queued
+        self._max_remediations = max_remediations
         self._lock = threading.Lock()
-        self.running = 0  # queued or running
+        self.running = 0  # queued or running on the pool
+        self.remediations = 0  # queued or running on the remediation worker
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ghostgpu-command")
+        # One act at a time per node, in the order sent: two kills never overlap on one node, and
+        # one that waits out its grace holds only this worker.
+        self._remediation_pool = ThreadPoolExecutor(1, thread_name_prefix="ghostgpu-remediate")
         # Trace sessions (tracer/trace_sessions.py), set once the kernel side runs.
         self.trace_handler: Callable[[stream_pb2.Command], trace_pb2.TraceCommandResult] | None = None
         self.trace_unavailable = "the tracer is starting"
         self.trace_ready = threading.Event()  # set once trace_handler (or why there is none) is known
         # Remediation (tracer/remediate.py Remediator.handle): blocks up to its grace period plus a
-        # fixed kill wait, which the pool's worker may spend; None: this tracer runs none.
+        # fixed kill wait, on the remediation worker; None: this tracer runs none.
         self.remediate_handler: RemediateHandler | None = None
 
     def submit(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
+        if command.WhichOneof("body") == "remediate":
+            self._submit_remediation(command, reply)
+            return
         with self._lock:
             busy = self.running >= self._max_queued
             if not busy:
                 self.running += 1
         if busy:
             why = f"tracer on {self._node} has {self._max_queued} commands waiting; retry"
-            if command.WhichOneof("body") == "remediate":  # answered in kind: the collector reads an outcome
-                reply(stream_pb2.CommandResult(id=command.id, remediate=stream_pb2.RemediateResult(
-                    incident=command.remediate.incident, outcome=FAILED, reason=f"nothing signalled: {why}")))
-            else:
-                reply(self._result(command.id, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
+            reply(self._result(command.id, grpc.StatusCode.RESOURCE_EXHAUSTED, why))
             return
         try:
             self._pool.submit(self._run, command, reply)
         except RuntimeError:  # the pool is shut down: the tracer is stopping
             with self._lock:
                 self.running -= 1
+
+    def _submit_remediation(self, command: stream_pb2.Command,
+                            reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
+        with self._lock:
+            waiting = self.remediations
+            busy = waiting >= self._max_remediations
+            if not busy:
+                self.remediations += 1
+        if busy:  # answered in kind: the collector reads an outcome
+            why = f"{waiting} remediations wait on the tracer on {self._node}; nothing signalled; retry"
+            reply(stream_pb2.CommandResult(id=command.id, remediate=stream_pb2.RemediateResult(
+                incident=command.remediate.incident, outcome=FAILED, reason=why)))
+            return
+        try:
+            self._remediation_pool.submit(self._run_remediation, command, reply)
+        except RuntimeError:  # the pool is shut down: the tracer is stopping
+            with self._lock:
+                self.remediations -= 1
+
+    def _run_remediation(self, command: stream_pb2.Command,
+                         reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
+        try:
+            reply(stream_pb2.CommandResult(id=command.id, remediate=self._remediate(command.remediate)))
+        except Exception:
+            log.exception("command %d failed", command.id)
+        finally:
+            with self._lock:
+                self.remediations -= 1
 
     def _run(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
         try:
@@ -216,8 +254,6 @@ class CommandRunner:
                 else:
                     answer = handler(command)
                 result = stream_pb2.CommandResult(id=command.id, trace=answer)
-            elif body == "remediate":
-                result = stream_pb2.CommandResult(id=command.id, remediate=self._remediate(command.remediate))
             else:
                 # No body is a command from a newer collector: answer, never leave it hanging.
                 result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,
@@ -249,3 +285,4 @@ class CommandRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._remediation_pool.shutdown(wait=False, cancel_futures=True)

@@ -2,8 +2,9 @@
 
 Each holder is gpuwork in a FakeContainer (own PID and mount namespaces, a private /dev with
 nvidia0 as a real character node, a kubepods cgroup), and the CRI the tracer's own relay reaches is
-a FakeCri on a real unix socket. The identity decided on is what the tracer's /proc code reads, as
-the collector would send it back. Signals go through real pidfds; nothing here is mocked but the one
+a FakeCri on a real unix socket that names itself containerd (Version), as the node's runtime would.
+The identity decided on (pid, start time, exe, container, pod) is what the tracer's /proc code reads,
+as the collector would send it back. Signals go through real pidfds; nothing here is mocked but the one
 case no kernel can be made to show on demand (a holder that outlives SIGKILL, see its test).
 
 A container init (PID 1 of its namespace) has no SIGTERM handler, and the kernel drops a signal with
@@ -52,7 +53,7 @@ def _root() -> None:
 
 @pytest.fixture
 def fake_cri() -> Iterator[FakeCri]:
-    with FakeCri() as runtime:
+    with FakeCri(runtime_name="containerd") as runtime:
         runtime.add_sandbox("sb1", "job-0", "team-a", "uid-1")
         yield runtime
 
@@ -85,8 +86,10 @@ def decided(pid: int, container_id: str, **kw: object) -> stream_pb2.RemediateCo
     fields: dict[str, object] = {"incident": f"f{pid}/kill_orphan", "container_id": container_id,
                                  "devices": ["/dev/nvidia0"], "grace_ms": 5000}
     fields.update(kw)
+    pod_uid = str(fields.pop("pod_uid", seen.pod_uid))
     return stream_pb2.RemediateCommand(
-        process=node_pb2.Process(pid=pid, start_time_ns=seen.start_time_ns, exe=seen.exe, comm="gpuwork"),
+        process=node_pb2.Process(pid=pid, start_time_ns=seen.start_time_ns, exe=seen.exe, comm="gpuwork",
+                                 pod_uid=pod_uid),
         **fields)  # type: ignore[arg-type]
 
 
@@ -111,7 +114,7 @@ def test_unknown_to_cri_sigterm_ends_it(container: FakeContainer, relay: CriRela
     _, pid = forked_holder(container)
     result = remediator(relay).handle(decided(pid, container.container_id))
     assert result.outcome == DONE, result.reason
-    assert list(result.signals) == ["SIGTERM"] and result.released
+    assert list(result.signals) == ["SIGTERM"] and result.released and result.exited
     wait_until(lambda: not alive(pid), f"pid {pid} gone")
 
 
@@ -136,7 +139,63 @@ def test_a_running_container_is_never_touched(container: FakeContainer, relay: C
     result = remediator(relay).handle(decided(pid, container.container_id))
     assert result.outcome == SKIPPED
     assert result.reason == f"container {container.container_id[:12]} is running again (CRI)"
+    assert not result.signals and not result.exited and alive(pid)
+
+
+def test_an_unknown_container_state_is_no_corroboration(container: FakeContainer, relay: CriRelay,
+                                                        fake_cri: FakeCri) -> None:
+    """containerd answers UNKNOWN while it cannot reach the container's shim: it may still run."""
+    fake_cri.add_container(container.container_id, "sb1", "job", state=cri.CONTAINER_UNKNOWN)
+    _, pid = forked_holder(container)
+    result = remediator(relay).handle(decided(pid, container.container_id))
+    assert result.outcome == SKIPPED and "CRI reports its state UNKNOWN" in result.reason
     assert not result.signals and alive(pid)
+
+
+def test_a_container_of_another_runtime_is_never_touched(fake_cri: FakeCri, relay: CriRelay) -> None:
+    """A docker container in a pod's cgroup on a node whose CRI is containerd: NOT_FOUND from
+    containerd says nothing about it."""
+    with FakeContainer(runtime="docker") as other:
+        _, pid = forked_holder(other)
+        result = remediator(relay).handle(decided(pid, other.container_id))
+        assert result.outcome == SKIPPED
+        assert result.reason == "cannot confirm: docker container, CRI speaks for containerd"
+        assert fake_cri.calls["ContainerStatus"] == 0
+        assert not result.signals and alive(pid)
+
+
+def test_a_container_outside_kubernetes_is_never_touched(relay: CriRelay) -> None:
+    """`docker run` beside the kubelet: docker-<id>.scope with no pod above it. CRI answers NOT_FOUND
+    for its id; with no pod in its cgroup nothing is signalled, whatever the decision said."""
+    standalone = FakeContainer(runtime="docker")
+    standalone.cgroup_path = f"/ghostgpu-test-docker.slice/docker-{standalone.container_id}.scope"
+    standalone.cgroup_paths = {m.mountpoint: m.mountpoint + standalone.cgroup_path for m in standalone.mounts}
+    with standalone:
+        _, pid = forked_holder(standalone)
+        seen = ProcView("/proc", catalog()).look(pid)
+        assert seen is not None and (seen.container_id, seen.pod_uid) == (standalone.container_id, "")
+        result = remediator(relay).handle(decided(pid, standalone.container_id))  # as decided: no pod
+        assert (result.outcome, result.reason) == (SKIPPED, f"pid {pid}: no pod to corroborate; only a "
+                                                            "container of a Kubernetes pod is signalled")
+        stale = decided(pid, standalone.container_id, pod_uid="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
+        result = remediator(relay).handle(stale)
+        assert result.outcome == SKIPPED
+        assert result.reason.startswith(f"pid {pid} is in no Kubernetes pod (a docker container names none")
+        assert not result.signals and alive(pid)
+
+
+def test_a_host_process_is_never_touched(relay: CriRelay) -> None:
+    """A host program holding the device whose leader turned zombie reads orphaned, yet may be
+    healthy: with no container for CRI to corroborate, nothing is signalled."""
+    host = subprocess.Popen(["sleep", "600"])
+    try:
+        command = decided(host.pid, "", pod_uid="")
+        result = remediator(relay).handle(command)
+        assert result.outcome == SKIPPED and "no container for CRI to corroborate" in result.reason
+        assert not result.signals and host.poll() is None
+    finally:
+        host.kill()
+        host.wait()
 
 
 def test_unreachable_cri_is_no_corroboration(container: FakeContainer, relay: CriRelay,
@@ -155,7 +214,7 @@ def test_dry_run_proposes_and_leaves_it_alive(container: FakeContainer, relay: C
     assert result.outcome == PROPOSED
     assert result.reason.startswith(f"dry run: would send SIGTERM to pid {pid} (gpuwork, ")
     assert result.reason.endswith("SIGKILL after 5 s")
-    assert not result.signals and alive(pid)
+    assert not result.signals and not result.exited and alive(pid)
 
 
 def test_a_released_device_is_skipped(container: FakeContainer, relay: CriRelay) -> None:
@@ -237,7 +296,7 @@ def test_forced_pid_reuse_is_caught(container: FakeContainer, relay: CriRelay) -
         result = remediator(relay).handle(command)
         assert result.outcome == SKIPPED
         assert result.reason.startswith(f"pid {pid} was reused: start time "), result.reason
-        assert not result.signals
+        assert not result.signals and result.exited
         assert newcomer.poll() is None and alive(pid)
     finally:
         newcomer.kill()

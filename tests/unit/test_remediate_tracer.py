@@ -1,5 +1,6 @@
 """The tracer's act of remediation (tracer/remediate.py): the pure decisions as tables, the order of
-the re-checks with a scripted /proc view and CRI, and CommandRunner's one answer per command.
+the re-checks with a scripted /proc view and CRI, and CommandRunner's one answer per command on the
+remediation's own worker.
 
 The signal path here runs against a real child process of the test (same uid: no root needed); the
 fake containers, CRI and a real stream are in tests/integration/test_remediate_processes.py.
@@ -7,10 +8,12 @@ fake containers, CRI and a real stream are in tests/integration/test_remediate_p
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -27,6 +30,7 @@ from ghostgpu.tracer.remediate import (
     cri_problem,
     identity_problem,
     live_tids_of,
+    runtime_problem,
     unkillable_reason,
 )
 
@@ -38,6 +42,7 @@ from ghostgpu.v1 import node_pb2, stream_pb2
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 CID = "c0ffee" + "1" * 58
+POD = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
 START_NS = 5_000_000_000
 
 
@@ -57,7 +62,41 @@ def test_identity_problem(seen: Seen | None, want_exe: str, outcome: str | None,
     if outcome is None:
         assert problem is None
     else:
-        assert problem is not None and problem[0] == outcome and words in problem[1]
+        assert problem is not None and problem.outcome == outcome and words in problem.reason
+        # gone, or the PID names another process; an unreadable exe says neither
+        assert problem.exited == ("already exited" in words or "reused" in words)
+
+
+@pytest.mark.parametrize(("seen_pod", "runtime", "want_pod", "words", "exited"), [
+    (POD, "containerd", POD, None, False),
+    ("", "docker", POD, "pid 42 is in no Kubernetes pod (a docker container names none; decided pod", False),
+    ("", "", POD, "pid 42 is in no Kubernetes pod (its cgroup names none", False),
+    ("1" * 32, "containerd", POD, f"pid 42 was reused: pod {'1' * 32}, decided {POD}", True),
+])
+def test_identity_checks_the_pod(seen_pod: str, runtime: str, want_pod: str, words: str | None,
+                                 exited: bool) -> None:
+    seen = Seen(START_NS, "/bin/x", CID, seen_pod, runtime)
+    problem = identity_problem(42, START_NS, "/bin/x", seen, CID, want_pod)
+    if words is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.outcome == SKIPPED and words in problem.reason
+        assert problem.exited == exited
+
+
+@pytest.mark.parametrize(("cgroup_runtime", "cri_runtime", "why"), [
+    ("containerd", "containerd", None),
+    ("crio", "cri-o", None),
+    ("crio-conmon", "cri-o", None),
+    ("docker", "docker", None),  # cri-dockerd
+    ("", "containerd", None),  # a bare id under a cgroupfs pod: the pod UID stands for it
+    ("docker", "containerd", "cannot confirm: docker container, CRI speaks for containerd"),
+    ("podman", "containerd", "cannot confirm: podman container, CRI speaks for containerd"),
+    ("podman", "cri-o", "cannot confirm: podman container, CRI speaks for cri-o"),
+    ("containerd", "", "cannot confirm: containerd container, CRI speaks for an unnamed runtime"),
+])
+def test_runtime_problem(cgroup_runtime: str, cri_runtime: str, why: str | None) -> None:
+    assert runtime_problem(cgroup_runtime, cri_runtime) == why
 
 
 @pytest.mark.parametrize(("seen_container", "want", "ok"), [
@@ -82,7 +121,9 @@ def test_identity_without_a_start_time_is_never_trusted() -> None:
     (NOT_FOUND, "not found", None, None),
     (0, "", cri.CONTAINER_EXITED, None),
     (0, "", cri.CONTAINER_CREATED, None),
-    (0, "", cri.CONTAINER_UNKNOWN, None),
+    # containerd says UNKNOWN while its shim is unreachable: the container may run
+    (0, "", cri.CONTAINER_UNKNOWN, "cannot confirm with CRI that container c0ffee111111 is gone: CRI reports "
+                                   "its state UNKNOWN"),
     (0, "", cri.CONTAINER_RUNNING, "container c0ffee111111 is running again (CRI)"),
     (UNAVAILABLE, "no CRI socket", None,
      "cannot confirm with CRI that container c0ffee111111 is gone: no CRI"),
@@ -110,7 +151,8 @@ def test_live_tids_and_the_unkillable_reason() -> None:
 # --- the act, with a scripted /proc view ------------------------------------------------------
 
 class ScriptedProc(ProcView):
-    """A /proc view whose answers a test sets; the act around it is the real one."""
+    """A /proc view whose answers a test sets; the act around it is the real one. `log` is shared
+    with FakeRelay and the signal seam: the order of everything the act looked at and did."""
 
     def __init__(self, seen: Seen | None, held: set[str], after: Seen | None = None) -> None:
         super().__init__("/proc", DeviceCatalog(("/dev/nvidia",), "/proc"))
@@ -118,14 +160,17 @@ class ScriptedProc(ProcView):
         self.looks = self.holds = 0
         self.held_after: set[str] = set()  # what the confirm's look finds held (nothing: released)
         self.stuck_view = Stuck(state="D", wchan="uvm_wait", tids=[7, 8])
+        self.log: list[str] = []
 
     def look(self, pid: int) -> Seen | None:
         self.looks += 1
-        # the look after pidfd_open is the second one: a reuse in between shows there
+        self.log.append("look")
+        # the identity once more, after CRI and the hold, is the second look: a reuse shows there
         return self.after if self.looks >= 2 and self.after is not None else self.seen
 
     def held(self, pid: int) -> set[str]:
         self.holds += 1
+        self.log.append("held")
         return set(self.held_paths if self.holds == 1 else self.held_after)
 
     def stuck(self, pid: int) -> Stuck:
@@ -133,11 +178,20 @@ class ScriptedProc(ProcView):
 
 
 class FakeRelay:
-    def __init__(self, code: int = NOT_FOUND, state: int | None = None) -> None:
+    """CRI as the act sees it: Version names `runtime_name`; ContainerStatus answers `code`/`state`."""
+
+    def __init__(self, code: int = NOT_FOUND, state: int | None = None, runtime_name: str = "containerd",
+                 version_code: int = 0) -> None:
         self.code, self.state, self.calls = code, state, 0
+        self.runtime_name, self.version_code = runtime_name, version_code
+        self.log: list[str] = []
 
     def call(self, method: str, request: bytes, timeout_ms: int = 0) -> stream_pb2.CriResponse:
         self.calls += 1
+        self.log.append(method)
+        if method == "Version":
+            body = cri.VersionResponse(runtime_name=self.runtime_name).SerializeToString()
+            return stream_pb2.CriResponse(code=self.version_code, message="fake version", response=body)
         assert method == "ContainerStatus"
         assert cri.ContainerStatusRequest.FromString(request).container_id == CID
         body = b""
@@ -161,8 +215,10 @@ def command(pid: int, **kw: object) -> stream_pb2.RemediateCommand:
     fields: dict[str, object] = {"incident": "f7/kill_orphan", "container_id": CID,
                                  "devices": ["/dev/nvidia0"], "grace_ms": 2000}
     fields.update(kw)
+    pod_uid = str(fields.pop("pod_uid", POD))
     return stream_pb2.RemediateCommand(
-        process=node_pb2.Process(pid=pid, start_time_ns=START_NS, exe="/usr/bin/sleep", comm="sleep"),
+        process=node_pb2.Process(pid=pid, start_time_ns=START_NS, exe="/usr/bin/sleep", comm="sleep",
+                                 pod_uid=pod_uid),
         **fields)  # type: ignore[arg-type]
 
 
@@ -171,18 +227,34 @@ def remediator(proc: ProcView, relay: FakeRelay | None = None, **kw: object) -> 
                       proc=proc, **kw)  # type: ignore[arg-type]
 
 
-SEEN = Seen(START_NS, "/usr/bin/sleep", CID)
+SEEN = Seen(START_NS, "/usr/bin/sleep", CID, POD, "containerd")
 
 
 @pytest.mark.parametrize(("proc", "relay", "cmd", "outcome", "words"), [
     (ScriptedProc(None, set()), FakeRelay(), {}, SKIPPED, "already exited"),
     (ScriptedProc(Seen(START_NS + 1, "/usr/bin/sleep", CID), {"/dev/nvidia0"}), FakeRelay(), {}, SKIPPED,
      "was reused: start time"),
-    (ScriptedProc(Seen(START_NS, "/usr/bin/sleep", "beef" * 16), {"/dev/nvidia0"}), FakeRelay(), {}, SKIPPED,
-     "was reused: container beefbeefbeef, decided c0ffee111111"),
+    (ScriptedProc(Seen(START_NS, "/usr/bin/sleep", "beef" * 16, POD), {"/dev/nvidia0"}), FakeRelay(), {},
+     SKIPPED, "was reused: container beefbeefbeef, decided c0ffee111111"),
     (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(0, cri.CONTAINER_RUNNING), {}, SKIPPED,
      "is running again (CRI)"),
     (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(UNAVAILABLE), {}, SKIPPED, "cannot confirm with CRI"),
+    (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(0, cri.CONTAINER_UNKNOWN), {}, SKIPPED,
+     "CRI reports its state UNKNOWN"),
+    # a container no kubelet made: docker or podman beside it, whose ids CRI answers NOT_FOUND
+    (ScriptedProc(Seen(START_NS, "/usr/bin/sleep", CID, "", "docker"), {"/dev/nvidia0"}), FakeRelay(), {},
+     SKIPPED, "is in no Kubernetes pod (a docker container names none"),
+    (ScriptedProc(Seen(START_NS, "/usr/bin/sleep", CID, POD, "docker"), {"/dev/nvidia0"}), FakeRelay(), {},
+     SKIPPED, "cannot confirm: docker container, CRI speaks for containerd"),
+    (ScriptedProc(Seen(START_NS, "/usr/bin/sleep", CID, POD, "podman"), {"/dev/nvidia0"}), FakeRelay(), {},
+     SKIPPED, "cannot confirm: podman container, CRI speaks for containerd"),
+    (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(version_code=UNAVAILABLE), {}, SKIPPED,
+     "is gone: its Version (which runtime it speaks for) failed: fake version"),
+    (ScriptedProc(Seen(START_NS, "/usr/bin/sleep", CID, "1" * 32, "containerd"), {"/dev/nvidia0"}),
+     FakeRelay(), {}, SKIPPED, f"was reused: pod {'1' * 32}, decided {POD}"),
+    (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(), {"container_id": ""}, SKIPPED,
+     "no container for CRI to corroborate; a host process is never signalled"),
+    (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(), {"pod_uid": ""}, SKIPPED, "no pod to corroborate"),
     (ScriptedProc(SEEN, {"/dev/nvidiactl"}), FakeRelay(), {}, SKIPPED, "no longer holds a GPU device"),
     (ScriptedProc(SEEN, set()), FakeRelay(), {"devices": []}, SKIPPED, "no longer holds a GPU device"),
     (ScriptedProc(SEEN, {"/dev/nvidiactl"}), FakeRelay(), {"devices": [], "dry_run": True}, PROPOSED,
@@ -191,8 +263,11 @@ SEEN = Seen(START_NS, "/usr/bin/sleep", CID)
      "dry run"),
     (ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(), {"grace_ms": 3_600_000, "dry_run": True}, PROPOSED,
      "SIGKILL after 60 s"),  # the grace is capped
-    (ScriptedProc(SEEN, {"/dev/nvidia0"}, after=Seen(START_NS + 1, "/usr/bin/sleep", CID)), FakeRelay(), {},
-     SKIPPED, "was reused"),  # reused between the checks and pidfd_open: nothing is signalled
+    # reaped and reused after the first look, before the signal: the last look catches it
+    (ScriptedProc(SEEN, {"/dev/nvidia0"}, after=Seen(START_NS + 1, "/usr/bin/sleep", CID, POD, "containerd")),
+     FakeRelay(), {}, SKIPPED, "was reused"),
+    (ScriptedProc(SEEN, {"/dev/nvidia0"}, after=Seen(START_NS + 1, "/usr/bin/sleep", CID, POD, "containerd")),
+     FakeRelay(), {"dry_run": True}, SKIPPED, "was reused"),
 ])
 def test_rechecks_in_order_signal_nothing(child: subprocess.Popen[bytes], proc: ScriptedProc,
                                           relay: FakeRelay, cmd: dict[str, object], outcome: str,
@@ -206,11 +281,116 @@ def test_rechecks_in_order_signal_nothing(child: subprocess.Popen[bytes], proc: 
     assert child.poll() is None
 
 
-def test_no_container_id_needs_no_cri(child: subprocess.Popen[bytes]) -> None:
-    relay = FakeRelay(UNAVAILABLE)
+def test_no_container_id_is_never_signalled(child: subprocess.Popen[bytes]) -> None:
+    """A host program with a zombie leader reads orphaned yet may be healthy: no container, no act,
+    even when every other re-check would pass."""
+    relay = FakeRelay()
+    proc = ScriptedProc(Seen(START_NS, "/usr/bin/sleep"), {"/dev/nvidia0"})
+    for dry_run in (True, False):
+        result = remediator(proc, relay, send=lambda fd, sig: pytest.fail("signalled")).handle(
+            command(child.pid, container_id="", pod_uid="", dry_run=dry_run))
+        assert result.outcome == SKIPPED and "no container for CRI to corroborate" in result.reason
+        assert not result.exited
+    assert relay.calls == 0 and proc.looks == 0 and child.poll() is None
+
+
+def test_a_bare_container_id_passes_on_its_pod(child: subprocess.Popen[bytes]) -> None:
+    """A bare id under a cgroupfs pod names no runtime (containerd and cri-dockerd alike): the pod UID
+    stands for it and Version is not asked."""
+    relay = FakeRelay(runtime_name="something-else")
+    proc = ScriptedProc(Seen(START_NS, "/usr/bin/sleep", CID, POD, ""), {"/dev/nvidia0"})
+    result = remediator(proc, relay).handle(command(child.pid, dry_run=True))
+    assert result.outcome == PROPOSED, result.reason
+    assert relay.log == ["ContainerStatus"]
+
+
+def _is_open_pidfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_the_pidfd_comes_first_and_identity_last(child: subprocess.Popen[bytes],
+                                                  monkeypatch: pytest.MonkeyPatch, dry_run: bool) -> None:
+    """The pidfd pins the process before any check; the identity is read again after CRI and the
+    hold, right before the signal. A dry run goes the same way and closes its pidfd."""
     proc = ScriptedProc(SEEN, {"/dev/nvidia0"})
-    result = remediator(proc, relay).handle(command(child.pid, container_id="", dry_run=True))
-    assert result.outcome == PROPOSED and relay.calls == 0
+    relay = FakeRelay()
+    relay.log = proc.log
+    opened: list[int] = []
+    real_open = os.pidfd_open
+
+    def pidfd_open(pid: int, flags: int = 0) -> int:  # the real one, logged
+        proc.log.append("pidfd_open")
+        opened.append(real_open(pid, flags))
+        return opened[-1]
+
+    def send(fd: int, sig: int) -> None:
+        proc.log.append(signal.Signals(sig).name)
+        signal.pidfd_send_signal(fd, sig)
+
+    monkeypatch.setattr(os, "pidfd_open", pidfd_open)
+    result = remediator(proc, relay, send=send).handle(command(child.pid, dry_run=dry_run))
+    signalled = [] if dry_run else ["SIGTERM", "look", "held"]  # then the confirm's look
+    assert proc.log == ["pidfd_open", "look", "Version", "ContainerStatus", "held", "look", *signalled]
+    assert result.outcome == (PROPOSED if dry_run else DONE), result.reason
+    assert len(opened) == 1 and not _is_open_pidfd(opened[0])
+    assert (child.poll() is None) == dry_run
+
+
+def test_exited_says_whether_the_process_decided_on_is_gone(child: subprocess.Popen[bytes]) -> None:
+    def act(proc: ScriptedProc, relay: FakeRelay | None = None, **kw: object) -> stream_pb2.RemediateResult:
+        return remediator(proc, relay).handle(command(child.pid, **kw))
+
+    assert act(ScriptedProc(None, set())).exited  # identity: already exited
+    assert act(ScriptedProc(Seen(START_NS + 1, "/usr/bin/sleep", CID, POD), set())).exited  # reused
+    assert not act(ScriptedProc(SEEN, {"/dev/nvidia0"}), dry_run=True).exited  # a dry run finding it alive
+    assert not act(ScriptedProc(SEEN, {"/dev/nvidia0"}), FakeRelay(0, cri.CONTAINER_RUNNING)).exited
+    assert not act(ScriptedProc(SEEN, set())).exited  # no longer holds: alive
+    assert child.poll() is None
+    done = act(ScriptedProc(SEEN, {"/dev/nvidia0"}))
+    assert done.outcome == DONE and done.exited
+    child.wait(5)
+
+
+def test_a_pid_gone_before_pidfd_open_exited() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: pidfd_open answers ESRCH (unless the PID came round again in between)
+    result = remediator(ScriptedProc(SEEN, {"/dev/nvidia0"})).handle(command(gone.pid))
+    if result.reason == f"pid {gone.pid} already exited":
+        assert result.outcome == SKIPPED and result.exited
+    else:  # reused at once by another process: its identity is not the one decided on
+        assert result.outcome == SKIPPED and "was reused" in result.reason and result.exited
+
+
+def test_a_non_kubernetes_container_read_from_proc_is_never_signalled(child: subprocess.Popen[bytes],
+                                                                       tmp_path: Path) -> None:
+    """/proc/PID/cgroup as docker run shows it beside the kubelet (docker-<id>.scope, no pod), read
+    by the real ProcView: CRI would answer NOT_FOUND, and that is no word that it is gone."""
+    root = tmp_path
+    os.symlink(str(os.getpid()), root / "self")
+    pid_dir = root / str(child.pid)
+    pid_dir.mkdir()
+    (pid_dir / "stat").write_text(_stat(child.pid, "S").replace(" 12345 ", " 500 "))
+    (pid_dir / "cgroup").write_text(f"0::/system.slice/docker-{CID}.scope\n")
+    os.symlink("/usr/bin/sleep", pid_dir / "exe")
+
+    class HeldView(ProcView):
+        def held(self, pid: int) -> set[str]:
+            return {"/dev/nvidia0"}
+
+    view = HeldView(str(root), DeviceCatalog(("/dev/nvidia",), str(root)))
+    seen = view.look(child.pid)
+    assert seen is not None and (seen.container_id, seen.pod_uid, seen.runtime) == (CID, "", "docker")
+    relay = FakeRelay()  # NOT_FOUND
+    cmd = command(child.pid)
+    cmd.process.start_time_ns = seen.start_time_ns
+    result = remediator(view, relay, send=lambda fd, sig: pytest.fail("signalled")).handle(cmd)
+    assert result.outcome == SKIPPED
+    assert "is in no Kubernetes pod (a docker container names none" in result.reason
+    assert relay.calls == 0 and child.poll() is None
 
 
 def test_no_relay_never_acts(child: subprocess.Popen[bytes]) -> None:
@@ -284,7 +464,7 @@ def test_esrch_is_an_exit_of_its_own(child: subprocess.Popen[bytes]) -> None:
         raise ProcessLookupError(3, "No such process")
 
     result = remediator(ScriptedProc(SEEN, {"/dev/nvidia0"}), send=send).handle(command(child.pid))
-    assert result.outcome == DONE and result.released and not result.signals
+    assert result.outcome == DONE and result.released and result.exited and not result.signals
 
 
 def test_an_unexpected_error_is_one_failed_line(child: subprocess.Popen[bytes]) -> None:
@@ -310,6 +490,7 @@ def _run(runner: CommandRunner, cmd: stream_pb2.Command) -> list[stream_pb2.Comm
     assert done.wait(10)
     runner.close()
     runner._pool.shutdown(wait=True)
+    runner._remediation_pool.shutdown(wait=True)
     return results
 
 
@@ -344,10 +525,55 @@ def test_command_runner_answers_a_raising_or_missing_act() -> None:
     assert "runs no remediation" in results[0].remediate.reason
 
 
-def test_a_busy_runner_answers_remediate_in_kind() -> None:
-    runner = CommandRunner(None, "n1", workers=1, max_queued=0)
-    results = _run(runner, stream_pb2.Command(id=5, remediate=stream_pb2.RemediateCommand(incident="f4/x")))
-    assert results[0].remediate.outcome == FAILED and "nothing signalled" in results[0].remediate.reason
+def test_remediations_run_one_at_a_time_on_their_own_worker() -> None:
+    """A kill waiting out its grace holds one worker: CRI calls still get answered on the pool, a
+    second remediation waits its turn, and past the bound one is answered failed at once."""
+    runner = CommandRunner(None, "n1", workers=1, max_remediations=2)
+    release = threading.Event()
+    running: list[str] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def act(c: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        with lock:
+            running.append(c.incident)
+            most[0] = max(most[0], len(running))
+        release.wait(10)
+        with lock:
+            running.remove(c.incident)
+        return stream_pb2.RemediateResult(incident=c.incident, outcome=DONE, reason="gone")
+
+    runner.remediate_handler = act
+    results: dict[int, stream_pb2.CommandResult] = {}
+    answered = threading.Condition()
+
+    def reply(result: stream_pb2.CommandResult) -> None:
+        with answered:
+            results[result.id] = result
+            answered.notify_all()
+
+    def wait_for(ids: set[int]) -> None:
+        with answered:
+            assert answered.wait_for(lambda: ids <= results.keys(), timeout=10), sorted(results)
+
+    try:
+        for i in (1, 2, 3):
+            runner.submit(stream_pb2.Command(id=i, remediate=stream_pb2.RemediateCommand(incident=f"f{i}/x")),
+                          reply)
+        wait_for({3})  # past the bound: answered at once, in kind
+        third = results[3].remediate
+        assert (third.outcome, third.incident) == (FAILED, "f3/x")
+        assert third.reason == "2 remediations wait on the tracer on n1; nothing signalled; retry"
+        runner.submit(stream_pb2.Command(id=4, cri=stream_pb2.CriRequest(method="Version")), reply)
+        wait_for({4})  # the pool's one worker is free while the kill waits
+        assert results[4].WhichOneof("body") == "cri" and 1 not in results and 2 not in results
+        release.set()
+        wait_for({1, 2})
+        assert [results[i].remediate.outcome for i in (1, 2)] == [DONE, DONE]
+        assert most[0] == 1 and runner.remediations == 0
+    finally:
+        release.set()
+        runner.close()
 
 
 # --- the flag and the capability ------------------------------------------------------------------
