@@ -27,10 +27,17 @@ operation's list, json-patch+json (kubernetes 37), for any body; each PATCH here
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 CLUSTER_ROLE = "ghostgpu-node-isolation"
 RBAC_MANIFEST = "deploy/kubernetes/isolation-rbac.yaml"
@@ -253,3 +260,65 @@ def _status_message(body: Any) -> str:
     except (TypeError, ValueError):
         return str(body or "")[:200]
     return str(status.get("message", ""))[:300] if isinstance(status, dict) else ""
+
+
+# ---- node labels, cached: the opt-out label for both engines ---------------------------------------------
+
+LABELS_TTL_S = 30.0
+
+
+class NodeLabels:
+    """A node's labels from the API server (its opt-out label ghostgpu.io/remediation, for the kill
+    engine and for isolation), cached per node for `ttl_s`:
+
+        labels = NodeLabels(lambda: KubeApi(policy().isolation.kubeconfig))
+        await labels.labels("gpu-7")   # {"ghostgpu.io/remediation": "off", ...}, or None
+
+    None when the API is not configured (api_factory raised KubeError: no client package, no kubeconfig,
+    not in a cluster) or not reachable; each kind of failure (unconfigured, unreachable) is logged once
+    per node until a read succeeds. The GET blocks: it runs on an executor of its own, off the event
+    loop. A failed read is cached for the TTL too, so a collector without an API server does not try
+    on every tick. The api is made on the first read, and again after any failure (api_factory may
+    read a reloaded kubeconfig)."""
+
+    def __init__(self, api_factory: Callable[[], KubeApi], ttl_s: float = LABELS_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.api_factory, self.ttl_s, self.clock = api_factory, ttl_s, clock
+        self._api: KubeApi | None = None
+        self._cache: dict[str, tuple[float, dict[str, str] | None]] = {}  # node -> (read at, labels)
+        self._logged: set[tuple[str, str]] = set()  # (node, kind of failure) logged since its last read
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ghostgpu-kube-labels")
+
+    async def labels(self, node: str) -> Mapping[str, str] | None:
+        now = self.clock()
+        hit = self._cache.get(node)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        labels = await asyncio.get_running_loop().run_in_executor(self._executor, self._read, node)
+        self._cache[node] = (self.clock(), labels)
+        return labels
+
+    def put(self, state: NodeState) -> None:
+        """A node read elsewhere (isolation's own GET): fresh labels for the cache."""
+        self._cache[state.name] = (self.clock(), dict(state.labels))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _read(self, node: str) -> dict[str, str] | None:
+        try:
+            if self._api is None:
+                self._api = self.api_factory()
+            labels = dict(self._api.node(node).labels)
+        except KubeError as e:
+            self._log_once(node, "unconfigured" if self._api is None else "unreachable", str(e))
+            self._api = None
+            return None
+        self._logged = {k for k in self._logged if k[0] != node}
+        return labels
+
+    def _log_once(self, node: str, kind: str, line: str) -> None:
+        if (node, kind) not in self._logged:
+            self._logged.add((node, kind))
+            log.warning("node labels of %s: %s (the opt-out label cannot be read; logged once until a "
+                        "read succeeds)", node, line)

@@ -35,6 +35,7 @@ from ghostgpu.collector.findings_remote import RemoteFindings
 from ghostgpu.collector.heap import HeapPolicy
 from ghostgpu.collector.ingest import Ingest, IngestSession
 from ghostgpu.collector.isolation import Isolator
+from ghostgpu.collector.kube_api import KubeApi, NodeLabels
 from ghostgpu.collector.leases import Leases
 from ghostgpu.collector.node_state import NodeStateWriter
 from ghostgpu.collector.nodes import NodeView
@@ -283,9 +284,13 @@ class Collector:
 
         # Action 2 (collector/isolation.py, through the Kubernetes API: its client made at the first
         # act) and action 3 (collector/tickets.py), each off until the remediation section turns it on.
+        # The nodes' labels (the opt-out label), read through the Kubernetes API off the loop and cached:
+        # for the kill engine and isolation alike; without an API they are unknown (no label opt-out).
+        node_labels = NodeLabels(lambda: KubeApi(self.remediation_config().isolation.kubeconfig))
         self.isolator = isolator = Isolator(self.store, self.remediation_config, nodes=self.nodes,
                                             audit=self.security.audit, view=lambda: self.remediator.view,
-                                            replica_id=self.store.replica_id)
+                                            refresh=lambda: self.remediator.fresh_view(),
+                                            replica_id=self.store.replica_id, labels=node_labels)
         self.faults.listeners.append(isolator.on_fault)  # a critical Xid isolates its node
         self.tickets = tickets = TicketDesk(lambda: self.remediation_config().ticket)
         self.remediator = Remediator(
@@ -295,7 +300,7 @@ class Collector:
             alerts=self.pusher if hasattr(self.pusher, "offer_remediation") else None,
             isolate=isolator.isolate_unkillable, ticket=tickets.submit,
             forward=replica_forward(replica) if replica is not None else None,
-            timing=self._remediation_timing)
+            timing=self._remediation_timing, labels=node_labels.labels)
         if replica is not None:  # Remediate calls other replicas hand over for this replica's nodes
             replica.handle(REPLICA_KIND, replica_handler(self.remediator))
         self.ingest.remediation = self.remediator.calls  # the tracers' RemediateResults
@@ -384,7 +389,10 @@ class Collector:
                 self.cluster.revalidate()  # CRI answers past their ttl asked again: a stopped container
                 security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
                 self.remediation_config.maybe_reload()  # and so is a changed remediation section
-                self.isolator.check_memory()  # memory no process owns, for too long: isolation
+                try:
+                    self.isolator.check_memory()  # memory no process owns, for too long: isolation
+                except Exception:  # a bug there must not end the collector's loop: logged, next second
+                    log.exception("remediation: the unaccounted-memory check failed")
                 if self.heap is not None:
                     self.heap.tick()
         renewals.cancel()

@@ -13,8 +13,10 @@ cluster-wide or on one node), every act becomes a dry run and the GhostGPURemedi
 fires until neither holds.
 
 A candidate is an open finding of class orphaned on a node this replica applies (all of them with one
-collector; with replicas the nodes whose lease it holds), at least min_age old, its namespace admitted,
-not allowlisted. Its incident, "f<finding>/kill_orphan", is stored (remediation_store.insert_incident)
+collector; with replicas the nodes whose lease it holds), in a Kubernetes pod (a container and a pod
+UID: a host process is never one), at least min_age old, its namespace admitted, not allowlisted, its
+node not opted out (its tracer's switch; its label, read through `labels` at decided and again before
+the act). Its incident, "f<finding>/kill_orphan", is stored (remediation_store.insert_incident)
 before anything is sent: a key already there is someone's already, and nothing acts on it twice, after
 a failover too. Then, each step an audit record ("remediation.<step>") and a remediation_steps row:
 
@@ -22,14 +24,17 @@ a failover too. Then, each step an audit record ("remediation.<step>") and a rem
 2. re-checked: a dry-run RemediateCommand to the node's tracer, which re-checks the holder at that
    moment (CRI still reports no running container, it still holds the device, pid, start time and exe
    unchanged). Anything but "all pass" ends the incident (skipped, with the tracer's reason);
-3. acted (mode on only): the conditional UPDATE of acted_unix_ns is committed first, and only the
-   writer whose update hit the row sends the real command;
+3. acted (mode on only): the conditional UPDATE of acted_unix_ns is committed first, in one transaction
+   with the guards as they stand then (no pause, the mode asked for still on, the breaker not full:
+   remediation_store.ActGuard), and only the writer whose update hit the row sends the real command,
+   once the acted audit record is committed; a guard that refuses leaves the incident proposed;
 4. outcome: the tracer's RemediateResult (done, failed, unkillable, skipped).
 
 In dry-run the incident stays `proposed` (it may be acted on later if the mode turns on: same key),
 and the finding's alert gets a `remediation` annotation saying what would be done. An incident whose
 act was recorded but whose outcome never came (the replica acting on it stopped) is never sent again:
-a dry-run re-check settles it (the process gone: done; still there: failed).
+a dry-run re-check settles it once the tracer is surely done with it (the process gone, per the
+tracer's `exited`: done; anything else: failed).
 
 Unkillable holders go to the isolation seam (`isolate`: collector/isolation.py's
 Isolator.isolate_unkillable) when actions.isolate_node is on; each incident acted on goes to the
@@ -69,12 +74,14 @@ from ghostgpu.collector.remediation_policy import RemediationPolicy, changes
 from ghostgpu.collector.remediation_store import (
     MODE_OVERRIDE,
     PAUSED,
+    ActGuard,
     IncidentRow,
     Tally,
     add_step,
     get_incident,
     insert_incident,
     mark_acted,
+    select_steps,
     select_tally,
     set_control,
     set_state,
@@ -108,7 +115,11 @@ from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-ORPHANED = "orphaned"
+ONLY_ORPHANED = "only orphaned holders are killed"
+# The tracer's waits after the grace (tracer/remediate.py): SIGKILL's wait for the exit and CRI's timeout;
+# an act is settled only once they are past, and act_margin_s for the queueing around them.
+KILL_WAIT_S, CRI_TIMEOUT_S = 5.0, 5.0
+LABELS_TIMEOUT_S = 5.0  # a node's labels not read by then: not opted out by label (the tracer's switch holds)
 COLLECTOR = "collector"  # the audit subject of what the engine does by itself
 PAUSED_ALERT = "GhostGPURemediationPaused"
 
@@ -202,7 +213,17 @@ class _Case:
 def _process_of(rec: FindingRec) -> node_pb2.Process:
     c = rec.consumer.consumer
     return node_pb2.Process(pid=c.pid, comm=c.comm, exe=c.exe, start_time_ns=c.start_time_ns or 0,
-                            container_id=c.container_id)
+                            container_id=c.container_id, pod_uid=_pod_uid(rec))
+
+
+def _pod_uid(rec: FindingRec) -> str:
+    """The consumer's pod UID: the tracer's (from the cgroup path), else the one CRI enrichment found."""
+    return rec.consumer.consumer.pod_uid or rec.consumer.k8s.pod_uid
+
+
+def _not_orphaned(finding_id: int, cls: str) -> RemediationError:
+    return RemediationError("FAILED_PRECONDITION",
+                            f"finding {finding_id} is {cls}, not {ConsumerClass.ORPHANED}: {ONLY_ORPHANED}")
 
 
 def _who(rec: FindingRec) -> str:
@@ -235,15 +256,19 @@ class Remediator:
                  owner_of: Callable[[str], str | None] | None = None, calls: RemediateCalls | None = None,
                  alerts: AlertSeam | None = None, isolate: Callable[..., Any] | None = None,
                  ticket: Callable[[dict[str, object]], Any] | None = None,
-                 forward: Forward | None = None, timing: RemediationTiming | None = None) -> None:
+                 forward: Forward | None = None, timing: RemediationTiming | None = None,
+                 labels: Callable[[str], Awaitable[Mapping[str, str] | None]] | None = None) -> None:
         """streams: the connected tracers by node (Ingest.sessions); policy: the config's remediation
         section as now in force (reloaded); applies(node): this replica acts for the node (with replicas:
         it holds the node's lease; None: every node); owner_of(node): the replica that does, for a
         Remediate this one cannot run; alerts: the Alertmanager pusher; isolate(node, trigger, reason,
-        incident), awaited when it is a coroutine, and ticket(document), called on the loop: actions 2
-        and 3 (None: not built); forward(node, RemediateRequest bytes, caller): with replicas, a
-        Remediate for a node another replica serves, run there (serve_forwarded) and its
-        RemediateResponse bytes back."""
+        incident, pods=[(namespace, pod)]), awaited when it is a coroutine, and ticket(document),
+        called on the loop: actions 2 and 3 (None: not built); forward(node, RemediateRequest bytes,
+        caller): with replicas, a Remediate for a node another replica serves, run there
+        (serve_forwarded) and its RemediateResponse bytes back; labels(node): the Node's labels
+        (collector/kube_api.py's NodeLabels.labels; None: not known, as without the Kubernetes API), for
+        the opt-out label, read at decided and again just before the act."""
+        self.labels = labels
         self.store, self.cluster, self.streams = store, cluster, streams
         self.policy, self.replica_id, self.audit = policy, replica_id, audit
         self.applies = applies or (lambda node: True)
@@ -269,7 +294,7 @@ class Remediator:
 
     def on_finding(self, rec: FindingRec) -> None:
         """ClusterTable.on_finding: an orphaned finding opened or changed here, so tick now."""
-        if rec.cls == ORPHANED:
+        if rec.cls == ConsumerClass.ORPHANED:
             self.nudge()
 
     def nudge(self) -> None:
@@ -301,17 +326,31 @@ class Remediator:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    async def fresh_view(self) -> RemediationView:
+        """The view as of now, read from the store (the override, the pause, the breaker): for a caller that
+        must not act on the last tick's view, such as node isolation on a fault heard before the first tick
+        (when the view is still the default, off)."""
+        policy = self.policy()
+        tally = await self._read(select_tally(time.time_ns() - int(policy.breaker.window_s * 1e9), []))
+        return self._see(policy, tally)
+
     async def tick(self) -> None:
         """Look at the candidates once: start the incidents due, settle the acts left without outcome."""
         policy = self.policy()
         now = time.time_ns()
-        candidates = [r for r in self.cluster.open_findings() if r.cls == ORPHANED and self.applies(r.node)]
+        candidates = [r for r in self.cluster.open_findings()
+                      if r.cls == ConsumerClass.ORPHANED and self.applies(r.node)]
         tally = await self._read(select_tally(now - int(policy.breaker.window_s * 1e9),
                                               [incident_key(r.id, KILL_ORPHAN) for r in candidates]))
         view = self._see(policy, tally)
         if view.mode == MODE_OFF:
             return
+        # An act is settled only once the tracer is surely done with it: the grace, SIGKILL's wait and
+        # CRI's timeout past, and the margin for the queueing around them.
+        settle_after_ns = int((policy.grace_s + KILL_WAIT_S + CRI_TIMEOUT_S + self.timing.act_margin_s) * 1e9)
         for left in tally.unsettled:
+            if left.acted_unix_ns + settle_after_ns > now:
+                continue
             if left.incident not in self._busy and self.applies(left.node):
                 self._spawn(left.incident, self._settle(left))
         if not policy.kill_orphans:
@@ -381,7 +420,8 @@ class Remediator:
         c, k8s = rec.consumer.consumer, rec.consumer.k8s
         candidate = Candidate(finding_id=rec.id, node=rec.node, cls=rec.cls,
                               opened_unix_ns=rec.opened_unix_ns, resolved_unix_ns=rec.resolved_unix_ns,
-                              namespace=k8s.namespace, exe=c.exe, comm=c.comm)
+                              namespace=k8s.namespace, exe=c.exe, comm=c.comm,
+                              container_id=c.container_id, pod_uid=_pod_uid(rec))
         return eligible(candidate, replace(policy, min_age_s=0.0) if manual else policy, now_unix_ns,
                         capabilities=(CAPABILITY,))
 
@@ -389,6 +429,24 @@ class Remediator:
         """Why the node takes no part (its tracer's --remediation off, or no tracer connected), or None."""
         stream = self.streams.get(node)
         return node_opt_out(node, stream.hello.capabilities if stream is not None else None, None)
+
+    async def _label_opt_out(self, node: str) -> str | None:
+        """Why the node's label keeps it out (OPT_OUT_LABEL), or None. The labels are read through the
+        seam (its own thread or cache, never blocking the loop); none known (no seam, the Kubernetes API
+        not configured or not reachable, no answer within LABELS_TIMEOUT_S): not opted out by label, as
+        docs/REMEDIATION.md says (the tracer's --remediation off still holds)."""
+        if self.labels is None:
+            return None
+        try:
+            labels = await asyncio.wait_for(self.labels(node), LABELS_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("remediation: node %s's labels not read (%s): not opted out by label", node, e)
+            return None
+        if labels is None:
+            return None
+        return node_opt_out(node, (CAPABILITY,), labels)
 
     def _see(self, policy: RemediationPolicy, tally: Tally) -> RemediationView:
         """The view this tick: the mode in force (effective_mode), pause, breaker; the paused alert fired
@@ -433,7 +491,8 @@ class Remediator:
             now = time.time_ns()
             c = rec.consumer.consumer
             detail = json.dumps({"pid": c.pid, "comm": c.comm, "exe": c.exe, "start_time_ns": c.start_time_ns,
-                                 "container_id": c.container_id, "devices": list(c.devices)}, sort_keys=True)
+                                 "container_id": c.container_id, "pod_uid": _pod_uid(rec),
+                                 "devices": list(c.devices)}, sort_keys=True)
             plan = (f"orphaned: {c.reason}; kill {_who(rec)}: SIGTERM, SIGKILL after "
                     f"{self.policy().grace_s:g} s")
             new = IncidentRow(case.key, rec.id, node, rec.consumer.k8s.namespace, KILL_ORPHAN, PROPOSED,
@@ -444,6 +503,8 @@ class Remediator:
                     return self._as_stored(case, stored)
                 return case
             case.reason = plan
+            if not case.skip_why:
+                case.skip_why = await self._label_opt_out(node) or ""
             self._step(case, DECIDED, PROPOSED, plan)
             if case.skip_why:
                 return self._end(case, SKIPPED, case.skip_why)
@@ -471,12 +532,33 @@ class Remediator:
         return await self._act(case, command)
 
     async def _act(self, case: _Case, command: stream_pb2.RemediateCommand) -> _Case:
+        """Record the act (mark_acted, its guards in the same transaction), audit it, then send it."""
         rec, node = case.rec, case.rec.node
-        if not await self._write(mark_acted(case.key, time.time_ns())):
+        if (opted_out := await self._label_opt_out(node)) is not None:
+            return self._end(case, SKIPPED, opted_out)
+        policy = self.policy()  # read right before: a reload since the tick started holds
+        manual = case.mode == MODE_MANUAL
+        if not policy.kill_orphans:
+            why = "actions.kill_orphans is false at the moment of acting: not acted on"
+            self._state(case, PROPOSED, why)
+            return case
+        now = time.time_ns()
+        b = policy.breaker
+        guard = ActGuard(node=node, window_start_unix_ns=now - int(b.window_s * 1e9),
+                         max_actions=b.max_actions, max_per_node=b.max_per_node, config_mode=policy.mode,
+                         overrides=(MODE_ON, MODE_DRY_RUN) if manual else (MODE_ON,))
+        claim = await self._write(mark_acted(case.key, now, guard))
+        if not claim:
+            if claim.refused:  # paused, turned off or the breaker full since the tick: it waits, proposed
+                self._state(case, PROPOSED, claim.refused)
+                return case
             stored = await self._read(get_incident(case.key))
             return self._as_stored(case, stored) if stored is not None else case
-        grace_s = self.policy().grace_s
+        grace_s = policy.grace_s
         self._step(case, ACTED, PROPOSED, f"SIGTERM {_who(rec)}, SIGKILL after {grace_s:g} s")
+        # The acted record is in the audit chain (and its steps row stored) before the kill goes out:
+        # the store runs its queue in order, so this barrier returns once both are committed.
+        await asyncio.wrap_future(self.store.barrier())
         command.dry_run = False
         result = await self.calls.call(node, command, grace_s + self.timing.act_margin_s)
         case.detail = _report(result)
@@ -499,7 +581,9 @@ class Remediator:
         rec = self._rec_of(row)
         case = _Case(rec, row.incident, row.mode, COLLECTOR, audit_seq=row.audit_seq)
         process = node_pb2.Process(pid=int(d.get("pid") or 0), comm=str(d.get("comm", "")),
-                                   exe=str(d.get("exe", "")), start_time_ns=int(d.get("start_time_ns") or 0))
+                                   exe=str(d.get("exe", "")), start_time_ns=int(d.get("start_time_ns") or 0),
+                                   container_id=str(d.get("container_id", "")),
+                                   pod_uid=str(d.get("pod_uid", "")))
         command = stream_pb2.RemediateCommand(
             incident=row.incident, process=process,
             container_id=str(d.get("container_id", "")), devices=[str(x) for x in d.get("devices", [])],
@@ -508,11 +592,15 @@ class Remediator:
         if check.outcome == NO_ANSWER:
             return  # its tracer is away: the next tick tries again
         case.detail = _report(check)
-        if check.outcome == PROPOSED:
+        if check.exited:
+            state, why = DONE, f"settled after the replica acting on it stopped: {check.reason}"
+        elif check.outcome == PROPOSED:
             state, why = FAILED, ("the replica acting on it stopped before the outcome; it was not signalled "
                                   "twice, and the process is still there")
         else:
-            state, why = DONE, f"settled after the replica acting on it stopped: {check.reason}"
+            state, why = FAILED, ("the replica acting on it stopped before the outcome; it was not signalled "
+                                  f"twice, and its re-check cannot say the process is gone: {check.outcome}: "
+                                  f"{check.reason}")
         self._step(case, OUTCOME, state, why, evidence=case.detail)
         self._end(case, state, why, step=False)
 
@@ -526,8 +614,8 @@ class Remediator:
                             comm=str(d.get("comm", "")), gpu=None, gpu_uuid="", gpu_minor=None, devices=[],
                             container_id="", pod_uid="", runtime="", cls=ConsumerClass.ORPHANED, reason="",
                             gpu_memory_bytes=None, exe=str(d.get("exe", "")))
-        return FindingRec(row.finding_id, row.node, (consumer.pid, -1, ""), ORPHANED, row.decided_unix_ns,
-                          ClusterConsumer(consumer))
+        return FindingRec(row.finding_id, row.node, (consumer.pid, -1, ""), ConsumerClass.ORPHANED,
+                          row.decided_unix_ns, ClusterConsumer(consumer))
 
     async def _follow_up(self, case: _Case, result: stream_pb2.RemediateResult) -> None:
         """Actions 2 and 3: isolate the node of an unkillable holder (actions.isolate_node), and a ticket
@@ -535,20 +623,41 @@ class Remediator:
         policy = self.policy()
         if case.state == UNKILLABLE and policy.isolate_node and self.isolate is not None:
             try:
-                out = self.isolate(case.rec.node, UNKILLABLE, case.reason, case.key)
+                k8s = case.rec.consumer.k8s  # its pod gets the Event too, where one is known
+                pods = [(k8s.namespace, k8s.pod)] if k8s.pod else []
+                out = self.isolate(case.rec.node, UNKILLABLE, case.reason, case.key, pods=pods)
                 if inspect.isawaitable(out):
                     await out
             except Exception as e:
                 log.error("remediation: isolating node %s for %s failed: %s", case.rec.node, case.key, e)
         if policy.ticket.url and self.ticket is not None:
             try:
-                self.ticket(self.ticket_for(case, result))  # TicketSender.submit: O(1), on the loop
+                history = await self._history(case)
+                self.ticket(self.ticket_for(case, result, history))  # TicketDesk.submit: O(1), on the loop
             except Exception as e:
                 log.error("remediation: the ticket for %s was not filed: %s", case.key, e)
 
-    def ticket_for(self, case: _Case, result: stream_pb2.RemediateResult) -> dict[str, object]:
+    async def _history(self, case: _Case) -> list[RemediationState]:
+        """The incident's steps as stored (remediation_steps, oldest first): the ticket's `actions`."""
+        rows = await self._read(select_steps(case.rec.id))
+        out: list[RemediationState] = []
+        for incident, ts_unix_ns, _step, state, detail, audit_seq in rows:
+            if incident != case.key:
+                continue
+            try:
+                d = json.loads(detail or "{}")
+            except ValueError:
+                d = {}
+            d = d if isinstance(d, dict) else {}
+            out.append(RemediationState(str(state), KILL_ORPHAN, int(ts_unix_ns), str(d.get("reason", "")),
+                                        str(d.get("mode", case.mode)), case.key, int(audit_seq or 0)))
+        return out
+
+    def ticket_for(self, case: _Case, result: stream_pb2.RemediateResult,
+                   history: list[RemediationState] | None = None) -> dict[str, object]:
         """The incident's ticket (collector/tickets.py has its shape): the finding, the node, the pods,
-        the evidence (the tracer's report), what was done and the audit record of it."""
+        the evidence (the tracer's report), what was done (its steps: `history`, else only how it
+        ended) and the audit record of it."""
         from ghostgpu.collector.tickets import TicketFinding, ticket_document
 
         rec = case.rec
@@ -563,7 +672,7 @@ class Remediator:
                                 case.audit_seq)
         return ticket_document(incident=case.key, audit_seq=case.audit_seq, mode=case.mode,
                                finding=TicketFinding.from_proto(rec.to_proto()), pods=pods, evidence=evidence,
-                               actions=[done])
+                               actions=history or [done])
 
     # ---- steps: the audit chain, the finding's history, the incident's row ---------------------------
 
@@ -626,27 +735,34 @@ class Remediator:
         if rec is None:
             node = await self._not_here(finding_id)
             return await self._forwarded(node, finding_id, dry_run, who)
-        if rec.cls != ORPHANED:
-            raise RemediationError("FAILED_PRECONDITION", f"finding {finding_id} is {rec.cls}, not orphaned: "
-                                   "only orphaned holders are killed")
+        if rec.cls != ConsumerClass.ORPHANED:
+            raise _not_orphaned(finding_id, rec.cls)
         if not self.applies(rec.node):
             return await self._forwarded(rec.node, finding_id, dry_run, who)
         policy = self.policy()
         now = time.time_ns()
         tally = await self._read(select_tally(now - int(policy.breaker.window_s * 1e9), []))
         view = self._see(policy, tally)
+        if view.asked == MODE_OFF and not dry_run:
+            raise RemediationError("FAILED_PRECONDITION", "remediation is off: set remediation.mode or "
+                                   "`ghostgpu remediate mode`; --dry-run still works")
         if view.paused and not dry_run:
             raise RemediationError("FAILED_PRECONDITION", f"remediation is paused by {view.paused_by}"
                                    + (f" ({view.paused_reason})" if view.paused_reason else "")
                                    + ": `ghostgpu remediate resume` ends the pause; --dry-run still works")
-        if (why := self._admits(policy, rec, now, manual=True) or self._opted_out(rec.node)) is not None:
+        why = self._admits(policy, rec, now, manual=True) or self._opted_out(rec.node)
+        if why is None:
+            why = await self._label_opt_out(rec.node)
+        if why is not None:
             raise RemediationError("FAILED_PRECONDITION", why)
         key = incident_key(rec.id, KILL_ORPHAN)
         if key in self._busy:
             raise RemediationError("FAILED_PRECONDITION", f"incident {key} is in progress; see `ghostgpu "
                                    "findings -o json` for its state")
         row = await self._read(get_incident(key))
-        if row is not None and (row.state in ENDED or row.acted_unix_ns):
+        # Acted on, or ended otherwise than skipped: shown as it is. One skipped without an act (a re-check
+        # that did not pass, a tracer that did not answer) is how a person tries it again, by hand.
+        if row is not None and (row.acted_unix_ns or (row.state in ENDED and row.state != SKIPPED)):
             return row.state_of(), "already remediated: an incident is acted on once"
         case = _Case(rec, key, MODE_MANUAL, who, dry_run_why="asked for" if dry_run else "")
         self._busy.add(key)
@@ -705,9 +821,8 @@ class Remediator:
         if resolved:
             raise RemediationError("FAILED_PRECONDITION",
                                    f"finding {finding_id} is resolved: nothing to remediate")
-        if cls != ORPHANED:
-            raise RemediationError("FAILED_PRECONDITION", f"finding {finding_id} is {cls}, not orphaned: "
-                                   "only orphaned holders are killed")
+        if cls != ConsumerClass.ORPHANED:
+            raise _not_orphaned(finding_id, cls)
         return node
 
     async def control(self, verb: str, who: str, reason: str = "", mode: str = "") -> RemediationView:

@@ -62,6 +62,8 @@ class Candidate:
     namespace: str = ""  # "" when no pod is known: include ["*"] admits it
     exe: str = ""  # the executable's path, as the tracer read /proc/PID/exe
     comm: str = ""
+    container_id: str = ""  # "": a host process (no container)
+    pod_uid: str = ""  # "": no Kubernetes pod (a host process, or a container outside any pod)
 
 
 def allowlisted(policy: RemediationPolicy, exe: str, comm: str) -> str | None:
@@ -91,7 +93,8 @@ def eligible(c: Candidate, policy: RemediationPolicy, now_unix_ns: int, capabili
              node_labels: Mapping[str, str] | None = None) -> str | None:
     """None when the finding is a candidate for action 1 (kill the orphan); else why not, one line. The
     checks go from the finding to its node: the action on, the class orphaned, the finding open and
-    at least min_age old, its namespace admitted, its process not allowlisted, its node taking part."""
+    in a Kubernetes pod (a container and a pod UID), at least min_age old, its namespace admitted,
+    its process not allowlisted, its node taking part."""
     fid = f"finding {c.finding_id}"
     if not policy.kill_orphans:
         return "actions.kill_orphans is false"
@@ -99,6 +102,11 @@ def eligible(c: Candidate, policy: RemediationPolicy, now_unix_ns: int, capabili
         return f"{fid} is {c.cls}, not {ConsumerClass.ORPHANED}: only orphaned holders are acted on"
     if c.resolved_unix_ns:
         return f"{fid} is resolved"
+    if not c.container_id or not c.pod_uid:
+        # The tracer re-checks the holder against CRI by its pod: without one there is nothing to
+        # corroborate, and a host process or a container CRI does not run is never killed.
+        missing = "container" if not c.container_id else "pod UID"
+        return f"{fid} has no {missing}: no pod to corroborate: only a Kubernetes pod's orphan is killed"
     age_s = (now_unix_ns - c.opened_unix_ns) / 1e9
     if age_s < policy.min_age_s:
         shown = _ago(math.floor(age_s)) if age_s >= 1 else _ago(max(age_s, 0.0))  # 299s, not 299.6s

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from ghostgpu.collector.config import REMEDIATION_SECTION as SECTION  # top level, or in [collector]
 
-from ghostgpu.common.model.durations import FLAG_DURATION, parse_duration_s
+from ghostgpu.common.model.durations import FLAG_DURATION, format_s, parse_duration_s
 from ghostgpu.common.model.remediation import MODE_OFF, MODES
 from ghostgpu.common.system.configfile import ConfigError
 
@@ -348,6 +348,17 @@ def _isolation(s: _Section) -> IsolationSettings:
                              kubeconfig=iso.text("kubeconfig", d.kubeconfig))
 
 
+MAX_GRACE_S = 60.0  # the tracer's own cap on SIGTERM .. SIGKILL (tracer/remediate.py)
+
+
+def _grace_s(top: _Section, default: float) -> float:
+    grace_s = top.duration_s("grace", default, "10s")
+    if grace_s > MAX_GRACE_S:
+        raise top.error(top.key("grace"), f"{format_s(grace_s)} is over the tracer's cap of "
+                                          f"{format_s(MAX_GRACE_S)}; use 60s or less, e.g. 10s")
+    return grace_s
+
+
 def parse_remediation(raw: object, where: str) -> RemediationPolicy:
     """The section as the config file's reader gives it, a mapping (None: the file has none: every
     default).
@@ -364,7 +375,7 @@ def parse_remediation(raw: object, where: str) -> RemediationPolicy:
         ticket=_ticket(actions),
         breaker=_breaker(top),
         isolation=_isolation(top),
-        grace_s=top.duration_s("grace", d.grace_s, "10s"),
+        grace_s=_grace_s(top, d.grace_s),
         allowlist=top.globs("allowlist", d.allowlist, '["nv-hostengine", "/usr/bin/dcgm*"]'),
     )
 

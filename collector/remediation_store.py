@@ -8,7 +8,12 @@ Two statements carry the engine's promise never to act twice (collector/remediat
   committed before anything is sent for it: only the writer whose row went in owns the incident; any
   other (a second replica, the same one after a restart) finds it there.
 - `mark_acted` is a conditional UPDATE (... WHERE incident = ? AND acted_unix_ns = 0), committed
-  before the kill is sent: only the writer whose update hit the row sends it.
+  before the kill is sent: only the writer whose update hit the row sends it. Given an ActGuard, the
+  same transaction first refuses while paused, while the override is not a mode that acts, and while
+  the breaker is full (acts in the window, cluster-wide and on the node, counted from
+  `acted_unix_ns`), so that the switches and the limit hold at the moment of acting, across replicas:
+  on PostgreSQL the check and the UPDATE run under an advisory lock of their own (ACT_LOCK), as the
+  audit chain's head does; SQLite's single writer serializes them already.
 
 The breaker counts acts from `acted_unix_ns`, so replicas sharing a PostgreSQL store share the count.
 `remediation_control` holds the cluster-wide switches: `paused` (value: the reason) and `mode` (the
@@ -17,16 +22,20 @@ override of the config file's mode); a missing row is "not paused" and "no overr
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, TypeVar
 
-from ghostgpu.collector.db import Conn
+from ghostgpu.collector.db import Conn, serialize_writers
 
-from ghostgpu.common.model.remediation import PROPOSED, RemediationState
+from ghostgpu.common.model.remediation import ISOLATE_NODE, KILL_ORPHAN, PROPOSED, RemediationState
+
+T = TypeVar("T")
 
 PAUSED, MODE_OVERRIDE = "paused", "mode"  # remediation_control's keys
+ACT_LOCK = 0x67686F7374616374  # "ghostact": the breaker's count and the act it admits, one writer at a time
 _INCIDENT_COLUMNS = ("incident, finding_id, node, namespace, action, state, mode, reason, decided_unix_ns, "
                      "updated_unix_ns, acted_unix_ns, owner, audit_seq, detail")
 
@@ -102,13 +111,67 @@ def get_incident(incident: str) -> Callable[[Conn], IncidentRow | None]:
     return run
 
 
-def mark_acted(incident: str, now_unix_ns: int) -> Callable[[Conn], bool]:
-    """True for the one writer whose update hit the row: it, and only it, sends the act."""
+@dataclass(frozen=True)
+class ActGuard:
+    """What mark_acted checks in its transaction before it records an act: the pause row absent, the
+    mode asked for (the override where one is stored, else config_mode: the config file's, read right
+    before) one of `overrides`, and fewer than max_actions acts since
+    window_start_unix_ns cluster-wide and fewer than max_per_node on `node`."""
 
-    def run(conn: Conn) -> bool:
+    node: str
+    window_start_unix_ns: int
+    max_actions: int
+    max_per_node: int
+    config_mode: str
+    overrides: tuple[str, ...] = ("on",)  # the modes asked for under which this act may go out
+
+
+@dataclass(frozen=True)
+class Claim:
+    """mark_acted's answer: acted (this writer records the act and sends it), or not; `refused` says
+    why a guard held it back ("" when the row was acted on already, or is not there)."""
+
+    acted: bool
+    refused: str = ""
+
+    def __bool__(self) -> bool:
+        return self.acted
+
+
+def _guard_refusal(conn: Conn, g: ActGuard) -> str:
+    control = read_control(conn)
+    if PAUSED in control:
+        paused = control[PAUSED]
+        return (f"paused by {paused.who}" + (f" ({paused.value})" if paused.value else "")
+                + " at the moment of acting: `ghostgpu remediate resume` ends the pause")
+    override = control[MODE_OVERRIDE].value if MODE_OVERRIDE in control else ""
+    asked = override or g.config_mode
+    if asked not in g.overrides:
+        source = "ghostgpu remediate mode" if override else "config file"
+        return f"mode {asked} ({source}) at the moment of acting: not acted on"
+    total, on_node = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN node = ? THEN 1 ELSE 0 END), 0) FROM remediation_incidents "
+        "WHERE acted_unix_ns > 0 AND acted_unix_ns >= ?", (g.node, g.window_start_unix_ns)).fetchone()
+    if int(total) >= g.max_actions:
+        return f"breaker open: {int(total)} acts in the window (max_actions {g.max_actions}); not acted on"
+    if int(on_node) >= g.max_per_node:
+        return (f"breaker open: {int(on_node)} acts on node {g.node} in the window (max_per_node "
+                f"{g.max_per_node}); not acted on")
+    return ""
+
+
+def mark_acted(incident: str, now_unix_ns: int, guard: ActGuard | None = None) -> Callable[[Conn], Claim]:
+    """Claim(acted=True) for the one writer whose update hit the row: it, and only it, sends the act.
+    With a guard, refused (Claim.refused) while paused, overridden off, or the breaker is full."""
+
+    def run(conn: Conn) -> Claim:
+        if guard is not None:
+            serialize_writers(conn, ACT_LOCK)
+            if why := _guard_refusal(conn, guard):
+                return Claim(False, why)
         cur = conn.execute("UPDATE remediation_incidents SET acted_unix_ns = ?, updated_unix_ns = ? "
                            "WHERE incident = ? AND acted_unix_ns = 0", (now_unix_ns, now_unix_ns, incident))
-        return bool(cur.rowcount == 1)
+        return Claim(bool(cur.rowcount == 1))
 
     return run
 
@@ -177,7 +240,7 @@ def select_tally(window_start_unix_ns: int, incidents: Sequence[str]) -> Callabl
                 found[r[0]] = IncidentRow(*r)
         unsettled = [IncidentRow(*r) for r in conn.execute(
             f"SELECT {_INCIDENT_COLUMNS} FROM remediation_incidents WHERE acted_unix_ns > 0 AND state = ? "
-            "ORDER BY acted_unix_ns LIMIT 100", (PROPOSED,)).fetchall()]
+            "AND action = ? ORDER BY acted_unix_ns LIMIT 100", (PROPOSED, KILL_ORPHAN)).fetchall()]
         isolated = [str(r[0]) for r in conn.execute(
             "SELECT node FROM isolated_nodes ORDER BY node").fetchall()]
         return Tally(read_control(conn), sum(by_node.values()), by_node, found, unsettled, isolated)
@@ -186,18 +249,28 @@ def select_tally(window_start_unix_ns: int, incidents: Sequence[str]) -> Callabl
 
 
 def select_states(finding_ids: Iterable[int]) -> Callable[[Conn], dict[int, RemediationState]]:
-    """The latest remediation state of each finding that has one (the newest incident's)."""
+    """The remediation state of each finding that has one: its kill's (action 1 is the finding's own
+    remediation: `unkillable` must not read as the `done` of the isolation that followed it), the
+    node isolation it led to named in the reason; else its newest incident's."""
     ids = list(dict.fromkeys(finding_ids))
 
     def run(conn: Conn) -> dict[int, RemediationState]:
-        out: dict[int, RemediationState] = {}
+        kills: dict[int, RemediationState] = {}
+        others: dict[int, RemediationState] = {}
         for chunk in _chunks(ids, 500):
             marks = ", ".join("?" * len(chunk))
             rows = conn.execute(f"SELECT {_INCIDENT_COLUMNS} FROM remediation_incidents WHERE finding_id IN "
                                 f"({marks}) ORDER BY updated_unix_ns", tuple(chunk)).fetchall()
             for r in rows:
                 row = IncidentRow(*r)
-                out[row.finding_id] = row.state_of()
+                (kills if row.action == KILL_ORPHAN else others)[row.finding_id] = row.state_of()
+        out = dict(others)
+        for finding, kill in kills.items():
+            then = others.get(finding)
+            if then is not None and then.action == ISOLATE_NODE:
+                kill = replace(kill, reason=f"{kill.reason}; then node isolation: {then.state} "
+                                            f"({then.reason})")
+            out[finding] = kill
         return out
 
     return run
@@ -206,3 +279,101 @@ def select_states(finding_ids: Iterable[int]) -> Callable[[Conn], dict[int, Reme
 def _chunks(items: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
+
+
+# ---- node isolation (collector/isolation.py); the store helpers both engines share -----------------------
+
+ISOLATION_LOCK = 0x67686F737469736F  # "ghostiso": isolated_nodes' count and insert, one replica at a time
+_ISOLATED_COLUMNS = "node, how, trigger_kind, reason, since_unix_ns, incident"
+
+
+class IsolatedNode(NamedTuple):
+    """One row of isolated_nodes: a node ghostgpu tainted or cordoned (or is about to: claimed)."""
+
+    node: str
+    how: str  # taint | cordon
+    trigger_kind: str
+    reason: str
+    since_unix_ns: int
+    incident: str
+
+
+def select_isolated_nodes(conn: Conn) -> list[IsolatedNode]:
+    """Every node isolated by ghostgpu, by node (minHealthy's numerator, RemediationStatus)."""
+    return [IsolatedNode(str(n), str(how), str(kind), str(reason), int(since), str(incident))
+            for n, how, kind, reason, since, incident in conn.execute(
+                f"SELECT {_ISOLATED_COLUMNS} FROM isolated_nodes ORDER BY node").fetchall()]
+
+
+def claim_isolated(row: IsolatedNode, cap: int) -> Callable[[Conn], tuple[bool, int]]:
+    """(True, count before) when `row` went in: fewer than `cap` nodes were isolated, counted and
+    inserted in one transaction, serialized across replicas (ISOLATION_LOCK), so two replicas isolating
+    two nodes at once cannot both take the last slot; (False, count) when the cap is reached or the node
+    has a row already. Written before the PATCH; release_isolated takes it back if the PATCH fails."""
+
+    def run(conn: Conn) -> tuple[bool, int]:
+        serialize_writers(conn, ISOLATION_LOCK)
+        held = int(conn.execute("SELECT COUNT(*) FROM isolated_nodes").fetchone()[0])
+        if held >= cap:
+            return False, held
+        cur = conn.execute(f"INSERT INTO isolated_nodes ({_ISOLATED_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+                           "ON CONFLICT (node) DO NOTHING", tuple(row))
+        return bool(cur.rowcount == 1), held
+
+    return run
+
+
+def release_isolated(node: str, incident: str = "") -> Callable[[Conn], bool]:
+    """Delete the node's row (only the one `incident` claimed, when given); True when one went."""
+
+    def run(conn: Conn) -> bool:
+        if incident:
+            cur = conn.execute("DELETE FROM isolated_nodes WHERE node = ? AND incident = ?", (node, incident))
+        else:
+            cur = conn.execute("DELETE FROM isolated_nodes WHERE node = ?", (node,))
+        return bool(cur.rowcount == 1)
+
+    return run
+
+
+def select_unsettled_isolations(acted_before_unix_ns: int) -> Callable[[Conn], list[IncidentRow]]:
+    """isolate_node incidents acted on before the time given with no outcome stored: the replica acting
+    on them stopped between the act and its outcome."""
+
+    def run(conn: Conn) -> list[IncidentRow]:
+        return [IncidentRow(*r) for r in conn.execute(
+            f"SELECT {_INCIDENT_COLUMNS} FROM remediation_incidents WHERE action = ? AND acted_unix_ns > 0 "
+            "AND acted_unix_ns < ? AND state = ? ORDER BY acted_unix_ns LIMIT 100",
+            (ISOLATE_NODE, acted_before_unix_ns, PROPOSED)).fetchall()]
+
+    return run
+
+
+def select_steps_of(incident: str, action: str) -> Callable[[Conn], list[RemediationState]]:
+    """The incident's steps, oldest first, as states of `action` (a ticket's `actions`)."""
+
+    def run(conn: Conn) -> list[RemediationState]:
+        rows = conn.execute("SELECT ts_unix_ns, step, state, detail, audit_seq FROM remediation_steps "
+                            "WHERE incident = ? ORDER BY id", (incident,)).fetchall()
+        out: list[RemediationState] = []
+        for ts, step, state, detail, seq in rows:
+            try:
+                d = json.loads(detail or "{}")
+            except ValueError:
+                d = {}
+            d = d if isinstance(d, dict) else {}
+            out.append(RemediationState(str(state), action, int(ts), f"{step}: {d.get('reason', '')}",
+                                        str(d.get("mode", "")), incident, int(seq)))
+        return out
+
+    return run
+
+
+async def store_read(store: Any, fn: Callable[[Conn], T]) -> T:
+    """Store.read(fn), awaited on the event loop."""
+    return await asyncio.wrap_future(store.read(fn))
+
+
+async def store_write(store: Any, fn: Callable[[Conn], T]) -> T:
+    """Store.read_write(fn): fn in a transaction of its own, awaited on the event loop."""
+    return await asyncio.wrap_future(store.read_write(fn))

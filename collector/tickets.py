@@ -220,18 +220,20 @@ class TicketSender:
 
     def __init__(self, url: str, headers_file: str = "", *, max_queue: int = 1000, max_attempts: int = 6,
                  max_total_s: float = 300.0, timeout_s: float = 10.0, backoff_first_s: float = 1.0,
-                 backoff_max_s: float = 60.0) -> None:
+                 backoff_max_s: float = 60.0, check_headers: bool = True) -> None:
+        """check_headers: read the headers file now, a bad one a TicketError (False: only at each POST,
+        on the sender's thread, as TicketDesk builds it on the collector's loop, where no file is read)."""
         if max_queue < 1 or max_attempts < 1 or not max_total_s > 0 or not timeout_s > 0:
             raise TicketError(f"TicketSender: max_queue {max_queue} and max_attempts {max_attempts} must be "
                               f">= 1, max_total_s {max_total_s} and timeout_s {timeout_s} > 0")
         self.target = TicketTarget.parse(url)
         self.headers_file = headers_file
-        read_headers(headers_file)  # a bad file fails at load too (each ticket still reads it again)
+        if check_headers:
+            read_headers(headers_file)  # a bad file fails at load too (each ticket still reads it again)
         self.max_queue, self.max_attempts = max_queue, max_attempts
         self.max_total_s, self.timeout_s = max_total_s, timeout_s
         self.backoff_first_s, self.backoff_max_s = backoff_first_s, backoff_max_s
-        self._http = Connection(self.target.scheme, self.target.host, self.target.port, timeout_s,
-                                self.target.display)
+        self._http: Connection | None = None  # made on the sender's thread (https: an SSL context to load)
         self._queue: deque[_Ticket] = deque()
         self._cond = threading.Condition()  # the queue, the counters and _stopping
         self._stop_event = threading.Event()  # wakes a backoff wait at stop
@@ -262,6 +264,13 @@ class TicketSender:
         except Exception:  # the engine must not fail on a ticket; its incident is audited anyway
             log.exception("tickets: could not queue a ticket")
 
+    def take_queued(self) -> list[dict[str, object]]:
+        """The tickets still waiting, taken out of this sender's queue (a new URL's sender sends them)."""
+        with self._cond:
+            out = [t.document for t in self._queue]
+            self._queue.clear()
+            return out
+
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {"sent": self._sent, "failed": self._failed, "dropped": self._dropped,
@@ -291,6 +300,8 @@ class TicketSender:
 
     def _run(self) -> None:
         try:
+            self._http = Connection(self.target.scheme, self.target.host, self.target.port, self.timeout_s,
+                                    self.target.display)
             while True:
                 with self._cond:
                     while not self._queue and not self._stopping:
@@ -313,7 +324,8 @@ class TicketSender:
         except Exception:  # a bug here must not take the collector down; it is logged with its trace
             log.exception("tickets: the sender for %s stopped", self.target.display)
         finally:
-            self._http.close()
+            if self._http is not None:
+                self._http.close()
 
     def _deliver(self, ticket: _Ticket) -> tuple[bool, str]:
         """(sent, why not); why is "" when the reason was already logged once (a 4xx, a bad file)."""
@@ -332,6 +344,7 @@ class TicketSender:
             ticket.document["sent_at"] = rfc3339_ns(time.time_ns())
             body = json.dumps(ticket.document, separators=(",", ":")).encode()
             left_s = deadline - time.monotonic()
+            assert self._http is not None  # made by _run before the first delivery
             reply = self._http.post(self.target.path, body, headers, max(0.001, min(self.timeout_s, left_s)))
             if 200 <= reply.status < 300:
                 return True, ""
@@ -393,6 +406,7 @@ class TicketDesk:
         self._sender: TicketSender | None = None
         self._key: tuple[str, str] = ("", "")  # the (url, headers_file) self._sender posts with
         self._senders: list[TicketSender] = []  # every one started, for stats(): a handful per run
+        self._refused: tuple[str, str] | None = None  # the setting whose sender could not be built, logged
 
     def submit(self, document: Mapping[str, object]) -> None:
         sender = self._current()
@@ -404,19 +418,27 @@ class TicketDesk:
         key = (want.url, want.headers_file)
         if key == self._key:
             return self._sender
-        old, self._sender, self._key = self._sender, None, key
+        sender = None
+        if want.url:
+            try:
+                # No file read and no SSL context here, on the loop: the sender makes its connection on
+                # its own thread and reads the headers file at each POST, so a file fixed in place
+                # brings tickets back with the next one.
+                sender = TicketSender(want.url, want.headers_file, check_headers=False)
+            except TicketError as e:  # checked at load; the key is not taken: the next submit tries again
+                if self._refused != key:
+                    self._refused = key
+                    log.error("tickets: %s; no ticket is sent until it is fixed", e)
+                return None
+        old, self._sender, self._key = self._sender, sender, key
+        if sender is not None:
+            if old is not None:  # the tickets still waiting go to the new url
+                for document in old.take_queued():
+                    sender.submit(document)
+            sender.start()
+            self._senders.append(sender)
         if old is not None:
             threading.Thread(target=old.stop, name="tickets-retire", daemon=True).start()
-        if not want.url:
-            return None
-        try:
-            sender = TicketSender(want.url, want.headers_file)
-        except TicketError as e:  # checked at load; a headers file may break later
-            log.error("tickets: %s; no ticket is sent until it is fixed", e)
-            return None
-        sender.start()
-        self._sender = sender
-        self._senders.append(sender)
         return sender
 
     def stats(self) -> dict[str, int]:

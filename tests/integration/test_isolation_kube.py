@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,13 +20,37 @@ from typing import Any
 
 import pytest
 from ghostgpu.collector.audit import AuditLog
-from ghostgpu.collector.isolation import Isolator, Outcome, unkillable_trigger, xid_trigger
-from ghostgpu.collector.kube_api import CLUSTER_ROLE
+from ghostgpu.collector.isolation import (
+    CLAIM_GRACE_S,
+    SETTLE_AFTER_S,
+    Isolator,
+    Outcome,
+    unkillable_trigger,
+    xid_trigger,
+)
+from ghostgpu.collector.kube_api import CLUSTER_ROLE, KubeApi, KubeError, NodeLabels
 from ghostgpu.collector.nodes import NodeView
 from ghostgpu.collector.remediation_policy import IsolationSettings, RemediationPolicy
+from ghostgpu.collector.remediation_store import (
+    PAUSED,
+    IncidentRow,
+    IsolatedNode,
+    claim_isolated,
+    insert_incident,
+    select_tally,
+    set_control,
+)
 from ghostgpu.collector.store import Store
 
-from ghostgpu.common.model.remediation import DONE, FAILED, OPT_OUT_LABEL, PROPOSED, SKIPPED, TAINT_KEY
+from ghostgpu.common.model.remediation import (
+    DONE,
+    FAILED,
+    ISOLATE_NODE,
+    OPT_OUT_LABEL,
+    PROPOSED,
+    SKIPPED,
+    TAINT_KEY,
+)
 from ghostgpu.v1 import query_pb2, stream_pb2
 from tests.helpers.kube_double import KubeDouble, node_object
 from tests.helpers.manifests import DEPLOY
@@ -85,6 +111,10 @@ class Run:
         self.store.barrier().result(10)
         lines = [json.loads(line) for line in Path(self.audit.path or "").read_text().splitlines()]
         return [(r["action"], r["result"]) for r in lines if r["action"].startswith("remediation.")]
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        self.store.barrier().result(10)
+        return [json.loads(line) for line in Path(self.audit.path or "").read_text().splitlines()]
 
     def rows(self, sql: str) -> list[tuple[Any, ...]]:
         return list(self.store.read(lambda conn: conn.execute(sql).fetchall()).result(10))
@@ -213,6 +243,222 @@ def test_mode_off_or_the_action_off_does_nothing_at_all(tmp_path, store) -> None
         assert run.isolate(xid_trigger(critical_xid())).state == SKIPPED  # type: ignore[arg-type]
         assert api.requests == []
     assert run.audit_steps() == []
+
+
+# ---- acting safely: the re-read before the PATCH, minHealthy's slot, clearing, settling -------------
+
+def test_a_change_to_dry_run_between_the_get_and_the_patch_leaves_it_proposed(tmp_path, store) -> None:
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        calls = []
+
+        async def refresh() -> None:  # the engine's fresh_view: the second read is the one before the PATCH
+            calls.append(1)
+            if len(calls) == 2:
+                run.policy = replace(run.policy, mode="dry-run")
+
+        run.isolator.refresh = refresh
+        out = run.isolate(xid_trigger(critical_xid()))
+        assert (out.state, out.reason) == (PROPOSED, "not acted on: mode dry-run before the act")
+        assert api.patches() == [] and api.events == [] and len(calls) == 2
+    assert run.rows("SELECT state, acted_unix_ns FROM remediation_incidents") == [(PROPOSED, 0)]
+    assert run.rows("SELECT node FROM isolated_nodes") == []
+
+
+def test_a_pause_stored_while_the_recheck_runs_holds_the_patch_back(tmp_path, store) -> None:
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        store.read_write(set_control(PAUSED, "maintenance", "alice", 1)).result(10)
+        out = run.isolate(xid_trigger(critical_xid()))
+        assert out.state == PROPOSED and "paused by alice (maintenance) at the moment of acting" in out.reason
+        assert api.patches() == [] and api.events == []
+    assert run.rows("SELECT node FROM isolated_nodes") == []  # the claimed slot was given back
+
+
+def test_two_isolators_racing_for_the_last_min_healthy_slot_isolate_one_node(tmp_path, store) -> None:
+    with KubeDouble(nodes=[node_object("gpu-1"), node_object("gpu-2")]) as api:
+        run = Run(tmp_path, store, api, gpu_nodes=5)  # cap: 1
+        other = Isolator(store, lambda: run.policy, audit=run.audit.append, gpu_nodes=lambda: 5)
+
+        async def both() -> list[Outcome]:
+            try:
+                return list(await asyncio.gather(run.isolator.isolate(xid_trigger(critical_xid("gpu-1", 1))),
+                                                 other.isolate(xid_trigger(critical_xid("gpu-2", 2)))))
+            finally:
+                run.isolator.close()
+                other.close()
+
+        outs = asyncio.run(both())  # type: ignore[arg-type]
+        assert sorted(o.state for o in outs) == [DONE, SKIPPED]
+        (skipped,) = [o for o in outs if o.state == SKIPPED]
+        assert skipped.reason.startswith("minHealthy: 1 of 5 GPU nodes are isolated by ghostgpu already")
+        assert len([p for p in api.patches() if p.status == 200]) == 1
+    assert len(run.rows("SELECT node FROM isolated_nodes")) == 1
+
+
+def test_min_healthy_counts_the_gpu_nodes_other_replicas_stored(tmp_path, store) -> None:
+    status = query_pb2.TracerStatus(node="gpu-9", info=stream_pb2.NodeInfo(gpus=[stream_pb2.Gpu(index=0)]))
+    store.read_write(lambda conn: conn.execute(
+        "INSERT INTO node_state (node, owner, token, updated_unix_ns, consumers, status) VALUES "
+        "(?, ?, ?, ?, ?, ?)", ("gpu-9", "replica-b", 1, 1, b"", status.SerializeToString()))).result(10)
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        run.isolator = Isolator(store, lambda: run.policy, audit=run.audit.append)  # the default count
+        run.isolator.nodes = {"gpu-1": gpu_view("gpu-1")}
+        assert asyncio.run(_gpu_nodes(run.isolator)) == 2  # its own node and the one replica-b stored
+
+
+async def _gpu_nodes(isolator: Isolator) -> int:
+    return await isolator._gpu_nodes()
+
+
+def gpu_view(node: str) -> NodeView:
+    v = NodeView(node)
+    v.info = stream_pb2.NodeInfo(gpus=[stream_pb2.Gpu(index=0)])
+    return v
+
+
+def test_a_node_a_human_untainted_loses_its_row_audited(tmp_path, store) -> None:
+    long_ago_ns = time.time_ns() - int((CLAIM_GRACE_S + 60) * 1e9)
+    store.read_write(claim_isolated(IsolatedNode("gpu-2", "taint", "xid", "Xid 79", long_ago_ns,
+                                                 "x1/isolate_node"), 10)).result(10)
+    with KubeDouble(nodes=[node_object("gpu-1"), node_object("gpu-2")]) as api:  # gpu-2: untainted
+        run = Run(tmp_path, store, api, gpu_nodes=5)  # cap 1: the stale row would refuse gpu-1
+        out = run.isolate(xid_trigger(critical_xid("gpu-1", 2)))
+        assert out.state == DONE, out.reason
+    assert run.rows("SELECT node FROM isolated_nodes") == [("gpu-1",)]
+    cleared = [r for r in run.audit_records() if r["detail"].get("incident") == "x1/isolate_node"]
+    assert [(r["action"], r["result"]) for r in cleared] == [("remediation.outcome", DONE)]
+    assert cleared[0]["detail"]["reason"].startswith("cleared by a human: node gpu-2 untainted")
+
+
+def test_an_isolation_whose_replica_died_after_the_act_is_settled_from_the_node(tmp_path, store) -> None:
+    acted_ns = time.time_ns() - int((SETTLE_AFTER_S + 60) * 1e9)
+    for node in ("gpu-1", "gpu-2"):
+        incident = f"x-{node}/isolate_node"
+        store.read_write(insert_incident(IncidentRow(
+            incident, 0, node, "", ISOLATE_NODE, PROPOSED, "on", "Xid 79", acted_ns, acted_ns, acted_ns,
+            "replica-dead", 0, json.dumps({"trigger": "xid", "how": "taint"})))).result(10)
+        store.read_write(claim_isolated(IsolatedNode(node, "taint", "xid", "Xid 79", acted_ns, incident),
+                                        10)).result(10)
+    taint = {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}
+    with KubeDouble(nodes=[node_object("gpu-1", taints=[taint]), node_object("gpu-2")]) as api:
+        run = Run(tmp_path, store, api)
+        tickets: list[dict[str, Any]] = []
+        run.isolator.ticket = tickets.append
+
+        async def settle() -> int:
+            try:
+                return await run.isolator.settle()
+            finally:
+                run.isolator.close()
+
+        assert asyncio.run(settle()) == 2  # type: ignore[arg-type]
+        assert api.patches() == []
+    assert sorted(run.rows("SELECT node, state FROM remediation_incidents")) == [("gpu-1", DONE),
+                                                                                ("gpu-2", FAILED)]
+    assert run.rows("SELECT node FROM isolated_nodes") == [("gpu-1",)]  # the failed one's slot given back
+    assert sorted(t["incident"] for t in tickets) == ["x-gpu-1/isolate_node", "x-gpu-2/isolate_node"]
+
+
+def test_the_kill_engines_unsettled_query_leaves_isolations_alone(tmp_path, store) -> None:
+    acted_ns = time.time_ns()
+    store.read_write(insert_incident(IncidentRow(
+        "x1/isolate_node", 0, "gpu-1", "", ISOLATE_NODE, PROPOSED, "on", "Xid", acted_ns, acted_ns, acted_ns,
+        "r", 0, "{}"))).result(10)
+    assert store.read(select_tally(0, [])).result(10).unsettled == []
+
+
+def test_each_isolation_acted_on_files_a_ticket_with_its_steps(tmp_path, store) -> None:
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        tickets: list[dict[str, Any]] = []
+        run.isolator.ticket = tickets.append
+        assert run.isolate(xid_trigger(critical_xid())).state == DONE  # type: ignore[arg-type]
+    (doc,) = tickets
+    assert doc["incident"] == "x5/isolate_node" and doc["node"] == "gpu-1" and doc["mode"] == "on"
+    assert doc["pods"] == [{"namespace": "ml", "pod": "train-0"}]
+    assert [(a["action"], a["state"], a["reason"].split(":")[0]) for a in doc["actions"]] == [
+        (ISOLATE_NODE, PROPOSED, "decided"), (ISOLATE_NODE, PROPOSED, "re-checked"),
+        (ISOLATE_NODE, PROPOSED, "acted"), (ISOLATE_NODE, DONE, "outcome")]
+    assert doc["evidence"]["trigger"] == "xid" and doc["evidence"]["outcome"] == DONE
+    assert doc["audit_seq"] == max(r["seq"] for r in run.audit_records())
+
+
+def test_any_error_after_the_act_ends_the_incident_failed(tmp_path, store, monkeypatch) -> None:
+    def broken(*args: Any) -> bool:
+        raise RuntimeError("the client broke")
+
+    monkeypatch.setattr(KubeApi, "taint", broken)
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        out = run.isolate(xid_trigger(critical_xid()))
+        assert (out.state, out.reason) == (FAILED, "RuntimeError: the client broke")
+    assert run.audit_steps()[-2:] == [("remediation.acted", PROPOSED), ("remediation.outcome", FAILED)]
+    assert run.rows("SELECT state FROM remediation_incidents") == [(FAILED,)]
+    assert run.rows("SELECT node FROM isolated_nodes") == []
+
+
+def test_a_spawned_task_that_raises_is_logged(tmp_path, store, caplog) -> None:
+    isolator = Isolator(store, RemediationPolicy)
+
+    async def boom() -> None:
+        raise RuntimeError("lost no more")
+
+    async def go() -> None:
+        isolator._spawn(boom())
+        await isolator.idle()
+        isolator.close()
+
+    with caplog.at_level(logging.ERROR, logger="ghostgpu.collector.isolation"):
+        asyncio.run(go())
+    assert any("lost no more" in r.getMessage() for r in caplog.records)
+
+
+# ---- the node-label source both engines read ------------------------------------------------------
+
+def test_node_labels_are_read_once_per_ttl_and_refreshed_after(tmp_path) -> None:
+    now = [0.0]
+    with KubeDouble(nodes=[node_object("gpu-1", labels={OPT_OUT_LABEL: "off"})]) as api:
+        kubeconfig = str(api.write_kubeconfig(tmp_path))
+        labels = NodeLabels(lambda: KubeApi(kubeconfig), ttl_s=30, clock=lambda: now[0])
+
+        async def read() -> Any:
+            return await labels.labels("gpu-1")
+
+        try:
+            assert asyncio.run(read())[OPT_OUT_LABEL] == "off"
+            assert asyncio.run(read())[OPT_OUT_LABEL] == "off"
+            assert len([r for r in api.requests if r.path.startswith("/api/v1/nodes")]) == 1  # cached
+            api.nodes["gpu-1"]["metadata"]["labels"].pop(OPT_OUT_LABEL)
+            now[0] = 31.0
+            assert OPT_OUT_LABEL not in asyncio.run(read())
+        finally:
+            labels.close()
+
+
+def test_node_labels_are_none_unconfigured_or_unreachable_and_logged_once(tmp_path, caplog) -> None:
+    def unconfigured() -> KubeApi:
+        raise KubeError("kubernetes: cannot load the in-cluster service account")
+
+    with KubeDouble() as api:
+        kubeconfig = str(api.write_kubeconfig(tmp_path))
+    # the double is gone: nothing answers at its address
+    now = [0.0]
+    def unreachable() -> KubeApi:
+        return KubeApi(kubeconfig, timeout_s=2)
+
+    for factory, kind in ((unconfigured, "in-cluster"), (unreachable, "no answer")):
+        labels = NodeLabels(factory, ttl_s=30, clock=lambda: now[0])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ghostgpu.collector.kube_api"):
+            try:
+                for i in range(3):
+                    now[0] = i * 31.0  # past the TTL each time: read again, logged once
+                    assert asyncio.run(labels.labels("gpu-1")) is None  # type: ignore[arg-type]
+            finally:
+                labels.close()
+        assert len([r for r in caplog.records if kind in r.getMessage()]) == 1, kind
 
 
 # ---- the real kubectl, once ----------------------------------------------------------------------

@@ -48,6 +48,10 @@ remediation:
 """
 
 
+# Only a Kubernetes pod's orphan is a candidate: a container and its pod's UID
+IN_POD = {"container_id": "c0ffee" * 8, "pod_uid": "6d1f2a3b-0000-4000-8000-000000000001"}
+
+
 def alive(pid: int) -> bool:
     """Running, not a zombie waiting to be reaped."""
     try:
@@ -66,7 +70,7 @@ def test_dry_run_reports_mode_on_kills_the_orphan_and_leaves_the_live_holder(tmp
     config = tmp_path / "collector.yaml"
     config.write_text(CONFIG)
     (tmp_path / "tracer").mkdir()
-    cri = FakeCri().start()
+    cri = FakeCri(runtime_name="containerd").start()  # the runtime the tracer's cgroups name
     try:
         with FakeContainer() as orphan_box, FakeContainer() as live_box, \
                 CollectorProcess(tmp_path / "collector", args=["--config", str(config)]) as col:
@@ -119,7 +123,7 @@ def test_the_alert_carries_the_dry_run_and_the_paused_alert_fires(alertmanager: 
     with running_collector(tmp_path, config_path=str(config), alertmanager=[alertmanager.url]) as c, \
             SimTracer(c.address, "gpu-node-8", capabilities=("cri-relay", "remediation")) as t:
         t.connect()
-        t.send_snapshot([make_consumer("gpu-node-8", 4242, cls=ConsumerClass.ORPHANED)])
+        t.send_snapshot([make_consumer("gpu-node-8", 4242, cls=ConsumerClass.ORPHANED, **IN_POD)])
 
         def annotated() -> dict[str, Any] | None:
             for a in alertmanager.alerts(alertname="GhostGPUOrphanedConsumer", pid="4242"):
@@ -147,13 +151,15 @@ def test_a_replica_hands_remediate_to_the_one_serving_the_node(tmp_path: Path, p
     from tests.helpers.replicas import replica
 
     config = tmp_path / "collector.yaml"
-    config.write_text(CONFIG.replace("mode: dry-run", "mode: off"))
+    # dry-run asked for (a kill by hand is refused while the mode is off), min_age keeping the engine's
+    # own dry run away: the commands the tracer sees are the manual path's only
+    config.write_text(CONFIG.replace("min_age: 0s", "min_age: 1h"))
     settings = {"config_path": str(config)}
     with replica(tmp_path, postgres_dsn, "a", settings=settings, listening_s=DEADLINE_S) as a, \
             replica(tmp_path, postgres_dsn, "b", settings=settings, listening_s=DEADLINE_S) as b, \
             SimTracer(a.address, "gpu-node-9", capabilities=("cri-relay", "remediation")) as t:
         t.connect()
-        t.send_snapshot([make_consumer("gpu-node-9", 4242, cls=ConsumerClass.ORPHANED)])
+        t.send_snapshot([make_consumer("gpu-node-9", 4242, cls=ConsumerClass.ORPHANED, **IN_POD)])
 
         def rows() -> list[dict[str, Any]]:
             out = ghostgpu_cli("findings", "--collector", b.address, "-o", "json")

@@ -31,6 +31,7 @@ from ghostgpu.collector.kube_api import (
     node_state,
     taint_patch,
 )
+from ghostgpu.collector.node_state import NodeStateRow
 from ghostgpu.collector.nodes import NodeView
 
 from ghostgpu.common.model.remediation import TAINT_KEY
@@ -131,6 +132,18 @@ def test_gpu_nodes_are_the_nodes_whose_tracer_reports_a_gpu() -> None:
 
 
 # ---- the bodies sent -----------------------------------------------------------------------------
+
+def test_gpu_nodes_count_the_node_state_rows_of_every_replica_once() -> None:
+    def row(node: str, *gpus: stream_pb2.Gpu, status: bytes | None = None) -> NodeStateRow:
+        status_pb = query_pb2.TracerStatus(node=node, info=stream_pb2.NodeInfo(gpus=list(gpus)))
+        blob = status_pb.SerializeToString()
+        return NodeStateRow(node, "replica-b", 1, 1, b"", blob if status is None else status, 1, 0)
+
+    mine = {"gpu-1": view("gpu-1", gpu(0, None))}
+    stored = [row("gpu-1", gpu(0, None)), row("gpu-2", gpu(0, None)), row("cpu-1"),
+              row("bad", status=b"\xff\xff")]
+    assert gpu_node_count(mine, stored) == 2  # gpu-1 once; cpu-1 has no GPU; a bad blob is not counted
+
 
 def _validate(obj: dict, kind: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")

@@ -21,6 +21,9 @@ from tests.helpers.collector_env import running_collector
 from tests.helpers.polling import wait_until
 from tests.helpers.sim_tracer import SimTracer, make_consumer
 
+# Only a Kubernetes pod's orphan is a candidate: a container and its pod's UID
+IN_POD = {"container_id": "c0ffee" * 8, "pod_uid": "6d1f2a3b-0000-4000-8000-000000000001"}
+
 CONFIG = """\
 remediation:
   mode: dry-run
@@ -59,7 +62,7 @@ def finding_rows(collector: Collector, capsys: pytest.CaptureFixture[str]) -> li
 
 def test_dry_run_proposes_mode_on_acts_and_findings_show_it(collector: Collector, tracer: SimTracer,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    tracer.send_snapshot([make_consumer("gpu-1", 4242, cls=ConsumerClass.ORPHANED),
+    tracer.send_snapshot([make_consumer("gpu-1", 4242, cls=ConsumerClass.ORPHANED, **IN_POD),
                           make_consumer("gpu-1", 5151, cls=ConsumerClass.HIDDEN)])
     wait_until(lambda: len(tracer.remediate_commands) == 1, "the dry run's re-check", 10)
     assert tracer.remediate_commands[0].dry_run and tracer.remediate_commands[0].process.pid == 4242
@@ -105,7 +108,7 @@ def test_pause_refuses_a_kill_by_hand_and_resume_lets_it(collector: Collector, t
     code, out, _ = cli(capsys, "remediate", "pause", "--reason", "maintenance", "--collector",
                        collector.address)
     assert code == 0 and "paused    yes, by uid:" in out
-    tracer.send_snapshot([make_consumer("gpu-1", 4242, cls=ConsumerClass.ORPHANED)])
+    tracer.send_snapshot([make_consumer("gpu-1", 4242, cls=ConsumerClass.ORPHANED, **IN_POD)])
     wait_until(lambda: bool(finding_rows(collector, capsys)), "the finding", 10)
     fid = finding_rows(collector, capsys)[0]["id"]
     code, _, err = cli(capsys, "remediate", "--finding", str(fid), "--collector", collector.address)

@@ -19,7 +19,14 @@ from ghostgpu.collector.cluster import ClusterTable, FindingRec
 from ghostgpu.collector.remediation import RemediationError, Remediator
 from ghostgpu.collector.remediation_commands import RemediateCalls
 from ghostgpu.collector.remediation_policy import Breaker, RemediationPolicy
-from ghostgpu.collector.remediation_store import IncidentRow, get_incident, insert_incident, select_steps
+from ghostgpu.collector.remediation_store import (
+    PAUSED,
+    IncidentRow,
+    get_incident,
+    insert_incident,
+    select_steps,
+    set_control,
+)
 from ghostgpu.collector.store import Store
 
 from ghostgpu.common.audit.chain import verify
@@ -30,6 +37,7 @@ from ghostgpu.common.model.remediation import (
     FAILED,
     MODE_DRY_RUN,
     MODE_ON,
+    OPT_OUT_LABEL,
     PROPOSED,
     SKIPPED,
     incident_key,
@@ -37,6 +45,7 @@ from ghostgpu.common.model.remediation import (
 from ghostgpu.v1 import stream_pb2
 
 Answer = Callable[[stream_pb2.RemediateCommand], stream_pb2.RemediateResult]
+POD_UID = "6d1f2a3b-0000-4000-8000-000000000001"
 
 
 def passes(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
@@ -87,7 +96,7 @@ class FakeAlerts:
 def orphan(fid: int, node: str = "n1", namespace: str = "ml", pid: int = 4242, age_s: float = 600.0,
            cls: str = "orphaned") -> FindingRec:
     c = Consumer(node=node, pid=pid, ns_pid=None, comm="python", gpu=0, gpu_uuid="GPU-0", gpu_minor=0,
-                 devices=["/dev/nvidia0"], container_id="c0ffee", pod_uid="", runtime="",
+                 devices=["/dev/nvidia0"], container_id="c0ffee", pod_uid=POD_UID, runtime="",
                  cls=ConsumerClass(cls), reason="CRI does not know this container", gpu_memory_bytes=None,
                  exe="/usr/bin/python3", start_time_ns=777)
     cc = ClusterConsumer(c, K8sInfo(resolution="not_found", namespace=namespace, pod="train-0"))
@@ -152,6 +161,7 @@ def test_mode_on_goes_decided_rechecked_acted_outcome_and_the_chain_verifies(env
     cmd = calls.sent[1][1]
     assert (cmd.process.pid, cmd.process.start_time_ns, cmd.process.exe) == (4242, 777, "/usr/bin/python3")
     assert cmd.container_id == "c0ffee" and list(cmd.devices) == ["/dev/nvidia0"] and cmd.grace_ms == 1000
+    assert cmd.process.pod_uid == POD_UID  # the tracer corroborates the pod with CRI
     row = env.incident(7)
     assert row is not None and row.state == DONE and row.acted_unix_ns > 0 and row.mode == MODE_ON
     assert env.steps(7) == ["decided", "re-checked", "acted", "outcome"]
@@ -194,22 +204,54 @@ def test_a_second_engine_over_the_same_store_never_acts_again(env: Env) -> None:
     assert second.sent == []
 
 
-def test_an_act_without_outcome_is_settled_by_a_recheck_never_sent_twice(env: Env) -> None:
-    rec = orphan(7)
-    env.add(rec)
+def _acted_row(env: Env, fid: int, acted_ago_s: float, action: str = "kill_orphan") -> None:
+    """An act committed by a replica that died before the outcome."""
     now = time.time_ns()
-    key = incident_key(7, "kill_orphan")
-    detail = '{"pid": 4242, "comm": "python", "exe": "/usr/bin/python3", "start_time_ns": 777, ' \
-             '"container_id": "c0ffee", "devices": ["/dev/nvidia0"]}'
-    # The replica that acted died between its act (committed) and the outcome.
+    acted = now - int(acted_ago_s * 1e9)
+    detail = ('{"pid": 4242, "comm": "python", "exe": "/usr/bin/python3", "start_time_ns": 777, '
+              f'"container_id": "c0ffee", "pod_uid": "{POD_UID}", "devices": ["/dev/nvidia0"]}}')
     assert env.store.read_write(insert_incident(IncidentRow(
-        key, 7, "n1", "ml", "kill_orphan", PROPOSED, MODE_ON, "kill", now, now, now, "collector-0", 0,
-        detail))).result(10)
-    calls = FakeCalls()  # its re-check: the process is still there
+        incident_key(fid, action), fid, "n1", "ml", action, PROPOSED, MODE_ON, "kill", acted, acted, acted,
+        "collector-0", 0, detail))).result(10)
+
+
+def settled_by(exited: bool, outcome: str, reason: str) -> Answer:
+    def answer(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        return stream_pb2.RemediateResult(incident=cmd.incident, outcome=outcome, reason=reason,
+                                          exited=exited)
+    return answer
+
+
+@pytest.mark.parametrize(("answer", "state", "said"), [
+    (settled_by(False, PROPOSED, "every check passed"), FAILED, "the process is still there"),
+    (settled_by(True, SKIPPED, "process 4242 exited"), DONE, "settled after the replica"),
+    # "cannot confirm with CRI" is no proof the process is gone: failed, naming what was seen
+    (settled_by(False, SKIPPED, "cannot confirm with CRI"), FAILED, "skipped: cannot confirm with CRI"),
+])
+def test_an_act_without_outcome_is_settled_by_a_recheck_never_sent_twice(env: Env, answer: Answer, state: str,
+                                                                          said: str) -> None:
+    env.add(orphan(7))
+    _acted_row(env, 7, acted_ago_s=120.0)
+    calls = FakeCalls(answer)
     run(tick(env.engine(calls, "collector-1")))
     assert calls.kills() == [] and [c.dry_run for _, c in calls.sent] == [True]
+    assert calls.sent[0][1].process.pod_uid == POD_UID
     row = env.incident(7)
-    assert row is not None and row.state == FAILED and "not signalled twice" in row.reason
+    assert row is not None and row.state == state and said in row.reason and "not signalled twice" in (
+        row.reason if state == FAILED else "not signalled twice")
+
+
+def test_an_act_is_not_settled_while_the_tracer_may_still_be_on_it_nor_an_isolation(env: Env) -> None:
+    """Settled only past grace + SIGKILL's wait + CRI's timeout + the margin; an isolation incident is
+    never settled by the kill engine (no pid-0 command)."""
+    env.add(orphan(7), orphan(8, pid=8))
+    _acted_row(env, 7, acted_ago_s=2.0)
+    _acted_row(env, 8, acted_ago_s=600.0, action="isolate_node")
+    calls = FakeCalls()
+    env.policy = replace(env.policy, kill_orphans=False)
+    run(tick(env.engine(calls)))
+    assert calls.sent == []
+    assert env.incident(7) is not None and env.incident(7).state == PROPOSED  # type: ignore[union-attr]
 
 
 def test_the_breaker_trips_at_k_and_the_paused_alert_fires(env: Env) -> None:
@@ -332,6 +374,26 @@ def test_a_failed_recheck_ends_the_incident_without_an_act(env: Env) -> None:
     assert env.steps(7) == ["decided", "re-checked"]
 
 
+def test_a_transient_failure_ends_the_incident_skipped_and_a_person_retries_it_by_hand(env: Env) -> None:
+    env.add(orphan(7))
+    answers = iter([stream_pb2.RemediateResult(outcome=SKIPPED, reason="cannot confirm with CRI: deadline")])
+
+    def flaky(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        first = next(answers, None)
+        return first if first is not None else passes(cmd)
+
+    calls = FakeCalls(flaky)
+    engine = env.engine(calls)
+    run(tick(engine))
+    run(tick(engine))  # the engine does not try it again by itself
+    row = env.incident(7)
+    assert row is not None and row.state == SKIPPED and len(calls.sent) == 1
+    state, _ = run(engine.remediate(7, dry_run=False, who="user:oncall"))
+    assert state.state == DONE and calls.kills() == [incident_key(7, "kill_orphan")]
+    again, detail = run(engine.remediate(7, dry_run=False, who="user:oncall"))
+    assert again.state == DONE and "already remediated" in detail and len(calls.kills()) == 1
+
+
 def test_remediate_refusals(env: Env) -> None:
     env.add(orphan(7, cls="hidden"))
     engine = env.engine(FakeCalls())
@@ -371,8 +433,8 @@ def test_an_unkillable_holder_isolates_its_node_and_files_a_ticket(env: Env) -> 
     isolated: list[tuple[Any, ...]] = []
     tickets: list[dict[str, object]] = []
 
-    async def isolate(*args: Any) -> None:
-        isolated.append(args)
+    async def isolate(*args: Any, **kw: Any) -> None:
+        isolated.append((*args, kw))
 
     engine = Remediator(env.store, env.cluster, env.streams, policy=lambda: env.policy,
                         audit=env.audit.append, calls=FakeCalls(stuck), isolate=isolate,
@@ -380,12 +442,17 @@ def test_an_unkillable_holder_isolates_its_node_and_files_a_ticket(env: Env) -> 
     run(tick(engine))
     row = env.incident(7)
     assert row is not None and row.state == "unkillable"
-    assert isolated == [("n1", "unkillable", "alive after SIGKILL, in the driver", "f7/kill_orphan")]
+    assert isolated == [("n1", "unkillable", "alive after SIGKILL, in the driver", "f7/kill_orphan",
+                         {"pods": [("ml", "train-0")]})]
     (ticket,) = tickets
     assert ticket["incident"] == "f7/kill_orphan" and ticket["audit_seq"] == row.audit_seq
     evidence = ticket["evidence"]
     assert isinstance(evidence, dict) and evidence["wchan"] == "nv_wait" and evidence["proc_state"] == "D"
     assert ticket["node"] == "n1"
+    # its history, each step as stored: decided, re-checked, acted (proposed), then unkillable
+    actions = ticket["actions"]
+    assert isinstance(actions, list) and [x["state"] for x in actions] == [PROPOSED] * 3 + ["unkillable"]
+    assert actions[-1]["reason"] == "alive after SIGKILL, in the driver"
     assert ticket["pods"] == [{"namespace": "ml", "pod": "train-0", "container": ""}]
 
 
@@ -457,3 +524,106 @@ def test_remediate_on_a_replica_that_does_not_serve_the_node_runs_where_it_is_se
     with pytest.raises(RemediationError) as e:
         run(calling.remediate(7, dry_run=True, who="user:oncall"))
     assert e.value.code == "FAILED_PRECONDITION" and "collector-1" in e.value.line
+
+
+# ---- the guards at the moment of acting ---------------------------------------------------------------
+
+
+def test_a_pause_or_a_reload_to_off_during_the_recheck_stops_the_act(env: Env) -> None:
+    """The pause row, the override and the config's mode are read again in the act's transaction."""
+    env.add(orphan(7), orphan(8, node="n2", pid=8))
+
+    def pause_then_pass(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if cmd.dry_run and cmd.incident == incident_key(7, "kill_orphan"):
+            env.store.read_write(set_control(PAUSED, "maintenance", "user:oncall", time.time_ns())).result(10)
+        return passes(cmd)
+
+    calls = FakeCalls(pause_then_pass)
+    run(tick(env.engine(calls)))
+    assert calls.kills() == []
+    for fid in (7, 8):
+        row = env.incident(fid)
+        assert row is not None and row.state == PROPOSED and row.acted_unix_ns == 0 and "paused" in row.reason
+
+    env.store.read_write(set_control(PAUSED, None, "user:oncall", time.time_ns())).result(10)
+
+    def reload_off(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if cmd.dry_run:
+            env.policy = replace(env.policy, mode="off")
+        return passes(cmd)
+
+    calls = FakeCalls(reload_off)
+    run(tick(env.engine(calls)))
+    assert calls.kills() == []
+    row = env.incident(7)
+    assert row is not None and row.acted_unix_ns == 0 and "mode off (config file)" in row.reason
+
+
+def test_two_engines_over_one_store_share_the_breaker(env: Env) -> None:
+    """max_actions 2, four nodes, two replicas each serving two: two acts in all, not four."""
+    env.policy = replace(env.policy, breaker=Breaker(max_actions=2, window_s=3600, max_per_node=5))
+    env.add(*(orphan(i, node=f"n{i}", pid=i) for i in (1, 2, 3, 4)))
+    calls = FakeCalls()
+    a = Remediator(env.store, env.cluster, env.streams, policy=lambda: env.policy, audit=env.audit.append,
+                   replica_id="a", calls=calls, applies=lambda n: n in ("n1", "n2"))
+    b = Remediator(env.store, env.cluster, env.streams, policy=lambda: env.policy, audit=env.audit.append,
+                   replica_id="b", calls=calls, applies=lambda n: n in ("n3", "n4"))
+
+    async def both() -> None:
+        await asyncio.gather(a.tick(), b.tick())
+        await asyncio.gather(a.idle(), b.idle())
+
+    run(both())
+    assert len(calls.kills()) == 2
+    rows = [env.incident(i) for i in (1, 2, 3, 4)]
+    refused = [r for r in rows if r is not None and r.acted_unix_ns == 0]
+    assert len(refused) == 2 and all(r.state == PROPOSED and "breaker open" in r.reason for r in refused)
+
+
+def test_the_acted_record_is_in_the_chain_before_the_kill_is_sent(env: Env) -> None:
+    seen: list[list[str]] = []
+
+    def check(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if not cmd.dry_run:
+            seen.append(env.audit_actions())
+        return passes(cmd)
+
+    env.add(orphan(7))
+    run(tick(env.engine(FakeCalls(check))))
+    assert seen and seen[0][-1] == "remediation.acted"
+
+
+def test_the_opt_out_label_is_read_at_decided_and_again_before_the_act(env: Env) -> None:
+    labels: dict[str, dict[str, str] | None] = {"n1": {OPT_OUT_LABEL: "off"}, "n2": None}
+
+    async def read(node: str) -> dict[str, str] | None:
+        return labels.get(node)
+
+    env.add(orphan(7), orphan(8, node="n2", pid=8), orphan(9, node="n3", pid=9))
+
+    def flip(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if cmd.dry_run and cmd.incident == incident_key(9, "kill_orphan"):
+            labels["n3"] = {OPT_OUT_LABEL: "off"}  # labelled while the re-check ran
+        return passes(cmd)
+
+    calls = FakeCalls(flip)
+    engine = Remediator(env.store, env.cluster, env.streams, policy=lambda: env.policy,
+                        audit=env.audit.append, calls=calls, labels=read)
+    run(tick(engine))
+    # n1: labelled off at decided; n2: labels unknown (no API): not opted out; n3: off before the act
+    assert calls.kills() == [incident_key(8, "kill_orphan")]
+    for fid in (7, 9):
+        row = env.incident(fid)
+        assert row is not None and row.state == SKIPPED and f"label {OPT_OUT_LABEL}=off" in row.reason
+    assert [c.incident for _, c in calls.sent].count(incident_key(7, "kill_orphan")) == 0
+
+
+def test_a_manual_kill_is_refused_while_the_mode_asked_for_is_off(env: Env) -> None:
+    env.policy = replace(env.policy, mode="off")
+    env.add(orphan(7))
+    calls = FakeCalls()
+    engine = env.engine(calls)
+    with pytest.raises(RemediationError, match=r"remediation is off: set remediation\.mode"):
+        run(engine.remediate(7, dry_run=False, who="user:oncall"))
+    state, _ = run(engine.remediate(7, dry_run=True, who="user:oncall"))
+    assert state.state == PROPOSED and calls.kills() == []

@@ -29,7 +29,8 @@ S = 1_000_000_000  # ns in a second
 NOW = 1_800_000_000 * S
 POLICY = RemediationPolicy(mode=MODE_ON, min_age_s=300.0, allowlist=("nv-hostengine", "/usr/bin/dcgm*"))
 ORPHAN = Candidate(finding_id=7, node="n1", cls="orphaned", opened_unix_ns=NOW - 600 * S, namespace="ml",
-                   exe="/usr/bin/python3.11", comm="python3")
+                   exe="/usr/bin/python3.11", comm="python3", container_id="c0ffee" * 4,
+                   pod_uid="6d1f2a3b-0000-4000-8000-000000000001")
 OFFERS = frozenset({CAPABILITY})
 
 
@@ -45,6 +46,11 @@ OFFERS = frozenset({CAPABILITY})
     (replace(ORPHAN, cls="hidden"), POLICY, OFFERS, {},
      "finding 7 is hidden, not orphaned: only orphaned holders are acted on"),
     (replace(ORPHAN, resolved_unix_ns=NOW - S), POLICY, OFFERS, {}, "finding 7 is resolved"),
+    # A host process, and a container outside any Kubernetes pod: nothing to corroborate with CRI.
+    (replace(ORPHAN, container_id="", pod_uid=""), POLICY, OFFERS, {},
+     "finding 7 has no container: no pod to corroborate: only a Kubernetes pod's orphan is killed"),
+    (replace(ORPHAN, pod_uid=""), POLICY, OFFERS, {},
+     "finding 7 has no pod UID: no pod to corroborate: only a Kubernetes pod's orphan is killed"),
     (replace(ORPHAN, opened_unix_ns=NOW - 299 * S), POLICY, OFFERS, {},
      "finding 7 is 299s old, under min_age 5m"),
     (replace(ORPHAN, opened_unix_ns=NOW - 299 * S - S // 2), POLICY, OFFERS, {},

@@ -164,6 +164,7 @@ def test_min_age_may_be_0_and_durations_may_be_plain_seconds() -> None:
      "whole number) or a size like 512MiB or 2GiB (0: no such trigger)"),
     ("isolation: {unaccounted_bytes: -1}", "remediation.isolation.unaccounted_bytes: -1: must be 0 or more"),
     ("grace: 0s", "remediation.grace: '0s': use a duration like"),
+    ("grace: 2m", "remediation.grace: 2m is over the tracer's cap of 1m; use 60s or less, e.g. 10s"),
     ("allowlist: nv-hostengine", "remediation.allowlist: expected a list of globs like"),
 ])
 def test_each_bad_input_is_one_line_naming_the_file_and_the_keys_path(section: str, line: str) -> None:

@@ -26,7 +26,7 @@ SEVERITIES = {
     "GhostGPUTracerSilent": "warning", "GhostGPUEventsLost": "warning",
     "GhostGPUCriResolutionFailing": "warning", "GhostGPUMetricsCapped": "warning",
     "GhostGPUAuditRewound": "critical", "GhostGPUXidCritical": "critical",
-    "GhostGPUUnaccountedMemory": "warning",
+    "GhostGPUUnaccountedMemory": "warning", "GhostGPURemediationPaused": "warning",
 }
 FINDING_CLASS = {"GhostGPUHiddenConsumer": "hidden", "GhostGPUOrphanedConsumer": "orphaned",
                  "GhostGPUGhostMemory": "ghost", "GhostGPUUnallocatedAccess": "unallocated",
@@ -66,6 +66,8 @@ def test_each_alert_has_severity_for_and_texts(alert: str) -> None:
         assert "instance" in named
     elif alert == "GhostGPUAuditRewound":  # one series per collector across restarts (pods change)
         assert {"job", "namespace"} <= named
+    elif alert == "GhostGPURemediationPaused":  # one per deployment and cause: replicas share the switch
+        assert {"cause", "job", "namespace"} <= named
     else:
         assert "node" in named
 

@@ -5,10 +5,12 @@ posts to a real receiver."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from ghostgpu.collector.tickets import (
+    TicketDesk,
     TicketError,
     TicketFinding,
     TicketSender,
@@ -164,3 +166,35 @@ def test_the_queue_is_bounded_and_drops_the_oldest() -> None:
     assert sender.stats() == {"sent": 0, "failed": 0, "dropped": 2, "retries": 0, "queued": 3}
     assert [t.incident for t in sender._queue] == ["f2/ticket", "f3/ticket", "f4/ticket"]
 
+
+
+@dataclass
+class Setting:
+    url: str
+    headers_file: str = ""
+
+
+def test_the_desk_builds_no_connection_on_the_loop_retries_a_refused_setting_and_hands_over_the_queue(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A sender is built without reading a file or making an SSL context (its thread does that); a
+    setting whose sender could not be built is tried again at the next submit; a new url's sender takes
+    the tickets the old one still had waiting."""
+    monkeypatch.setattr(TicketSender, "start", lambda self: None)  # nothing leaves a queue here
+    monkeypatch.setattr(TicketSender, "stop", lambda self, timeout_s=2.0: None)
+    broken = tmp_path / "headers"
+    broken.write_text("nonsense\n")  # read at each POST, not when the sender is built
+    setting = Setting("https://user:pw@tickets.example.com/", str(broken))  # refused: credentials in the URL
+    desk = TicketDesk(lambda: setting)
+    desk.submit({"incident": "f1/kill_orphan"})
+    assert desk.stats()["queued"] == 0
+    setting.url = "https://tickets.example.com/a"
+    desk.submit({"incident": "f2/kill_orphan"})
+    desk.submit({"incident": "f3/kill_orphan"})
+    first = desk._sender
+    assert first is not None and first._http is None and desk.stats()["queued"] == 2
+    setting.url = "https://tickets.example.com/b"
+    desk.submit({"incident": "f4/kill_orphan"})
+    second = desk._sender
+    assert second is not None and second is not first
+    assert [t.incident for t in second._queue] == ["f2/kill_orphan", "f3/kill_orphan", "f4/kill_orphan"]
+    assert first.stats()["queued"] == 0
