@@ -248,7 +248,7 @@ class Stream:
 
 def finding(fid: int, node: str, pid: int, cls: ConsumerClass) -> FindingRec:
     c = Consumer(node=node, pid=pid, ns_pid=None, comm="python", gpu=0, gpu_uuid="GPU-0", gpu_minor=0,
-                 devices=["/dev/nvidia0"], container_id=f"{fid:064x}", pod_uid="", runtime="",
+                 devices=["/dev/nvidia0"], container_id=f"{fid:064x}", pod_uid=f"pod-{fid}", runtime="",
                  cls=cls, reason="CRI does not know this container", gpu_memory_bytes=None,
                  exe="/usr/bin/python3", start_time_ns=777)
     cc = ClusterConsumer(c, K8sInfo(resolution="not_found", namespace="ml", pod=f"train-{fid}"))
@@ -294,6 +294,10 @@ async def _ticks(store: Store, ticks: int, nodes: int, per_node: int,
     await timed(engines[MODE_OFF])  # warm: the store's first read
     first_wall_s, first_cpu_s = await timed(engines[MODE_DRY_RUN], then_idle=True)
     proposed = calls[MODE_DRY_RUN].sent
+    if proposed != nodes * orphans_per_node:  # measuring a tick that decides nothing would mislead
+        raise RuntimeError(f"the first dry-run round sent {proposed} re-checks, not "
+                           f"{nodes * orphans_per_node}: the bench's findings are no longer candidates "
+                           "(collector/remediation_guards.py eligible)")
     wall: dict[str, list[float]] = {m: [] for m in policies}
     cpu: dict[str, list[float]] = {m: [] for m in policies}
     for i in range(ticks):
