@@ -23,13 +23,17 @@ audit chain ("remediation.decided", "re-checked", "acted", "outcome") and to the
 remediation_steps. The Kubernetes calls block and run on a small executor of their own, off the event
 loop.
 
-Between the re-check's GET and the PATCH: the mode, the pause and the policy are read again (a change
-leaves the incident proposed), minHealthy's slot is claimed in the store (its isolated_nodes row,
-inserted only under the cap, serialized across replicas: remediation_store.claim_isolated; given back
-if the PATCH fails), and mark_acted records the act under the store's switches and the breaker. Any
-error after that ends the incident failed. Each re-check drops the isolated_nodes rows of nodes a
-human has untainted since (a GET each), and settle() ends the isolations a dead replica acted on
-without an outcome, from the node as it stands. An isolation acted on files a ticket (`ticket`).
+Between the re-check's GET and the PATCH: the mode, the pause and the policy are read again, and the
+node's labels by a fresh GET (NodeLabels.labels_now; labels that cannot be read hold the act back
+too); a change leaves the incident proposed. Then minHealthy's slot is claimed in the store (its
+isolated_nodes row, inserted only under the cap, serialized across replicas:
+remediation_store.claim_isolated; given back if recording the act or the PATCH fails), mark_acted
+records the act under the store's switches and the breaker, and the acted step is committed before
+the PATCH goes out. Any error after that ends the incident failed. Each re-check drops the
+isolated_nodes rows of nodes a human has untainted since (a GET each), and settle() ends the
+isolations a dead replica acted on without an outcome, from the node as it stands: only the replica
+whose conditional update stored the outcome (remediation_store.settle_isolation) audits it and files
+its ticket. An isolation acted on files a ticket (`ticket`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from ghostgpu.collector.remediation_store import (
     select_steps_of,
     select_unsettled_isolations,
     set_state,
+    settle_isolation,
     store_read,
     store_write,
 )
@@ -384,7 +389,7 @@ class Isolator:
         assert node is not None
         # The re-check took a GET (up to TIMEOUT_S): read the mode, the pause and the policy again, so a
         # `remediate pause`, a mode change or a config reload in that window holds the PATCH back.
-        held_back = await self._held_back(t.node)
+        held_back = await self._held_back(t.node) or await self._opted_out_now(t.node)
         if held_back:
             return self._end(t, PROPOSED, f"not acted on: {held_back}", run_mode)
         policy = self.policy()
@@ -399,14 +404,24 @@ class Isolator:
                    else f"node {t.node} is isolated by ghostgpu already")
             return self._end(t, SKIPPED, why, run_mode)
         window_start_ns = time.time_ns() - int(policy.breaker.window_s * 1e9)
-        claim = await store_write(self.store, mark_acted(t.incident, time.time_ns(), ActGuard(
-            t.node, window_start_ns, policy.breaker.max_actions, policy.breaker.max_per_node, policy.mode)))
+        try:
+            claim = await store_write(self.store, mark_acted(t.incident, time.time_ns(), ActGuard(
+                t.node, window_start_ns, policy.breaker.max_actions, policy.breaker.max_per_node,
+                policy.mode)))
+        except Exception as e:  # its transaction rolled back: nothing recorded, so the slot goes back
+            await self._release(t)
+            log.exception("node isolation %s: recording the act failed", t.incident)
+            return self._end(t, PROPOSED, f"not acted on: the act could not be recorded "
+                                          f"({type(e).__name__}: {e}); nothing sent", run_mode)
         if not claim:
             await store_write(self.store, release_isolated(t.node, t.incident))
             if claim.refused:
                 return self._end(t, PROPOSED, f"not acted on: {claim.refused}", run_mode)
             return self._end(t, SKIPPED, "the act was recorded already", run_mode, step=False)
         self._step(t, ACTED, PROPOSED, f"{action} on node {t.node}", run_mode)
+        # The acted record committed before the PATCH goes out: a replica taking over after a crash
+        # here finds the act and settles it (settle()) rather than take it for one never made.
+        await asyncio.wrap_future(self.store.barrier())
         try:
             api = await self._off_loop(self._client, policy)
             if how == "taint":
@@ -458,6 +473,20 @@ class Isolator:
             return "mode off before the act"
         why = self._dry_run_why(mode, node)
         return f"{why} before the act" if why else ""
+
+    async def _opted_out_now(self, node: str) -> str:
+        """The node's labels read afresh right before the act (the re-check's GET may be seconds old):
+        why the act is held back, "" when it may go out. Labels that cannot be read hold it back too:
+        the node may have opted out since."""
+        if self.labels is None:
+            return ""
+        labels, why = await self.labels.labels_now(node)
+        if why:
+            return f"node labels could not be read: {why}"
+        view = self.nodes.get(node)
+        capabilities = (view.hello.capabilities if view is not None and view.hello is not None
+                        else (CAPABILITY,))
+        return node_opt_out(node, capabilities, labels) or ""
 
     async def _recheck(self, t: Trigger, policy: RemediationPolicy,
                        how: str) -> tuple[str, NodeState | None, int]:
@@ -558,6 +587,10 @@ class Isolator:
             what = ("tainted" if how == "taint" else "cordoned") if done else (
                 "not tainted" if how == "taint" else "not cordoned")
             reason = f"settled after the replica acting on it stopped: node {row.node} is {what}"
+            # Every replica settles: only the one whose update hit the row records the outcome.
+            if not await store_write(self.store, settle_isolation(row.incident, DONE if done else FAILED,
+                                                                  reason, time.time_ns())):
+                continue
             if not done:
                 await self._release(t)
             out = self._end(t, DONE if done else FAILED, reason, row.mode or MODE_ON)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,12 @@ STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 class KubeError(Exception):
     """One line: the API server, the call, what went wrong and what to do."""
+
+
+class KubeUnconfigured(KubeError):
+    """No Kubernetes API is configured at all: the client package is missing, or no kubeconfig is set
+    and the collector runs outside a cluster (no KUBERNETES_SERVICE_HOST). Any other KubeError means an
+    API is configured but could not be used."""
 
 
 @dataclass(frozen=True)
@@ -147,9 +154,9 @@ def _client_module() -> Any:
     try:
         import kubernetes  # the official client; imported only once isolation is on
     except ImportError:
-        raise KubeError("node isolation needs the Python package `kubernetes` (the official client), which "
-                        "is not installed: pip install kubernetes, or turn remediation.actions.isolate_node "
-                        "off") from None
+        raise KubeUnconfigured("node isolation needs the Python package `kubernetes` (the official client), "
+                               "which is not installed: pip install kubernetes, or turn "
+                               "remediation.actions.isolate_node off") from None
     return kubernetes
 
 
@@ -170,9 +177,12 @@ class KubeApi:
                 client = k8s.client.ApiClient(cfg)
         except (k8s.config.ConfigException, OSError, ValueError, TypeError) as e:
             where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
-            raise KubeError(f"kubernetes: cannot load {where} ({str(e).splitlines()[0] if str(e) else e!r}); "
-                            "run the collector with the ghostgpu-collector ServiceAccount "
-                            f"({RBAC_MANIFEST}) or set remediation.isolation.kubeconfig") from None
+            # Outside a cluster, with no kubeconfig, there is no API to reach: not an error of one.
+            in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+            error = KubeError if kubeconfig or in_cluster else KubeUnconfigured
+            raise error(f"kubernetes: cannot load {where} ({str(e).splitlines()[0] if str(e) else e!r}); "
+                        "run the collector with the ghostgpu-collector ServiceAccount "
+                        f"({RBAC_MANIFEST}) or set remediation.isolation.kubeconfig") from None
         self.server = str(client.configuration.host)
         self._core = k8s.client.CoreV1Api(client)
 
@@ -273,6 +283,7 @@ class NodeLabels:
 
         labels = NodeLabels(lambda: KubeApi(policy().isolation.kubeconfig))
         await labels.labels("gpu-7")   # {"ghostgpu.io/remediation": "off", ...}, or None
+        await labels.labels_now("gpu-7")  # a fresh GET, right before an act: (labels, why not)
 
     None when the API is not configured (api_factory raised KubeError: no client package, no kubeconfig,
     not in a cluster) or not reachable; each kind of failure (unconfigured, unreachable) is logged once
@@ -298,6 +309,15 @@ class NodeLabels:
         self._cache[node] = (self.clock(), labels)
         return labels
 
+    async def labels_now(self, node: str) -> tuple[Mapping[str, str] | None, str]:
+        """A fresh GET, whatever the cache holds (and the cache updated), for the moment of acting:
+        (labels, "") once read; (None, "") when no API is configured (KubeUnconfigured: there is no
+        label to honour); (None, why) when one is configured but the read failed: the caller holds the
+        act back rather than act on a node that may have opted out."""
+        labels, why = await asyncio.get_running_loop().run_in_executor(self._executor, self._read_why, node)
+        self._cache[node] = (self.clock(), labels)
+        return labels, why
+
     def put(self, state: NodeState) -> None:
         """A node read elsewhere (isolation's own GET): fresh labels for the cache."""
         self._cache[state.name] = (self.clock(), dict(state.labels))
@@ -306,6 +326,9 @@ class NodeLabels:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _read(self, node: str) -> dict[str, str] | None:
+        return self._read_why(node)[0]
+
+    def _read_why(self, node: str) -> tuple[dict[str, str] | None, str]:
         try:
             if self._api is None:
                 self._api = self.api_factory()
@@ -313,9 +336,9 @@ class NodeLabels:
         except KubeError as e:
             self._log_once(node, "unconfigured" if self._api is None else "unreachable", str(e))
             self._api = None
-            return None
+            return None, "" if isinstance(e, KubeUnconfigured) else str(e)
         self._logged = {k for k in self._logged if k[0] != node}
-        return labels
+        return labels, ""
 
     def _log_once(self, node: str, kind: str, line: str) -> None:
         if (node, kind) not in self._logged:

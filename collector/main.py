@@ -287,12 +287,14 @@ class Collector:
         # The nodes' labels (the opt-out label), read through the Kubernetes API off the loop and cached:
         # for the kill engine and isolation alike; without an API they are unknown (no label opt-out).
         node_labels = NodeLabels(lambda: KubeApi(self.remediation_config().isolation.kubeconfig))
+        # The desk first: both engines file their incidents' tickets on it.
+        self.tickets = tickets = TicketDesk(lambda: self.remediation_config().ticket)
         self.isolator = isolator = Isolator(self.store, self.remediation_config, nodes=self.nodes,
                                             audit=self.security.audit, view=lambda: self.remediator.view,
                                             refresh=lambda: self.remediator.fresh_view(),
-                                            replica_id=self.store.replica_id, labels=node_labels)
+                                            replica_id=self.store.replica_id, labels=node_labels,
+                                            ticket=tickets.submit)
         self.faults.listeners.append(isolator.on_fault)  # a critical Xid isolates its node
-        self.tickets = tickets = TicketDesk(lambda: self.remediation_config().ticket)
         self.remediator = Remediator(
             self.store, self.cluster, self.streams, policy=self.remediation_config,
             replica_id=self.store.replica_id, audit=self.security.audit,

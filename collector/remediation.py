@@ -27,7 +27,10 @@ a failover too. Then, each step an audit record ("remediation.<step>") and a rem
 3. acted (mode on only): the conditional UPDATE of acted_unix_ns is committed first, in one transaction
    with the guards as they stand then (no pause, the mode asked for still on, the breaker not full:
    remediation_store.ActGuard), and only the writer whose update hit the row sends the real command,
-   once the acted audit record is committed; a guard that refuses leaves the incident proposed;
+   once the acted audit record is committed; a guard that refuses leaves the incident proposed (an
+   outcome record says why). The command carries a start deadline (deadline_ms); one the tracer never
+   started (not sent, past its deadline, its queue full: RemediateResult.not_started) gives its claim
+   back (remediation_store.unmark_acted) and stays proposed. One act in flight per node;
 4. outcome: the tracer's RemediateResult (done, failed, unkillable, skipped).
 
 In dry-run the incident stays `proposed` (it may be acted on later if the mode turns on: same key),
@@ -51,7 +54,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -70,7 +72,7 @@ from ghostgpu.collector.remediation_guards import (
     eligible,
     node_opt_out,
 )
-from ghostgpu.collector.remediation_policy import RemediationPolicy, changes
+from ghostgpu.collector.remediation_policy import MAX_GRACE_S, RemediationPolicy, changes
 from ghostgpu.collector.remediation_store import (
     MODE_OVERRIDE,
     PAUSED,
@@ -85,6 +87,9 @@ from ghostgpu.collector.remediation_store import (
     select_tally,
     set_control,
     set_state,
+    store_read,
+    store_write,
+    unmark_acted,
 )
 from ghostgpu.collector.store import Store
 
@@ -116,10 +121,12 @@ from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ONLY_ORPHANED = "only orphaned holders are killed"
-# The tracer's waits after the grace (tracer/remediate.py): SIGKILL's wait for the exit and CRI's timeout;
-# an act is settled only once they are past, and act_margin_s for the queueing around them.
-KILL_WAIT_S, CRI_TIMEOUT_S = 5.0, 5.0
-LABELS_TIMEOUT_S = 5.0  # a node's labels not read by then: not opted out by label (the tracer's switch holds)
+# The tracer's waits around the grace (tracer/remediate.py): SIGKILL's wait for the exit, and its two CRI
+# calls (Version, ContainerStatus), each up to the relay's timeout; an act's answer is waited for, and an
+# act without one settled, only once they are past (plus the act's start deadline and act_margin_s).
+KILL_WAIT_S, CRI_TIMEOUT_S, CRI_CALLS = 5.0, 5.0, 2
+LABELS_TIMEOUT_S = 5.0  # a node's labels not read by then: not read (before the act: held back)
+LABELS_RETRY_S = 30.0  # an act held back because the labels could not be read is tried again after this
 COLLECTOR = "collector"  # the audit subject of what the engine does by itself
 PAUSED_ALERT = "GhostGPURemediationPaused"
 
@@ -151,8 +158,14 @@ class RemediationTiming:
     """The engine's waits: not settings (tests shorten them)."""
 
     tick_s: float = 1.0
-    recheck_timeout_s: float = 10.0  # for a dry-run re-check's answer
-    act_margin_s: float = 15.0  # waited past the grace (SIGTERM .. SIGKILL) for the outcome
+    recheck_timeout_s: float = 10.0  # for a dry-run re-check's answer (also its deadline_ms)
+    act_start_s: float = 5.0  # RemediateCommand.deadline_ms of an act: started by then, or not at all
+    act_margin_s: float = 15.0  # waited past the tracer's own waits for the outcome
+
+    def act_wait_s(self, grace_s: float) -> float:
+        """How long an act sent with this grace may take at the tracer, the margin included: its start
+        deadline, its CRI calls, the grace, SIGKILL's wait."""
+        return self.act_start_s + CRI_CALLS * CRI_TIMEOUT_S + grace_s + KILL_WAIT_S + self.act_margin_s
 
 
 @dataclass
@@ -267,7 +280,8 @@ class Remediator:
         caller): with replicas, a Remediate for a node another replica serves, run there
         (serve_forwarded) and its RemediateResponse bytes back; labels(node): the Node's labels
         (collector/kube_api.py's NodeLabels.labels; None: not known, as without the Kubernetes API), for
-        the opt-out label, read at decided and again just before the act."""
+        the opt-out label, read at decided; just before the act, the bound object's labels_now (a fresh
+        read; see _labels_held_back) where it has one."""
         self.labels = labels
         self.store, self.cluster, self.streams = store, cluster, streams
         self.policy, self.replica_id, self.audit = policy, replica_id, audit
@@ -281,6 +295,7 @@ class Remediator:
         self.incidents_total: dict[tuple[str, str, str], int] = {}  # (action, state, mode) -> reached
         self._busy: set[str] = set()  # incidents a task of this engine works on now
         self._reserved: dict[str, int] = {}  # node -> acts its running tasks may still send
+        self._held_until: dict[str, float] = {}  # incident -> monotonic time its act may be tried again
         self._tasks: set[asyncio.Task[Any]] = set()
         self._alert_reason = ""
         self._ticking: asyncio.Task[None] | None = None
@@ -345,11 +360,12 @@ class Remediator:
         view = self._see(policy, tally)
         if view.mode == MODE_OFF:
             return
-        # An act is settled only once the tracer is surely done with it: the grace, SIGKILL's wait and
-        # CRI's timeout past, and the margin for the queueing around them.
-        settle_after_ns = int((policy.grace_s + KILL_WAIT_S + CRI_TIMEOUT_S + self.timing.act_margin_s) * 1e9)
+        # An act is settled only once the tracer is surely done with it: the grace it was sent with (kept
+        # in the row; a reload since does not shorten it), the tracer's other waits and the margin.
         for left in tally.unsettled:
-            if left.acted_unix_ns + settle_after_ns > now:
+            grace_ms = left.details().get("grace_ms")
+            grace_s = float(grace_ms) / 1000 if isinstance(grace_ms, (int, float)) else MAX_GRACE_S
+            if left.acted_unix_ns + int(self.timing.act_wait_s(grace_s) * 1e9) > now:
                 continue
             if left.incident not in self._busy and self.applies(left.node):
                 self._spawn(left.incident, self._settle(left))
@@ -367,6 +383,10 @@ class Remediator:
             key = incident_key(rec.id, KILL_ORPHAN)
             if key in self._busy or self._admits(policy, rec, now) is not None:
                 continue
+            if key in self._held_until:
+                if self._held_until[key] > time.monotonic():
+                    continue  # held back (its node's labels could not be read): not re-checked every tick
+                del self._held_until[key]
             row = tally.incidents.get(key)
             if row is not None and not (row.state == PROPOSED and row.acted_unix_ns == 0):
                 continue  # ended, or acted on: never again
@@ -381,6 +401,8 @@ class Remediator:
                 why = "" if verdict.allowed else f"breaker open: {verdict.reason}"
             if row is not None and why:
                 continue  # proposed already: it waits, as it is, for the mode to turn on
+            if not why and rec.node in self._reserved:
+                continue  # one act in flight per node: the next waits for it (its answer, its deadline)
             if not why:
                 acts += 1
                 by_node[rec.node] = by_node.get(rec.node, 0) + 1
@@ -448,6 +470,29 @@ class Remediator:
             return None
         return node_opt_out(node, (CAPABILITY,), labels)
 
+    async def _labels_held_back(self, node: str) -> str | None:
+        """Right before the act: why it is held back by the node's labels, read fresh (the seam's
+        labels_now, a GET that bypasses the cache): opted out by label, or the labels could not be read
+        while the Kubernetes API is configured ("node labels could not be read: why"); None: act. A seam
+        without labels_now: _label_opt_out."""
+        owner = getattr(self.labels, "__self__", self.labels)
+        labels_now = getattr(owner, "labels_now", None)
+        if labels_now is None:
+            return await self._label_opt_out(node)
+        try:
+            labels, why = await asyncio.wait_for(labels_now(node), LABELS_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            labels, why = None, f"no answer within {LABELS_TIMEOUT_S:g} s"
+        except Exception as e:
+            labels, why = None, f"{type(e).__name__}: {e}"
+        if why:
+            return f"node labels could not be read: {why}"
+        if labels is None:
+            return None  # no Kubernetes API configured: the tracer's switch is the opt-out
+        return node_opt_out(node, (CAPABILITY,), labels)
+
     def _see(self, policy: RemediationPolicy, tally: Tally) -> RemediationView:
         """The view this tick: the mode in force (effective_mode), pause, breaker; the paused alert fired
         or resolved to match (while mode on is asked for and held back, or a node's breaker is open)."""
@@ -511,7 +556,8 @@ class Remediator:
         command = stream_pb2.RemediateCommand(incident=case.key, process=_process_of(rec),
                                               container_id=rec.consumer.consumer.container_id,
                                               devices=list(rec.consumer.consumer.devices),
-                                              grace_ms=int(self.policy().grace_s * 1000), dry_run=True)
+                                              grace_ms=int(self.policy().grace_s * 1000), dry_run=True,
+                                              deadline_ms=int(self.timing.recheck_timeout_s * 1000))
         check = await self.calls.call(node, command, self.timing.recheck_timeout_s)
         case.detail = _report(check)
         if check.outcome != PROPOSED:
@@ -534,34 +580,46 @@ class Remediator:
     async def _act(self, case: _Case, command: stream_pb2.RemediateCommand) -> _Case:
         """Record the act (mark_acted, its guards in the same transaction), audit it, then send it."""
         rec, node = case.rec, case.rec.node
-        if (opted_out := await self._label_opt_out(node)) is not None:
-            return self._end(case, SKIPPED, opted_out)
+        if (held := await self._labels_held_back(node)) is not None:
+            if held.startswith("node labels could not be read"):
+                self._step(case, OUTCOME, PROPOSED, held)  # not known to be opted out: it may act later
+                self._held_until[case.key] = time.monotonic() + LABELS_RETRY_S
+                return case
+            return self._end(case, SKIPPED, held)
         policy = self.policy()  # read right before: a reload since the tick started holds
         manual = case.mode == MODE_MANUAL
         if not policy.kill_orphans:
-            why = "actions.kill_orphans is false at the moment of acting: not acted on"
-            self._state(case, PROPOSED, why)
+            self._step(case, OUTCOME, PROPOSED, "actions.kill_orphans is false at the moment of acting: "
+                       "not acted on")
             return case
         now = time.time_ns()
         b = policy.breaker
         guard = ActGuard(node=node, window_start_unix_ns=now - int(b.window_s * 1e9),
                          max_actions=b.max_actions, max_per_node=b.max_per_node, config_mode=policy.mode,
                          overrides=(MODE_ON, MODE_DRY_RUN) if manual else (MODE_ON,))
-        claim = await self._write(mark_acted(case.key, now, guard))
+        grace_s = policy.grace_s
+        command.grace_ms = int(grace_s * 1000)
+        claim = await self._write(mark_acted(case.key, now, guard, grace_ms=command.grace_ms))
         if not claim:
             if claim.refused:  # paused, turned off or the breaker full since the tick: it waits, proposed
-                self._state(case, PROPOSED, claim.refused)
+                self._step(case, OUTCOME, PROPOSED, claim.refused)
                 return case
             stored = await self._read(get_incident(case.key))
             return self._as_stored(case, stored) if stored is not None else case
-        grace_s = policy.grace_s
         self._step(case, ACTED, PROPOSED, f"SIGTERM {_who(rec)}, SIGKILL after {grace_s:g} s")
         # The acted record is in the audit chain (and its steps row stored) before the kill goes out:
         # the store runs its queue in order, so this barrier returns once both are committed.
         await asyncio.wrap_future(self.store.barrier())
         command.dry_run = False
-        result = await self.calls.call(node, command, grace_s + self.timing.act_margin_s)
+        command.deadline_ms = int(self.timing.act_start_s * 1000)
+        result = await self.calls.call(node, command, self.timing.act_wait_s(grace_s))
         case.detail = _report(result)
+        if result.not_started:
+            # Never sent, or the tracer did not start it (its queue full, its deadline past): the claim
+            # goes back (only this one), out of the breaker's count, and the incident may be tried again.
+            await self._write(unmark_acted(case.key, now))
+            self._step(case, OUTCOME, PROPOSED, f"not sent: {result.reason}", evidence=case.detail)
+            return case
         if result.outcome in ENDED:
             state, why = result.outcome, result.reason
         else:
@@ -849,18 +907,19 @@ class Remediator:
     # ---- the store ------------------------------------------------------------------------------------
 
     async def _read(self, fn: Callable[[Any], T]) -> T:
-        return await asyncio.wrap_future(self.store.read(fn))
+        return await store_read(self.store, fn)
 
     async def _write(self, fn: Callable[[Any], T]) -> T:
-        fut: Future[T] = self.store.read_write(fn)
-        return await asyncio.wrap_future(fut)
+        return await store_write(self.store, fn)
 
 
 # ---- with replicas: Remediate for a node another replica serves (collector/replica_commands.py) ----------
 
 REPLICA_KIND = "remediate"  # the replica_commands rows' kind
-# A forwarded Remediate waits for the other replica's re-check, the grace and the outcome (RemediationTiming)
-FORWARD_DEADLINE_S = 90.0
+# A forwarded Remediate waits for the other replica's label read at decided, its re-check, the label read
+# right before the act, and the act itself at the longest grace (RemediationTiming's defaults).
+FORWARD_DEADLINE_S = (2 * LABELS_TIMEOUT_S + RemediationTiming().recheck_timeout_s
+                      + RemediationTiming().act_wait_s(MAX_GRACE_S))
 _LINE_PREFIX = {"NOT_FOUND": "not found: ", "INVALID_ARGUMENT": "invalid: "}  # trace_commands.line_error's
 
 

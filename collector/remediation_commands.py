@@ -5,7 +5,9 @@
 command id. What never comes back is a RemediateResult too, so the engine (collector/remediation.py)
 treats every outcome alike: `outcome` "" and a reason saying why none came (no stream, the stream
 ended, the tracer did not answer in time, the tracer answered with another body: it does not know
-remediation). Ids count from REMEDIATE_ID_BASE, apart from the CRI relay's (from 1) and the trace
+remediation). A command never queued on a stream (none connected, or its tracer does not offer
+remediation) is answered with `not_started` set: nothing was sent, so nothing can have been done.
+Ids count from REMEDIATE_ID_BASE, apart from the CRI relay's (from 1) and the trace
 commands' (from 2**62); ingest hands every result to `answer` first, which claims the ids it is
 waiting for whatever their body, and any body "remediate".
 
@@ -40,8 +42,9 @@ def offers_remediation(stream: CommandStream | None) -> bool:
     return stream is not None and CAPABILITY in stream.hello.capabilities
 
 
-def no_answer(incident: str, why: str) -> stream_pb2.RemediateResult:
-    return stream_pb2.RemediateResult(incident=incident, outcome=NO_ANSWER, reason=why)
+def no_answer(incident: str, why: str, not_sent: bool = False) -> stream_pb2.RemediateResult:
+    """not_sent: the command never left (RemediateResult.not_started); else it may have run."""
+    return stream_pb2.RemediateResult(incident=incident, outcome=NO_ANSWER, reason=why, not_started=not_sent)
 
 
 class RemediateCalls:
@@ -56,9 +59,10 @@ class RemediateCalls:
                    timeout_s: float) -> stream_pb2.RemediateResult:
         stream = self.streams.get(node)
         if stream is None or not stream.active:
-            return no_answer(command.incident, f"node {node}'s tracer is not connected")
+            return no_answer(command.incident, f"node {node}'s tracer is not connected", not_sent=True)
         if not offers_remediation(stream):
-            return no_answer(command.incident, f"node {node}'s tracer does not offer remediation")
+            return no_answer(command.incident, f"node {node}'s tracer does not offer remediation",
+                             not_sent=True)
         cid = next(self._ids)
         fut: asyncio.Future[stream_pb2.RemediateResult] = asyncio.get_running_loop().create_future()
         self._pending[(stream, cid)] = fut

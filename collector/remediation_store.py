@@ -13,9 +13,14 @@ Two statements carry the engine's promise never to act twice (collector/remediat
   the breaker is full (acts in the window, cluster-wide and on the node, counted from
   `acted_unix_ns`), so that the switches and the limit hold at the moment of acting, across replicas:
   on PostgreSQL the check and the UPDATE run under an advisory lock of their own (ACT_LOCK), as the
-  audit chain's head does; SQLite's single writer serializes them already.
+  audit chain's head does, in a READ COMMITTED transaction (set explicitly: under REPEATABLE READ the
+  count would come from the snapshot taken before the lock, missing the act the previous holder just
+  committed); SQLite's single writer serializes them already. `unmark_acted` takes a claim back when
+  its act was never started (not sent, or the tracer did not start it): it may be tried again.
 
-The breaker counts acts from `acted_unix_ns`, so replicas sharing a PostgreSQL store share the count.
+The breaker counts acts from `acted_unix_ns`, so replicas sharing a PostgreSQL store share the count:
+cluster-wide every action, per node each action apart (an unkillable holder's node isolation is not
+refused because the kill that found it used the node's budget).
 `remediation_control` holds the cluster-wide switches: `paused` (value: the reason) and `mode` (the
 override of the config file's mode); a missing row is "not paused" and "no override".
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, TypeVar
@@ -124,6 +130,7 @@ class ActGuard:
     max_per_node: int
     config_mode: str
     overrides: tuple[str, ...] = ("on",)  # the modes asked for under which this act may go out
+    action: str = ""  # counted per node against acts of this action ("": the incident's own action)
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ class Claim:
         return self.acted
 
 
-def _guard_refusal(conn: Conn, g: ActGuard) -> str:
+def _guard_refusal(conn: Conn, g: ActGuard, action: str) -> str:
     control = read_control(conn)
     if PAUSED in control:
         paused = control[PAUSED]
@@ -150,8 +157,9 @@ def _guard_refusal(conn: Conn, g: ActGuard) -> str:
         source = "ghostgpu remediate mode" if override else "config file"
         return f"mode {asked} ({source}) at the moment of acting: not acted on"
     total, on_node = conn.execute(
-        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN node = ? THEN 1 ELSE 0 END), 0) FROM remediation_incidents "
-        "WHERE acted_unix_ns > 0 AND acted_unix_ns >= ?", (g.node, g.window_start_unix_ns)).fetchone()
+        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN node = ? AND action = ? THEN 1 ELSE 0 END), 0) "
+        "FROM remediation_incidents WHERE acted_unix_ns > 0 AND acted_unix_ns >= ?",
+        (g.node, action, g.window_start_unix_ns)).fetchone()
     if int(total) >= g.max_actions:
         return f"breaker open: {int(total)} acts in the window (max_actions {g.max_actions}); not acted on"
     if int(on_node) >= g.max_per_node:
@@ -160,18 +168,58 @@ def _guard_refusal(conn: Conn, g: ActGuard) -> str:
     return ""
 
 
-def mark_acted(incident: str, now_unix_ns: int, guard: ActGuard | None = None) -> Callable[[Conn], Claim]:
+def read_committed(conn: Conn) -> None:
+    """On PostgreSQL, make this transaction READ COMMITTED whatever the database's default: a count read
+    under an advisory lock must see what the lock's previous holder committed. Must come before the
+    transaction's first query. SQLite serializes its writers: nothing to do."""
+    if not isinstance(conn, sqlite3.Connection):
+        conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+
+
+def mark_acted(incident: str, now_unix_ns: int, guard: ActGuard | None = None,
+               grace_ms: int | None = None) -> Callable[[Conn], Claim]:
     """Claim(acted=True) for the one writer whose update hit the row: it, and only it, sends the act.
-    With a guard, refused (Claim.refused) while paused, overridden off, or the breaker is full."""
+    With a guard, refused (Claim.refused) while paused, overridden off, or the breaker is full.
+    grace_ms: the grace the act is sent with, kept in the row's detail (what settling it waits for)."""
 
     def run(conn: Conn) -> Claim:
+        read_committed(conn)
         if guard is not None:
             serialize_writers(conn, ACT_LOCK)
-            if why := _guard_refusal(conn, guard):
+            action = guard.action
+            if not action:
+                r = conn.execute("SELECT action FROM remediation_incidents WHERE incident = ?",
+                                 (incident,)).fetchone()
+                action = str(r[0]) if r else ""
+            if why := _guard_refusal(conn, guard, action):
                 return Claim(False, why)
         cur = conn.execute("UPDATE remediation_incidents SET acted_unix_ns = ?, updated_unix_ns = ? "
                            "WHERE incident = ? AND acted_unix_ns = 0", (now_unix_ns, now_unix_ns, incident))
-        return Claim(bool(cur.rowcount == 1))
+        if cur.rowcount != 1:
+            return Claim(False)
+        if grace_ms is not None:
+            r = conn.execute("SELECT detail FROM remediation_incidents WHERE incident = ?",
+                             (incident,)).fetchone()
+            try:
+                kept = json.loads(str(r[0]) if r and r[0] else "{}")
+            except ValueError:
+                kept = {}
+            kept = kept if isinstance(kept, dict) else {}
+            conn.execute("UPDATE remediation_incidents SET detail = ? WHERE incident = ?",
+                         (json.dumps({**kept, "grace_ms": int(grace_ms)}, sort_keys=True), incident))
+        return Claim(True)
+
+    return run
+
+
+def unmark_acted(incident: str, acted_unix_ns: int) -> Callable[[Conn], bool]:
+    """Take back the claim mark_acted made at acted_unix_ns (only that one): its act was never started.
+    True when it was still this claim."""
+
+    def run(conn: Conn) -> bool:
+        cur = conn.execute("UPDATE remediation_incidents SET acted_unix_ns = 0 WHERE incident = ? "
+                           "AND acted_unix_ns = ?", (incident, acted_unix_ns))
+        return bool(cur.rowcount == 1)
 
     return run
 
@@ -229,9 +277,15 @@ def read_control(conn: Conn) -> dict[str, ControlRow]:
 
 def select_tally(window_start_unix_ns: int, incidents: Sequence[str]) -> Callable[[Conn], Tally]:
     def run(conn: Conn) -> Tally:
-        by_node = {str(node): int(n) for node, n in conn.execute(
-            "SELECT node, COUNT(*) FROM remediation_incidents WHERE acted_unix_ns >= ? AND acted_unix_ns > 0 "
-            "GROUP BY node", (window_start_unix_ns,)).fetchall()}
+        # Per node, the kills only (the breaker counts each action apart per node: _guard_refusal).
+        total = 0
+        by_node: dict[str, int] = {}
+        for node, action, n in conn.execute(
+                "SELECT node, action, COUNT(*) FROM remediation_incidents WHERE acted_unix_ns >= ? "
+                "AND acted_unix_ns > 0 GROUP BY node, action", (window_start_unix_ns,)).fetchall():
+            total += int(n)
+            if action == KILL_ORPHAN:
+                by_node[str(node)] = by_node.get(str(node), 0) + int(n)
         found: dict[str, IncidentRow] = {}
         for chunk in _chunks(incidents, 500):
             marks = ", ".join("?" * len(chunk))
@@ -241,9 +295,8 @@ def select_tally(window_start_unix_ns: int, incidents: Sequence[str]) -> Callabl
         unsettled = [IncidentRow(*r) for r in conn.execute(
             f"SELECT {_INCIDENT_COLUMNS} FROM remediation_incidents WHERE acted_unix_ns > 0 AND state = ? "
             "AND action = ? ORDER BY acted_unix_ns LIMIT 100", (PROPOSED, KILL_ORPHAN)).fetchall()]
-        isolated = [str(r[0]) for r in conn.execute(
-            "SELECT node FROM isolated_nodes ORDER BY node").fetchall()]
-        return Tally(read_control(conn), sum(by_node.values()), by_node, found, unsettled, isolated)
+        isolated = [row.node for row in select_isolated_nodes(conn)]
+        return Tally(read_control(conn), total, by_node, found, unsettled, isolated)
 
     return run
 
@@ -312,6 +365,7 @@ def claim_isolated(row: IsolatedNode, cap: int) -> Callable[[Conn], tuple[bool, 
     has a row already. Written before the PATCH; release_isolated takes it back if the PATCH fails."""
 
     def run(conn: Conn) -> tuple[bool, int]:
+        read_committed(conn)  # the count under the lock sees what its last holder committed
         serialize_writers(conn, ISOLATION_LOCK)
         held = int(conn.execute("SELECT COUNT(*) FROM isolated_nodes").fetchone()[0])
         if held >= cap:
@@ -345,6 +399,20 @@ def select_unsettled_isolations(acted_before_unix_ns: int) -> Callable[[Conn], l
             f"SELECT {_INCIDENT_COLUMNS} FROM remediation_incidents WHERE action = ? AND acted_unix_ns > 0 "
             "AND acted_unix_ns < ? AND state = ? ORDER BY acted_unix_ns LIMIT 100",
             (ISOLATE_NODE, acted_before_unix_ns, PROPOSED)).fetchall()]
+
+    return run
+
+
+def settle_isolation(incident: str, state: str, reason: str, now_unix_ns: int) -> Callable[[Conn], bool]:
+    """Store an unsettled isolation's outcome (select_unsettled_isolations): True for the one writer whose
+    update hit the row, still proposed and acted on; it alone audits the outcome and files the ticket,
+    so two replicas settling the same row at once record one outcome."""
+
+    def run(conn: Conn) -> bool:
+        cur = conn.execute("UPDATE remediation_incidents SET state = ?, reason = ?, updated_unix_ns = ? "
+                           "WHERE incident = ? AND state = ? AND acted_unix_ns > 0",
+                           (state, reason, now_unix_ns, incident, PROPOSED))
+        return bool(cur.rowcount == 1)
 
     return run
 

@@ -11,9 +11,11 @@ so a compromised collector cannot stop, create or exec into containers through a
 
 `CommandRunner` answers every command of the stream on its pool: CRI calls, trace sessions
 (tracer/trace_sessions.py) and remediation (tracer/remediate.py, which reads one field of a
-ContainerStatus answer itself: whether the container runs, and Version's runtime name). Remediation
-has a worker of its own: an act may wait out a 60 s grace, and must not hold up the CRI calls and
-trace setups behind it.
+ContainerStatus answer itself: whether the container runs, and Version's runtime name). Real acts
+have a worker of its own: an act may wait out a 60 s grace, and must not hold up the CRI calls, trace
+setups and dry-run re-checks behind it (those run on the pool). An act that would start later than its
+deadline_ms after it arrived is answered skipped, not_started, nothing signalled: the collector's
+guards were checked for a kill sent then, not whenever the worker frees.
 """
 
 from __future__ import annotations
@@ -163,8 +165,9 @@ class CommandRunner:
     A slow runtime must not hold up Acks, and a flood of commands must not grow threads or queues
     without end: beyond `max_queued` waiting or running, a command is answered RESOURCE_EXHAUSTED
     at once. Every command gets exactly one CommandResult, an unknown one UNIMPLEMENTED.
-    Remediations run one at a time on their own worker; beyond `max_remediations` waiting or
-    running, one is answered `failed` at once, with nothing signalled.
+    Real acts run one at a time on their own worker (dry runs on the pool); beyond `max_remediations`
+    waiting or running, one is answered `skipped` with not_started at once, nothing signalled, as is
+    one whose deadline_ms passed before the worker reached it.
     """
 
     def __init__(self, relay: CriRelay | None, node: str, workers: int = 4, max_queued: int = 64,
@@ -189,7 +192,7 @@ class CommandRunner:
         self.remediate_handler: RemediateHandler | None = None
 
     def submit(self, command: stream_pb2.Command, reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
-        if command.WhichOneof("body") == "remediate":
+        if command.WhichOneof("body") == "remediate" and not command.remediate.dry_run:
             self._submit_remediation(command, reply)
             return
         with self._lock:
@@ -213,21 +216,27 @@ class CommandRunner:
             busy = waiting >= self._max_remediations
             if not busy:
                 self.remediations += 1
-        if busy:  # answered in kind: the collector reads an outcome
+        if busy:  # answered in kind: the collector reads an outcome, and takes its claim back
             why = f"{waiting} remediations wait on the tracer on {self._node}; nothing signalled; retry"
-            reply(stream_pb2.CommandResult(id=command.id, remediate=stream_pb2.RemediateResult(
-                incident=command.remediate.incident, outcome=FAILED, reason=why)))
+            reply(stream_pb2.CommandResult(id=command.id, remediate=_not_started(command.remediate, why)))
             return
         try:
-            self._remediation_pool.submit(self._run_remediation, command, reply)
+            self._remediation_pool.submit(self._run_remediation, command, reply, time.monotonic())
         except RuntimeError:  # the pool is shut down: the tracer is stopping
             with self._lock:
                 self.remediations -= 1
 
     def _run_remediation(self, command: stream_pb2.Command,
-                         reply: Callable[[stream_pb2.CommandResult], Any]) -> None:
+                         reply: Callable[[stream_pb2.CommandResult], Any], received_s: float) -> None:
         try:
-            reply(stream_pb2.CommandResult(id=command.id, remediate=self._remediate(command.remediate)))
+            deadline_ms = command.remediate.deadline_ms
+            if deadline_ms and time.monotonic() > received_s + deadline_ms / 1000:
+                why = (f"arrived after its deadline ({deadline_ms} ms after the tracer on {self._node} "
+                       "received it); nothing signalled")
+                result = _not_started(command.remediate, why)
+            else:
+                result = self._remediate(command.remediate)
+            reply(stream_pb2.CommandResult(id=command.id, remediate=result))
         except Exception:
             log.exception("command %d failed", command.id)
         finally:
@@ -244,6 +253,8 @@ class CommandRunner:
             elif body == "cri":
                 result = self._result(command.id, grpc.StatusCode.UNIMPLEMENTED,
                                       f"tracer on {self._node} runs no CRI relay")
+            elif body == "remediate":  # a dry run: re-checks only, never behind an act's grace
+                result = stream_pb2.CommandResult(id=command.id, remediate=self._remediate(command.remediate))
             elif body in ("trace_start", "trace_update", "trace_stop"):
                 # Hello offers "trace" once BPF runs, a moment before the sessions are set up.
                 self.trace_ready.wait(TRACE_SETUP_WAIT_S)
@@ -286,3 +297,9 @@ class CommandRunner:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._remediation_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _not_started(command: stream_pb2.RemediateCommand, why: str) -> stream_pb2.RemediateResult:
+    """The answer to an act never started: skipped, exited false, not_started (the claim goes back)."""
+    return stream_pb2.RemediateResult(incident=command.incident, outcome=SKIPPED, reason=why, exited=False,
+                                      not_started=True)

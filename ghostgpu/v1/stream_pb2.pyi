@@ -287,23 +287,25 @@ class CommandResult(_message.Message):
     def __init__(self, id: _Optional[int] = ..., cri: _Optional[_Union[CriResponse, _Mapping]] = ..., trace: _Optional[_Union[_trace_pb2.TraceCommandResult, _Mapping]] = ..., remediate: _Optional[_Union[RemediateResult, _Mapping]] = ...) -> None: ...
 
 class RemediateCommand(_message.Message):
-    __slots__ = ("incident", "process", "container_id", "devices", "grace_ms", "dry_run")
+    __slots__ = ("incident", "process", "container_id", "devices", "grace_ms", "dry_run", "deadline_ms")
     INCIDENT_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     incident: str
     process: _node_pb2.Process
     container_id: str
     devices: _containers.RepeatedScalarFieldContainer[str]
     grace_ms: int
     dry_run: bool
-    def __init__(self, incident: _Optional[str] = ..., process: _Optional[_Union[_node_pb2.Process, _Mapping]] = ..., container_id: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., grace_ms: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    deadline_ms: int
+    def __init__(self, incident: _Optional[str] = ..., process: _Optional[_Union[_node_pb2.Process, _Mapping]] = ..., container_id: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., grace_ms: _Optional[int] = ..., dry_run: _Optional[bool] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class RemediateResult(_message.Message):
-    __slots__ = ("incident", "outcome", "reason", "signals", "released", "proc_state", "wchan", "stack", "stuck_tids", "elapsed_ms", "exited")
+    __slots__ = ("incident", "outcome", "reason", "signals", "released", "proc_state", "wchan", "stack", "stuck_tids", "elapsed_ms", "exited", "not_started")
     INCIDENT_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +317,7 @@ class RemediateResult(_message.Message):
     STUCK_TIDS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     EXITED_FIELD_NUMBER: _ClassVar[int]
+    NOT_STARTED_FIELD_NUMBER: _ClassVar[int]
     incident: str
     outcome: str
     reason: str
@@ -326,7 +329,8 @@ class RemediateResult(_message.Message):
     stuck_tids: _containers.RepeatedScalarFieldContainer[int]
     elapsed_ms: int
     exited: bool
-    def __init__(self, incident: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[str]] = ..., released: _Optional[bool] = ..., proc_state: _Optional[str] = ..., wchan: _Optional[str] = ..., stack: _Optional[str] = ..., stuck_tids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ..., exited: _Optional[bool] = ...) -> None: ...
+    not_started: bool
+    def __init__(self, incident: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[str]] = ..., released: _Optional[bool] = ..., proc_state: _Optional[str] = ..., wchan: _Optional[str] = ..., stack: _Optional[str] = ..., stuck_tids: _Optional[_Iterable[int]] = ..., elapsed_ms: _Optional[int] = ..., exited: _Optional[bool] = ..., not_started: _Optional[bool] = ...) -> None: ...
 
 class CriRequest(_message.Message):
     __slots__ = ("method", "request", "timeout_ms")

@@ -7,10 +7,12 @@ store and audit chain. Then the real kubectl, once, against the same double: `ku
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -415,6 +417,138 @@ def test_a_spawned_task_that_raises_is_logged(tmp_path, store, caplog) -> None:
     assert any("lost no more" in r.getMessage() for r in caplog.records)
 
 
+class HeldWrites:
+    """The store, with every submit() held back until the next read, read_write or barrier: writes queued
+    on the store's writer thread commit whenever it gets to them, so a test that needs one committed
+    before the next step sees it only if the code waited for it."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._held: list[tuple[Any, Any, Any]] = []
+
+    def submit(self, ops: Any, *args: Any, **kwargs: Any) -> None:
+        self._held.append((ops, args, kwargs))
+
+    def _flush(self) -> None:
+        held, self._held = self._held, []
+        for ops, args, kwargs in held:
+            self._store.submit(ops, *args, **kwargs)
+
+    def read(self, fn: Any) -> Any:
+        self._flush()
+        return self._store.read(fn)
+
+    def read_write(self, fn: Any) -> Any:
+        self._flush()
+        return self._store.read_write(fn)
+
+    def barrier(self) -> Any:
+        self._flush()
+        return self._store.barrier()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_the_acted_record_is_committed_before_the_patch_goes_out(tmp_path, store, monkeypatch) -> None:
+    seen_at_patch: list[list[tuple[str, str]]] = []
+    taint = KubeApi.taint
+
+    def taint_after_looking(api: KubeApi, *args: Any) -> bool:
+        # committed rows only: a connection of its own to the database file
+        with contextlib.closing(sqlite3.connect(str(tmp_path / "collector.db"))) as conn:
+            seen_at_patch.append(conn.execute("SELECT step, state FROM remediation_steps ORDER BY id")
+                                 .fetchall())
+        return taint(api, *args)
+
+    monkeypatch.setattr(KubeApi, "taint", taint_after_looking)
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        run.isolator.store = HeldWrites(store)  # type: ignore[assignment]
+        assert run.isolate(xid_trigger(critical_xid())).state == DONE  # type: ignore[arg-type]
+    (steps,) = seen_at_patch
+    assert steps[-1] == ("acted", PROPOSED), steps
+
+
+def test_node_labels_unreadable_or_opted_out_right_before_the_patch_hold_it_back(tmp_path, store) -> None:
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        kubeconfig = str(api.write_kubeconfig(tmp_path))
+        run = Run(tmp_path, store, api)
+        calls: list[int] = []
+
+        async def refresh() -> None:  # the second read is the one before the PATCH: label the node then
+            calls.append(1)
+            if len(calls) == 2:
+                api.nodes["gpu-1"]["metadata"].setdefault("labels", {})[OPT_OUT_LABEL] = "off"
+
+        run.isolator.refresh = refresh
+        run.isolator.labels = NodeLabels(lambda: KubeApi(kubeconfig))
+        try:
+            out = run.isolate(xid_trigger(critical_xid()))
+        finally:
+            run.isolator.labels.close()
+        assert (out.state, out.reason) == (
+            PROPOSED, f"not acted on: node gpu-1 opted out: label {OPT_OUT_LABEL}=off")
+        assert api.patches() == [] and api.events == []
+
+    def unreachable() -> KubeApi:
+        raise KubeError("kubernetes https://10.0.0.1: get node gpu-2: no answer (timeout)")
+
+    second = tmp_path / "second"
+    second.mkdir()
+    with KubeDouble(nodes=[node_object("gpu-2")]) as api:
+        run = Run(second, store, api)
+        run.isolator.labels = NodeLabels(unreachable)
+        try:
+            out = run.isolate(xid_trigger(critical_xid("gpu-2", 6)))
+        finally:
+            run.isolator.labels.close()
+        assert (out.state, out.reason) == (PROPOSED, "not acted on: node labels could not be read: "
+                                           "kubernetes https://10.0.0.1: get node gpu-2: no answer (timeout)")
+        assert api.patches() == [] and api.events == []
+    assert run.rows("SELECT node FROM isolated_nodes") == []
+
+
+def test_two_replicas_settling_one_isolation_record_one_outcome_and_one_ticket(tmp_path, store) -> None:
+    acted_ns = time.time_ns() - int((SETTLE_AFTER_S + 60) * 1e9)
+    incident = "x-gpu-1/isolate_node"
+    store.read_write(insert_incident(IncidentRow(
+        incident, 0, "gpu-1", "", ISOLATE_NODE, PROPOSED, "on", "Xid 79", acted_ns, acted_ns, acted_ns,
+        "replica-dead", 0, json.dumps({"trigger": "xid", "how": "taint"})))).result(10)
+    taint = {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}
+    with KubeDouble(nodes=[node_object("gpu-1", taints=[taint])]) as api:
+        run = Run(tmp_path, store, api)
+        other = Isolator(store, lambda: run.policy, audit=run.audit.append, gpu_nodes=lambda: 10)
+        tickets: list[dict[str, Any]] = []
+        run.isolator.ticket = other.ticket = tickets.append
+
+        async def both() -> list[int]:
+            try:
+                return list(await asyncio.gather(run.isolator.settle(), other.settle()))
+            finally:
+                run.isolator.close()
+                other.close()
+
+        assert sorted(asyncio.run(both())) == [0, 1]  # type: ignore[arg-type]
+    assert [t["incident"] for t in tickets] == [incident]
+    assert run.audit_steps() == [("remediation.outcome", DONE)]
+    assert run.rows("SELECT state FROM remediation_incidents") == [(DONE,)]
+
+
+def test_a_failure_to_record_the_act_gives_the_min_healthy_slot_back(tmp_path, store, monkeypatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr("ghostgpu.collector.isolation.mark_acted", broken)
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        run = Run(tmp_path, store, api)
+        out = run.isolate(xid_trigger(critical_xid()))
+        assert out.state == PROPOSED and "the act could not be recorded" in out.reason, out.reason
+        assert api.patches() == [] and api.events == []
+    assert run.rows("SELECT node FROM isolated_nodes") == []
+    assert run.rows("SELECT state, acted_unix_ns FROM remediation_incidents") == [(PROPOSED, 0)]
+
+
 # ---- the node-label source both engines read ------------------------------------------------------
 
 def test_node_labels_are_read_once_per_ttl_and_refreshed_after(tmp_path) -> None:
@@ -459,6 +593,37 @@ def test_node_labels_are_none_unconfigured_or_unreachable_and_logged_once(tmp_pa
             finally:
                 labels.close()
         assert len([r for r in caplog.records if kind in r.getMessage()]) == 1, kind
+
+
+def test_node_labels_now_reads_afresh_and_says_why_it_could_not(tmp_path, monkeypatch) -> None:
+    with KubeDouble(nodes=[node_object("gpu-1")]) as api:
+        kubeconfig = str(api.write_kubeconfig(tmp_path))
+        labels = NodeLabels(lambda: KubeApi(kubeconfig), ttl_s=30, clock=lambda: 0.0)
+
+        async def read() -> tuple[Any, Any, Any]:
+            cached = await labels.labels("gpu-1")
+            api.nodes["gpu-1"]["metadata"].setdefault("labels", {})[OPT_OUT_LABEL] = "off"
+            return cached, await labels.labels_now("gpu-1"), await labels.labels("gpu-1")
+
+        try:
+            cached, now, after = asyncio.run(read())
+        finally:
+            labels.close()
+        assert OPT_OUT_LABEL not in cached  # read before the label went on
+        assert now == ({**cached, OPT_OUT_LABEL: "off"}, "")  # within the TTL, read again all the same
+        assert after[OPT_OUT_LABEL] == "off"  # and the cache took it
+    # the double is gone: a configured API that does not answer says why
+    unreachable = NodeLabels(lambda: KubeApi(kubeconfig, timeout_s=2))
+    # outside a cluster with no kubeconfig: no API configured, nothing to say
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    unconfigured = NodeLabels(lambda: KubeApi(""))
+    try:
+        got, why = asyncio.run(unreachable.labels_now("gpu-1"))  # type: ignore[arg-type]
+        assert got is None and why.startswith(f"kubernetes {api.url}: get node gpu-1: no answer"), why
+        assert asyncio.run(unconfigured.labels_now("gpu-1")) == (None, "")  # type: ignore[arg-type]
+    finally:
+        unreachable.close()
+        unconfigured.close()
 
 
 # ---- the real kubectl, once ----------------------------------------------------------------------

@@ -148,7 +148,8 @@ def test_an_unkillable_orphan_taints_its_node_posts_events_and_files_a_ticket(
 
             wait_until(lambda: len(api.events) >= 2, "the isolation's Events on the Node and the Pod",
                        DEADLINE_S)
-            wait_until(lambda: bool(receiver.got), "the incident's ticket", DEADLINE_S)
+            # two incidents, two tickets: the kill's and the isolation's
+            wait_until(lambda: len(receiver.got) >= 2, "the kill's and the isolation's tickets", DEADLINE_S)
 
             # the kill: a dry-run re-check, then the act, both for pid 4242
             assert [(cmd.dry_run, cmd.process.pid) for cmd in t.remediate_commands] == [
@@ -178,7 +179,10 @@ def test_an_unkillable_orphan_taints_its_node_posts_events_and_files_a_ticket(
             assert not api.errors
 
             # the ticket: the finding, the node, the pod, the tracer's report, what was done, the audit seq
-            (got,) = receiver.got
+            by_incident = {str(g.body["incident"]): g for g in receiver.got}
+            assert sorted(by_incident) == [f"f{row['id']}/isolate_node", f"f{row['id']}/kill_orphan"], (
+                sorted(by_incident))
+            got = by_incident[f"f{row['id']}/kill_orphan"]
             assert got.headers["authorization"] == "Bearer t0ken"
             assert got.headers["x-queue"] == "gpu-ops"
             assert got.headers["content-type"] == "application/json"
@@ -200,6 +204,17 @@ def test_an_unkillable_orphan_taints_its_node_posts_events_and_files_a_ticket(
             assert (kills[-1]["state"], kills[-1]["reason"]) == (
                 "unkillable", "alive 1 s after SIGKILL, in state D (in the driver)"), actions
             assert isinstance(doc["audit_seq"], int) and doc["audit_seq"] > 0
+            # the isolation's ticket: its trigger, the taint done, its own steps
+            iso_doc = by_incident[f"f{row['id']}/isolate_node"].body
+            assert iso_doc["node"] == node and iso_doc["mode"] == "on"
+            assert iso_doc["pods"] == [{"namespace": "ml", "pod": "train-7"}], iso_doc["pods"]
+            iso_evidence = iso_doc["evidence"]
+            assert isinstance(iso_evidence, dict)
+            assert (iso_evidence["trigger"], iso_evidence["outcome"]) == ("unkillable", "done"), iso_evidence
+            iso_actions = iso_doc["actions"]
+            assert isinstance(iso_actions, list)
+            iso_states = [a["state"] for a in iso_actions if a["action"] == "isolate_node"]
+            assert iso_states[-1] == "done", iso_actions
 
             # every step in the chain: the kill's and the isolation's
             steps = remediation_steps(c.address)

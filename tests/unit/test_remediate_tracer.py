@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from ghostgpu.common.model.remediation import DONE, FAILED, PROPOSED, SKIPPED, U
 from ghostgpu.common.system.configfile import ConfigError
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import node_pb2, stream_pb2
+from tests.helpers.polling import wait_until
 
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -562,7 +564,8 @@ def test_remediations_run_one_at_a_time_on_their_own_worker() -> None:
                           reply)
         wait_for({3})  # past the bound: answered at once, in kind
         third = results[3].remediate
-        assert (third.outcome, third.incident) == (FAILED, "f3/x")
+        assert (third.outcome, third.incident) == (SKIPPED, "f3/x")
+        assert third.not_started and not third.exited
         assert third.reason == "2 remediations wait on the tracer on n1; nothing signalled; retry"
         runner.submit(stream_pb2.Command(id=4, cri=stream_pb2.CriRequest(method="Version")), reply)
         wait_for({4})  # the pool's one worker is free while the kill waits
@@ -571,6 +574,56 @@ def test_remediations_run_one_at_a_time_on_their_own_worker() -> None:
         wait_for({1, 2})
         assert [results[i].remediate.outcome for i in (1, 2)] == [DONE, DONE]
         assert most[0] == 1 and runner.remediations == 0
+    finally:
+        release.set()
+        runner.close()
+
+
+def test_an_act_past_its_deadline_is_not_started_and_dry_runs_do_not_wait_behind_it() -> None:
+    """A kill queued behind another's grace that the worker reaches after its deadline_ms is answered
+    skipped, not_started, never handed to the act; a dry-run re-check sent meanwhile is answered on the
+    pool at once."""
+    runner = CommandRunner(None, "n1", workers=1)
+    release = threading.Event()
+    acted: list[str] = []
+
+    def act(c: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        acted.append(c.incident)
+        if c.dry_run:
+            return stream_pb2.RemediateResult(incident=c.incident, outcome=PROPOSED, reason="would")
+        release.wait(10)
+        return stream_pb2.RemediateResult(incident=c.incident, outcome=DONE, reason="gone", exited=True)
+
+    runner.remediate_handler = act
+    results: dict[int, stream_pb2.CommandResult] = {}
+    answered = threading.Condition()
+
+    def reply(result: stream_pb2.CommandResult) -> None:
+        with answered:
+            results[result.id] = result
+            answered.notify_all()
+
+    def wait_for(ids: set[int]) -> None:
+        with answered:
+            assert answered.wait_for(lambda: ids <= results.keys(), timeout=10), sorted(results)
+
+    try:
+        runner.submit(stream_pb2.Command(id=1, remediate=stream_pb2.RemediateCommand(incident="f1/x")), reply)
+        runner.submit(stream_pb2.Command(id=2, remediate=stream_pb2.RemediateCommand(
+            incident="f2/x", deadline_ms=1)), reply)
+        submitted_s = time.monotonic()
+        runner.submit(stream_pb2.Command(id=3, remediate=stream_pb2.RemediateCommand(
+            incident="f3/x", dry_run=True)), reply)
+        wait_for({3})
+        assert results[3].remediate.outcome == PROPOSED and 1 not in results
+        # f2's 1 ms is past before the worker frees (a poll with a deadline, not a sleep)
+        wait_until(lambda: time.monotonic() > submitted_s + 0.005, "f2's deadline to pass")
+        release.set()
+        wait_for({1, 2})
+        late = results[2].remediate
+        assert (late.outcome, late.not_started, late.exited) == (SKIPPED, True, False)
+        assert "arrived after its deadline" in late.reason and "nothing signalled" in late.reason
+        assert acted == ["f1/x", "f3/x"]
     finally:
         release.set()
         runner.close()

@@ -7,6 +7,7 @@ filter, a node that opted out, and Remediate's refusals."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -16,15 +17,24 @@ from typing import Any
 import pytest
 from ghostgpu.collector.audit import AuditLog, record_from_row, select_audit
 from ghostgpu.collector.cluster import ClusterTable, FindingRec
-from ghostgpu.collector.remediation import RemediationError, Remediator
-from ghostgpu.collector.remediation_commands import RemediateCalls
+from ghostgpu.collector.remediation import (
+    FORWARD_DEADLINE_S,
+    LABELS_TIMEOUT_S,
+    RemediationError,
+    RemediationTiming,
+    Remediator,
+)
+from ghostgpu.collector.remediation_commands import RemediateCalls, no_answer
 from ghostgpu.collector.remediation_policy import Breaker, RemediationPolicy
 from ghostgpu.collector.remediation_store import (
     PAUSED,
+    ActGuard,
     IncidentRow,
     get_incident,
     insert_incident,
+    mark_acted,
     select_steps,
+    select_tally,
     set_control,
 )
 from ghostgpu.collector.store import Store
@@ -107,7 +117,8 @@ class Env:
     """A store, an audit chain, a cluster table holding the given findings, streams, and engines."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.store = Store(str(tmp_path / "c.db"), event_log_max=1000, retention_days=7)
+        self.db_path = tmp_path / "c.db"
+        self.store = Store(str(self.db_path), event_log_max=1000, retention_days=7)
         self.audit = AuditLog(None, self.store)
         self.cluster = ClusterTable({}, None, self.store)
         self.streams: dict[str, Any] = {}
@@ -131,6 +142,15 @@ class Env:
 
     def audit_actions(self) -> list[str]:
         return [r.action for r in self.store.read(select_audit()).result(10)]
+
+    def committed_audit_actions(self) -> list[str]:
+        """The audit actions committed now, read through a connection of its own: unlike store.read(), it
+        does not wait for the writes still queued."""
+        conn = sqlite3.connect(self.db_path)
+        try:
+            return [str(r[0]) for r in conn.execute("SELECT action FROM audit ORDER BY seq").fetchall()]
+        finally:
+            conn.close()
 
     def chain_ok(self) -> bool:
         records = [record_from_row(r) for r in self.store.read(select_audit()).result(10)]
@@ -585,7 +605,7 @@ def test_the_acted_record_is_in_the_chain_before_the_kill_is_sent(env: Env) -> N
 
     def check(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
         if not cmd.dry_run:
-            seen.append(env.audit_actions())
+            seen.append(env.committed_audit_actions())
         return passes(cmd)
 
     env.add(orphan(7))
@@ -627,3 +647,219 @@ def test_a_manual_kill_is_refused_while_the_mode_asked_for_is_off(env: Env) -> N
         run(engine.remediate(7, dry_run=False, who="user:oncall"))
     state, _ = run(engine.remediate(7, dry_run=True, who="user:oncall"))
     assert state.state == PROPOSED and calls.kills() == []
+
+
+def test_one_act_in_flight_per_node_and_every_act_carries_its_start_deadline(env: Env) -> None:
+    """Two orphans on one node: the second is not started while the first's act is in flight (it would
+    queue behind that act's grace on the tracer); the act's deadline_ms and the wait for its answer."""
+    env.add(orphan(1, pid=1), orphan(2, pid=2))
+    gate = asyncio.Event()
+
+    class Slow(FakeCalls):
+        async def call(self, node: str, command: stream_pb2.RemediateCommand,
+                       timeout_s: float) -> stream_pb2.RemediateResult:
+            if not command.dry_run:
+                self.timeouts.append(timeout_s)
+                await gate.wait()
+            return await super().call(node, command, timeout_s)
+
+    calls = Slow()
+    calls.timeouts = []  # type: ignore[attr-defined]
+    engine = env.engine(calls)
+
+    async def go() -> None:
+        await engine.tick()
+        for _ in range(50):
+            await asyncio.sleep(0)  # let the first incident reach its act (no time passes)
+        await engine.tick()  # the act is in flight: the second orphan's node is busy
+        started = {c.incident for _, c in calls.sent}
+        assert incident_key(2, "kill_orphan") not in started
+        gate.set()
+        await engine.idle()
+        await engine.tick()
+        await engine.idle()
+
+    run(go())
+    assert calls.kills() == [incident_key(1, "kill_orphan"), incident_key(2, "kill_orphan")]
+    acts = [c for _, c in calls.sent if not c.dry_run]
+    t = RemediationTiming()
+    assert all(c.deadline_ms == int(t.act_start_s * 1000) for c in acts)
+    assert all(c.deadline_ms == int(t.recheck_timeout_s * 1000) for _, c in calls.sent if c.dry_run)
+    assert calls.timeouts[0] == t.act_wait_s(1.0) >= 1.0 + 2 * 5.0 + 5.0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["no stream", "tracer did not start it"])
+def test_an_act_never_started_gives_its_claim_back_and_can_be_tried_again(env: Env, how: str) -> None:
+    env.add(orphan(7))
+
+    def not_started(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if cmd.dry_run:
+            return passes(cmd)
+        if how == "no stream":
+            del env.streams["n1"]  # gone before the act: RemediateCalls answers it not sent
+            return no_answer(cmd.incident, "node n1's tracer is not connected", not_sent=True)
+        return stream_pb2.RemediateResult(incident=cmd.incident, outcome=SKIPPED, not_started=True,
+                                          reason="arrived after its deadline (5000 ms); nothing signalled")
+
+    calls = FakeCalls(not_started)
+    engine = env.engine(calls)
+    run(tick(engine))
+    row = env.incident(7)
+    assert row is not None and row.acted_unix_ns == 0 and row.state == PROPOSED
+    assert row.reason.startswith("not sent: ")
+    assert env.audit_actions()[-1] == "remediation.outcome" and env.chain_ok()
+    env.add(orphan(7))  # its tracer is back
+    calls.answer_with = passes
+    state, _ = run(engine.remediate(7, dry_run=False, who="user:oncall"))
+    assert state.state == DONE and calls.kills() == [incident_key(7, "kill_orphan")] * 2
+
+
+def test_no_stream_is_answered_not_started() -> None:
+    async def go() -> stream_pb2.RemediateResult:
+        command = stream_pb2.RemediateCommand(incident="f1/kill_orphan")
+        return await RemediateCalls({}).call("n1", command, 1.0)
+
+    result = run(go())
+    assert result.not_started and result.outcome == ""
+
+
+class FreshLabels:
+    """A stand-in for collector/kube_api.py's NodeLabels: a cached read and a fresh one."""
+
+    def __init__(self) -> None:
+        self.cached: dict[str, str] | None = None
+        self.now: tuple[dict[str, str] | None, str] = (None, "")
+        self.fresh_reads = 0
+
+    async def labels(self, node: str) -> dict[str, str] | None:
+        return self.cached
+
+    async def labels_now(self, node: str) -> tuple[dict[str, str] | None, str]:
+        self.fresh_reads += 1
+        return self.now
+
+
+@pytest.mark.parametrize(("now", "state", "said"), [
+    (({OPT_OUT_LABEL: "off"}, ""), SKIPPED, f"label {OPT_OUT_LABEL}=off"),
+    ((None, "GET /api/v1/nodes/n1: connection refused"), PROPOSED,
+     "node labels could not be read: GET /api/v1/nodes/n1: connection refused"),
+])
+def test_the_labels_are_read_fresh_right_before_the_act(env: Env, now: Any, state: str, said: str) -> None:
+    """The cache says nothing (not opted out); the fresh GET right before the act says off, or fails
+    with the API configured: no kill either way; a failed read leaves it proposed, audited."""
+    seam = FreshLabels()
+    seam.now = now
+    env.add(orphan(7))
+    calls = FakeCalls()
+    engine = Remediator(env.store, env.cluster, env.streams, policy=lambda: env.policy,
+                        audit=env.audit.append, calls=calls, labels=seam.labels)
+    run(tick(engine))
+    assert calls.kills() == [] and seam.fresh_reads == 1
+    row = env.incident(7)
+    assert row is not None and row.state == state and said in row.reason and row.acted_unix_ns == 0
+    assert env.audit_actions()[-1] == "remediation.outcome"
+    records = len(env.audit_actions())
+    run(tick(engine))  # held back: not re-checked (nor audited) again at the next tick
+    assert len(env.audit_actions()) == records and seam.fresh_reads == 1
+
+
+def test_a_refusal_at_the_moment_of_acting_is_audited(env: Env) -> None:
+    env.add(orphan(7), orphan(8, node="n2", pid=8))
+
+    def pause_or_stop(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if cmd.dry_run and cmd.incident == incident_key(7, "kill_orphan"):
+            env.store.read_write(set_control(PAUSED, "maintenance", "user:oncall", time.time_ns())).result(10)
+        return passes(cmd)
+
+    run(tick(env.engine(FakeCalls(pause_or_stop))))
+    records = [record_from_row(r) for r in env.store.read(select_audit()).result(10)]
+    outcomes = [r for r in records if r.action == "remediation.outcome"]
+    assert len(outcomes) == 2 and all(r.result == PROPOSED and "paused" in str(r.detail) for r in outcomes)
+
+    env.store.read_write(set_control(PAUSED, None, "user:oncall", time.time_ns())).result(10)
+    env.add(orphan(9, node="n3", pid=9))
+
+    def stop_kills(cmd: stream_pb2.RemediateCommand) -> stream_pb2.RemediateResult:
+        if cmd.dry_run:
+            env.policy = replace(env.policy, kill_orphans=False)
+        return passes(cmd)
+
+    run(tick(env.engine(FakeCalls(stop_kills))))
+    last = record_from_row(env.store.read(select_audit()).result(10)[-1])
+    assert last.action == "remediation.outcome" and "kill_orphans is false" in str(last.detail)
+
+
+def test_settling_waits_for_the_grace_the_act_was_sent_with(env: Env) -> None:
+    """The act's grace is kept in its row: a reload to a shorter grace does not settle it early."""
+    env.policy = replace(env.policy, grace_s=60.0)
+    env.add(orphan(7))
+    key = incident_key(7, "kill_orphan")
+    now = time.time_ns()
+    env.store.read_write(insert_incident(IncidentRow(key, 7, "n1", "ml", "kill_orphan", PROPOSED, MODE_ON,
+                                                     "x", now, now, 0, "a", 0, "{}"))).result(10)
+    acted_ns = now - int(40 * 1e9)  # 40 s ago: past 1 s + the other waits, not past 60 s + them
+    assert env.store.read_write(mark_acted(key, acted_ns, grace_ms=60_000)).result(10)
+    row = env.incident(7)
+    assert row is not None and row.details()["grace_ms"] == 60_000
+    env.policy = replace(env.policy, grace_s=1.0, kill_orphans=False)
+    calls = FakeCalls()
+    run(tick(env.engine(calls)))
+    assert calls.sent == []
+
+
+def test_the_forward_deadline_covers_the_worst_case() -> None:
+    t = RemediationTiming()
+    # two label reads, the re-check, the act's start deadline, two CRI calls, the longest grace, SIGKILL's
+    # wait, the margin
+    worst_s = 2 * LABELS_TIMEOUT_S + t.recheck_timeout_s + t.act_start_s + 2 * 5.0 + 60.0 + 5.0 + 15.0
+    assert worst_s <= FORWARD_DEADLINE_S
+
+
+def test_the_per_node_budget_counts_each_action_apart(env: Env) -> None:
+    """max_per_node 1: the kill that found an unkillable holder does not use up its node isolation's
+    budget; a second kill on the node is refused; max_actions counts both."""
+    now = time.time_ns()
+    for fid, action in ((1, "kill_orphan"), (2, "isolate_node"), (3, "kill_orphan")):
+        row = IncidentRow(f"f{fid}/{action}", fid, "n1", "ml", action, PROPOSED, MODE_ON, "x", now, now, 0,
+                          "a", 0, "{}")
+        env.store.read_write(insert_incident(row)).result(10)
+
+    def guard(max_actions: int) -> ActGuard:
+        return ActGuard("n1", now - int(3600e9), max_actions=max_actions, max_per_node=1, config_mode=MODE_ON)
+
+    assert env.store.read_write(mark_acted("f1/kill_orphan", now, guard(10))).result(10)
+    assert env.store.read_write(mark_acted("f2/isolate_node", now, guard(10))).result(10)
+    third = env.store.read_write(mark_acted("f3/kill_orphan", now, guard(10))).result(10)
+    assert not third and "1 acts on node n1" in third.refused
+    tally = env.store.read(select_tally(now - int(3600e9), [])).result(10)
+    assert tally.acts_in_window == 2 and tally.acts_by_node == {"n1": 1}
+    assert not env.store.read_write(mark_acted("f3/kill_orphan", now, guard(2))).result(10)
+
+
+def test_mark_acted_asks_postgresql_for_read_committed_first() -> None:
+    """Under REPEATABLE READ the count would come from a snapshot older than the lock: the transaction
+    says READ COMMITTED before its first query (a recording stand-in for a PostgreSQL connection)."""
+    class Recorder:
+        def __init__(self) -> None:
+            self.sql: list[str] = []
+
+        def execute(self, sql: str, params: Any = ()) -> Any:
+            self.sql.append(sql)
+            outer = self
+
+            class Cur:
+                rowcount = 0
+
+                def fetchone(self) -> Any:
+                    return ("kill_orphan",) if "SELECT action" in outer.sql[-1] else (0, 0)
+
+                def fetchall(self) -> list[Any]:
+                    return []
+
+            return Cur()
+
+    conn = Recorder()
+    guard = ActGuard("n1", 0, max_actions=1, max_per_node=1, config_mode=MODE_ON)
+    mark_acted("f1/kill_orphan", 1, guard)(conn)  # type: ignore[arg-type]
+    assert conn.sql[0] == "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+    assert "pg_advisory_xact_lock" in conn.sql[1]
