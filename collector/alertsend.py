@@ -12,9 +12,9 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
-from ghostgpu.collector.httppost import Connection, jittered_backoff_s, one_line
+from ghostgpu.collector.httppost import Connection, HttpUrl, jittered_backoff_s, one_line
 
 API_PATH = "/api/v2/alerts"
 BACKOFF_FIRST_S = 0.5
@@ -36,14 +36,8 @@ class Endpoint:
 
     @classmethod
     def parse(cls, url: str) -> Endpoint:
-        text = url.strip()
-        try:
-            parts = urlsplit(text)
-            port = parts.port
-        except ValueError as e:  # urlsplit refuses a bad port or a bracket mismatch
-            raise ValueError(f"--alertmanager {url!r}: {e}; {URL_HELP}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--alertmanager {url!r}: {URL_HELP}")
+        u = HttpUrl.split(url, "--alertmanager", URL_HELP)
+        parts = u.parts
         if parts.query or parts.fragment:
             raise ValueError(f"--alertmanager {url!r}: a query or #fragment has no meaning here; {URL_HELP}")
         prefix = parts.path.rstrip("/").removesuffix(API_PATH).rstrip("/")
@@ -51,11 +45,8 @@ class Endpoint:
         if parts.username is not None:
             pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             auth = "Basic " + base64.b64encode(pair.encode()).decode()
-        host = parts.hostname
-        port = port or (443 if parts.scheme == "https" else 80)
-        shown_host = f"[{host}]" if ":" in host else host
-        return cls(parts.scheme, host, port, prefix + API_PATH, auth,
-                   f"{parts.scheme}://{shown_host}:{port}{prefix}")
+        return cls(u.scheme, u.host, u.port, prefix + API_PATH, auth,
+                   f"{u.scheme}://{u.shown_host}:{u.port}{prefix}")
 
 
 @dataclass(frozen=True)

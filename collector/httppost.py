@@ -14,11 +14,38 @@ import random
 import socket
 import ssl
 from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit
 
 REASON_MAX_CHARS = 300  # a peer's error text, cut to one readable log line
 # What a POST on a kept-alive connection the other side closed while idle raises: the request never
 # reached the peer's handler, so it is sent once more on a fresh connection.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
+@dataclass(frozen=True)
+class HttpUrl:
+    """An http(s) URL split and checked once: what both peers the collector POSTs to start from."""
+
+    scheme: str
+    host: str
+    port: int  # the URL's, else the scheme's default
+    parts: SplitResult  # the rest (path, query, fragment, credentials) for the caller's own rules
+
+    @property
+    def shown_host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @classmethod
+    def split(cls, url: str, what: str, help_text: str) -> HttpUrl:
+        """ValueError "WHAT 'URL': why; HELP" for anything but http(s)://HOST[:PORT]..."""
+        try:
+            parts = urlsplit(url.strip())
+            port = parts.port
+        except ValueError as e:  # urlsplit refuses a bad port or a bracket mismatch
+            raise ValueError(f"{what} {url!r}: {e}; {help_text}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{what} {url!r}: {help_text}")
+        return cls(parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), parts)
 
 
 def one_line(text: str) -> str:

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Protocol
-from urllib.parse import urlsplit
 
-from ghostgpu.collector.httppost import Connection, Reply, jittered_backoff_s, one_line
+from ghostgpu.collector.httppost import Connection, HttpUrl, Reply, jittered_backoff_s, one_line
 
 from ghostgpu.common.model.remediation import RemediationState
 from ghostgpu.common.wire.convert import class_from_proto
@@ -72,24 +71,18 @@ class TicketTarget:
 
     @classmethod
     def parse(cls, url: str) -> TicketTarget:
-        text = url.strip()
         try:
-            parts = urlsplit(text)
-            port = parts.port
-        except ValueError as e:  # urlsplit refuses a bad port or a bracket mismatch
-            raise TicketError(f"{URL_KEY} {url!r}: {e}; {URL_HELP}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise TicketError(f"{URL_KEY} {url!r}: {URL_HELP}")
+            u = HttpUrl.split(url, URL_KEY, URL_HELP)
+        except ValueError as e:
+            raise TicketError(str(e)) from None
+        parts = u.parts
         if parts.username is not None:
             raise TicketError(f"{URL_KEY}: credentials in the URL would be logged; put an Authorization "
                               f"line in {HEADERS_KEY} instead")
         if parts.fragment:
             raise TicketError(f"{URL_KEY} {url!r}: a #fragment is never sent; {URL_HELP}")
-        host = parts.hostname
-        port = port or (443 if parts.scheme == "https" else 80)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        shown_host = f"[{host}]" if ":" in host else host
-        return cls(parts.scheme, host, port, path, f"{parts.scheme}://{shown_host}:{port}{parts.path}")
+        return cls(u.scheme, u.host, u.port, path, f"{u.scheme}://{u.shown_host}:{u.port}{parts.path}")
 
 
 def read_headers(path: str) -> dict[str, str]:
