@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ghostgpu.collector.store import Store
 
 from tests.conftest import require_root
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
@@ -61,3 +62,13 @@ def fake_nvml(tmp_path: Path) -> Iterator[FakeNvml]:
     nvml = FakeNvml(tmp_path / "nvml.conf", gpus=[FakeGpu(index=0, uuid=GPU0_UUID, minor=0)])
     nvml.write()
     yield nvml
+
+
+@pytest.fixture
+def stores(postgres_dsn: str) -> Iterator[tuple[Store, Store]]:
+    """Two stores, as two replicas hold them, over one PostgreSQL database (the postgres tests')."""
+    a = Store(postgres_dsn, event_log_max=1000, retention_days=7, replica_id="collector-a")
+    b = Store(postgres_dsn, event_log_max=1000, retention_days=7, replica_id="collector-b")
+    yield a, b
+    a.close()
+    b.close()

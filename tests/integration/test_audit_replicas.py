@@ -8,7 +8,6 @@ and a chain rewritten in the database from an old record on (hashes forged) fail
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +22,6 @@ pytestmark = pytest.mark.postgres
 
 THREADS_PER_REPLICA = 4
 APPENDS_PER_THREAD = 40
-
-
-@pytest.fixture
-def stores(postgres_dsn: str) -> Iterator[tuple[Store, Store]]:
-    """Two stores, as two replicas hold them, over one database."""
-    a = Store(postgres_dsn, event_log_max=1000, retention_days=7, replica_id="collector-a")
-    b = Store(postgres_dsn, event_log_max=1000, retention_days=7, replica_id="collector-b")
-    yield a, b
-    a.close()
-    b.close()
 
 
 def chain(store: Store) -> list[AuditRecord]:

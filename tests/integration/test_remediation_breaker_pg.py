@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from ghostgpu.collector.remediation_store import ActGuard, Claim, IncidentRow, insert_incident, mark_acted
@@ -16,16 +15,6 @@ pytestmark = pytest.mark.postgres
 
 NODES = 8
 MAX_ACTIONS = 3
-
-
-@pytest.fixture
-def stores(postgres_dsn: str) -> Iterator[tuple[Store, Store]]:
-    """Two stores, as two replicas hold them, over one database."""
-    a = Store(postgres_dsn, event_log_max=1000, retention_days=7, replica_id="collector-a")
-    b = Store(postgres_dsn, event_log_max=1000, retention_days=7, replica_id="collector-b")
-    yield a, b
-    a.close()
-    b.close()
 
 
 def test_two_replicas_racing_to_act_stop_at_max_actions(stores: tuple[Store, Store]) -> None:
