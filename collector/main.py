@@ -302,7 +302,7 @@ class Collector:
             alerts=self.pusher if hasattr(self.pusher, "offer_remediation") else None,
             isolate=isolator.isolate_unkillable, ticket=tickets.submit,
             forward=replica_forward(replica) if replica is not None else None,
-            timing=self._remediation_timing, labels=node_labels.labels)
+            timing=self._remediation_timing, labels=node_labels.labels, labels_now=node_labels.labels_now)
         if replica is not None:  # Remediate calls other replicas hand over for this replica's nodes
             replica.handle(REPLICA_KIND, replica_handler(self.remediator))
         self.ingest.remediation = self.remediator.calls  # the tracers' RemediateResults

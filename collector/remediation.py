@@ -270,7 +270,9 @@ class Remediator:
                  alerts: AlertSeam | None = None, isolate: Callable[..., Any] | None = None,
                  ticket: Callable[[dict[str, object]], Any] | None = None,
                  forward: Forward | None = None, timing: RemediationTiming | None = None,
-                 labels: Callable[[str], Awaitable[Mapping[str, str] | None]] | None = None) -> None:
+                 labels: Callable[[str], Awaitable[Mapping[str, str] | None]] | None = None,
+                 labels_now: Callable[[str], Awaitable[tuple[Mapping[str, str] | None, str]]] | None = None,
+                 ) -> None:
         """streams: the connected tracers by node (Ingest.sessions); policy: the config's remediation
         section as now in force (reloaded); applies(node): this replica acts for the node (with replicas:
         it holds the node's lease; None: every node); owner_of(node): the replica that does, for a
@@ -280,9 +282,9 @@ class Remediator:
         caller): with replicas, a Remediate for a node another replica serves, run there
         (serve_forwarded) and its RemediateResponse bytes back; labels(node): the Node's labels
         (collector/kube_api.py's NodeLabels.labels; None: not known, as without the Kubernetes API), for
-        the opt-out label, read at decided; just before the act, the bound object's labels_now (a fresh
-        read; see _labels_held_back) where it has one."""
-        self.labels = labels
+        the opt-out label, read at decided; labels_now(node): (labels, why not), read afresh just before
+        the act (NodeLabels.labels_now; see _labels_held_back); without it, labels again."""
+        self.labels, self.labels_now = labels, labels_now
         self.store, self.cluster, self.streams = store, cluster, streams
         self.policy, self.replica_id, self.audit = policy, replica_id, audit
         self.applies = applies or (lambda node: True)
@@ -473,10 +475,9 @@ class Remediator:
     async def _labels_held_back(self, node: str) -> str | None:
         """Right before the act: why it is held back by the node's labels, read fresh (the seam's
         labels_now, a GET that bypasses the cache): opted out by label, or the labels could not be read
-        while the Kubernetes API is configured ("node labels could not be read: why"); None: act. A seam
-        without labels_now: _label_opt_out."""
-        owner = getattr(self.labels, "__self__", self.labels)
-        labels_now = getattr(owner, "labels_now", None)
+        while the Kubernetes API is configured ("node labels could not be read: why"); None: act. Without
+        labels_now: _label_opt_out."""
+        labels_now = self.labels_now
         if labels_now is None:
             return await self._label_opt_out(node)
         try:

@@ -752,7 +752,8 @@ def test_the_labels_are_read_fresh_right_before_the_act(env: Env, now: Any, stat
     env.add(orphan(7))
     calls = FakeCalls()
     engine = Remediator(env.store, env.cluster, env.streams, policy=lambda: env.policy,
-                        audit=env.audit.append, calls=calls, labels=seam.labels)
+                        audit=env.audit.append, calls=calls, labels=seam.labels,
+                        labels_now=seam.labels_now)
     run(tick(engine))
     assert calls.kills() == [] and seam.fresh_reads == 1
     row = env.incident(7)
