@@ -170,8 +170,20 @@ def test_allocated_bytes_per_consumer_and_per_gpu(tmp_path: Path, driver: FakeDr
             assert truth.pid_bytes(early.host_pid)[0] == 2 * MIB  # what it does hold, unseen
 
             # (c) Per GPU: used = listed + unlisted + unaccounted, where unlisted is the allocated
-            # bytes of the consumers NVML does not list on that GPU (every one the tracer sees).
-            everyone = ps_json(col.address, "--node", NODE)
+            # bytes of the consumers NVML does not list on that GPU (every one the tracer sees). The
+            # node's split is its own record, re-sent once a figure moves (Tracer._check_split): it may
+            # trail the consumers' rows by a moment, so wait for one `ps` that shows both agreeing.
+            def split_of(rows: list[dict[str, Any]], gpu: int) -> tuple[int, int]:
+                info = everyone_info(rows, gpu)
+                unlisted = sum(r["allocated_bytes"] or 0 for r in rows
+                               if r["gpu"] == gpu and r["gpu_memory_bytes"] is None)
+                return info["memory_unlisted_bytes"], unlisted
+
+            def agreeing() -> list[dict[str, Any]] | None:
+                rows = ps_json(col.address, "--node", NODE)
+                return rows if all(a == b for a, b in (split_of(rows, g) for g in range(len(USED)))) else None
+
+            everyone = until(agreeing, "each GPU's split to count its unlisted holders' allocated bytes")
             for gpu, used in enumerate(USED):
                 info = everyone_info(everyone, gpu)
                 unlisted = sum(r["allocated_bytes"] or 0 for r in everyone
