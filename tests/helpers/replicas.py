@@ -30,3 +30,7 @@ def replica(tmp_path: Path, dsn: str, name: str, *, settings: dict[str, Any] | N
         yield c
     finally:
         c.stop(grace_s=0.5)
+
+
+# The one container of the trainer_runtime fixture's pod (tests/integration/conftest.py).
+TRAINER_CID = "ab" * 32

@@ -12,7 +12,9 @@ import pytest
 from ghostgpu.collector.store import Store
 
 from tests.conftest import require_root
+from tests.helpers.cri_fake import FakeCri
 from tests.helpers.fakenvml import FakeGpu, FakeNvml
+from tests.helpers.replicas import TRAINER_CID
 from tests.integration.containerd_fixtures import containerd, containerd_session  # noqa: F401
 
 GPU0_UUID = "GPU-0a1b2c3d-0000-4000-8000-000000000000"
@@ -72,3 +74,16 @@ def stores(postgres_dsn: str) -> Iterator[tuple[Store, Store]]:
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def trainer_runtime() -> Iterator[FakeCri]:
+    """A fake CRI runtime with pod ml/trainer-0 (sandbox sb-ml-trainer-0) and its container `train`
+    (TRAINER_CID): what the trace tests across replicas resolve their scope against."""
+    fake = FakeCri().start()
+    fake.add_sandbox("sb-ml-trainer-0", "trainer-0", "ml", "uid-trainer-0")
+    fake.add_container(TRAINER_CID, "sb-ml-trainer-0", "train")
+    try:
+        yield fake
+    finally:
+        fake.close()

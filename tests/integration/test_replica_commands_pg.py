@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,14 @@ from ghostgpu.collector.store import Store
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until
+from tests.helpers.replicas import TRAINER_CID
 from tests.helpers.replicas import replica as shared_replica
 from tests.helpers.sim_tracer import SimTracer, trace_record
 from tests.helpers.trace_env import FAST, TRACE_CAPS, TraceClient, cri_via
 
 pytestmark = pytest.mark.postgres
 
-CID, CID2 = "ab" * 32, "cd" * 32
+CID, CID2 = TRAINER_CID, "cd" * 32
 DEADLINE_S = 20.0  # a hand-over takes a sweep (0.1 s) and a poll; generous for a loaded 2-core VM
 S = trace_pb2.TraceStatus
 
@@ -39,21 +39,10 @@ def replica(tmp_path: Path, dsn: str, name: str,
     return shared_replica(tmp_path, dsn, name, settings=settings, trace_timing=FAST)
 
 
-@pytest.fixture
-def runtime() -> Iterator[FakeCri]:
-    fake = FakeCri().start()
-    fake.add_sandbox("sb-ml-trainer-0", "trainer-0", "ml", "uid-trainer-0")
-    fake.add_container(CID, "sb-ml-trainer-0", "train")
-    try:
-        yield fake
-    finally:
-        fake.close()
-
-
 def test_a_trace_started_on_one_replica_runs_on_the_tracer_of_another(
-        tmp_path: Path, postgres_dsn: str, runtime: FakeCri) -> None:
+        tmp_path: Path, postgres_dsn: str, trainer_runtime: FakeCri) -> None:
     with replica(tmp_path, postgres_dsn, "a") as a, replica(tmp_path, postgres_dsn, "b") as b, \
-            TraceClient(a.address) as qa, SimTracer(b.address, "gpu-7", cri=cri_via(runtime),
+            TraceClient(a.address) as qa, SimTracer(b.address, "gpu-7", cri=cri_via(trainer_runtime),
                                                     capabilities=TRACE_CAPS) as t:
         t.connect()
         wait_until(lambda: "gpu-7" in b.leases.held, "replica b holding gpu-7's lease", DEADLINE_S)
@@ -71,7 +60,7 @@ def test_a_trace_started_on_one_replica_runs_on_the_tracer_of_another(
             (n, "gpu-7", "ml", "trainer-0", "train") for n in (1, 2, 3)]
         assert shown.requested_by == s.requested_by
 
-        runtime.add_container(CID2, "sb-ml-trainer-0", "sidecar")  # a container started since
+        trainer_runtime.add_container(CID2, "sb-ml-trainer-0", "sidecar")  # a container started since
         update = t.wait_trace_command("trace_update", s.id, timeout_s=DEADLINE_S).trace_update
         assert sorted(update.container_ids) == sorted([CID, CID2])
         t.send_trace(s.id, [trace_record(container_id=CID2)])
@@ -85,9 +74,9 @@ def test_a_trace_started_on_one_replica_runs_on_the_tracer_of_another(
 
 
 def test_the_tracer_refusing_on_another_replica_is_the_callers_error(
-        tmp_path: Path, postgres_dsn: str, runtime: FakeCri) -> None:
+        tmp_path: Path, postgres_dsn: str, trainer_runtime: FakeCri) -> None:
     with replica(tmp_path, postgres_dsn, "a") as a, replica(tmp_path, postgres_dsn, "b") as b, \
-            TraceClient(a.address) as qa, SimTracer(b.address, "gpu-7", cri=cri_via(runtime),
+            TraceClient(a.address) as qa, SimTracer(b.address, "gpu-7", cri=cri_via(trainer_runtime),
                                                     capabilities=TRACE_CAPS) as t:
         t.connect()
         wait_until(lambda: "gpu-7" in b.leases.held, "replica b holding gpu-7's lease", DEADLINE_S)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,13 +26,14 @@ from ghostgpu.common.model.trace import TraceScope, TraceSession, TraceStatus
 from ghostgpu.v1 import trace_pb2
 from tests.helpers.cri_fake import FakeCri
 from tests.helpers.polling import wait_until
+from tests.helpers.replicas import TRAINER_CID
 from tests.helpers.replicas import replica as shared_replica
 from tests.helpers.sim_tracer import SimTracer, trace_record
 from tests.helpers.trace_env import FAST, TRACE_CAPS, TraceClient, cri_via
 
 pytestmark = pytest.mark.postgres
 
-CID = "ab" * 32
+CID = TRAINER_CID
 DEADLINE_S = 20.0  # a hand-over takes a notice or a sweep (1 s); generous for a loaded 2-core VM
 S = trace_pb2.TraceStatus
 GONE = "replica-gone"
@@ -44,17 +44,6 @@ def replica(tmp_path: Path, dsn: str, name: str,
             **settings: Any) -> contextlib.AbstractContextManager[Collector]:
     timing = settings.pop("trace_timing", FAST)
     return shared_replica(tmp_path, dsn, name, settings=settings, trace_timing=timing)
-
-
-@pytest.fixture
-def runtime() -> Iterator[FakeCri]:
-    fake = FakeCri().start()
-    fake.add_sandbox("sb-ml-trainer-0", "trainer-0", "ml", "uid-trainer-0")
-    fake.add_container(CID, "sb-ml-trainer-0", "train")
-    try:
-        yield fake
-    finally:
-        fake.close()
 
 
 def plant_running_session(dsn: str, sid: str, deadline_unix_ns: int) -> None:
@@ -86,11 +75,11 @@ def commands(c: Collector) -> dict[tuple[str, str, str], float]:
 
 
 def test_a_session_is_listed_shown_and_stopped_through_a_replica_that_is_not_its_home(
-        tmp_path: Path, postgres_dsn: str, runtime: FakeCri) -> None:
+        tmp_path: Path, postgres_dsn: str, trainer_runtime: FakeCri) -> None:
     with replica(tmp_path, postgres_dsn, "a", metrics_listen="127.0.0.1:0") as a, \
             replica(tmp_path, postgres_dsn, "b", metrics_listen="127.0.0.1:0") as b, \
             TraceClient(a.address) as qa, TraceClient(b.address) as qb, \
-            SimTracer(b.address, "gpu-7", cri=cri_via(runtime), capabilities=TRACE_CAPS) as t:
+            SimTracer(b.address, "gpu-7", cri=cri_via(trainer_runtime), capabilities=TRACE_CAPS) as t:
         t.connect()
         wait_until(lambda: "gpu-7" in b.leases.held, "replica b holding gpu-7's lease", DEADLINE_S)
         s = qa.start(namespace="ml", pod="trainer-0", duration_ms=60_000)  # a is its home
