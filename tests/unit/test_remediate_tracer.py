@@ -527,6 +527,24 @@ def test_command_runner_answers_a_raising_or_missing_act() -> None:
     assert "runs no remediation" in results[0].remediate.reason
 
 
+class Answers:
+    """The CommandResults a CommandRunner hands its reply callback (from its worker threads), by id."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, stream_pb2.CommandResult] = {}
+        self._answered = threading.Condition()
+
+    def reply(self, result: stream_pb2.CommandResult) -> None:
+        with self._answered:
+            self.results[result.id] = result
+            self._answered.notify_all()
+
+    def wait_for(self, ids: set[int]) -> None:
+        with self._answered:
+            assert self._answered.wait_for(lambda: ids <= self.results.keys(), timeout=10), \
+                sorted(self.results)
+
+
 def test_remediations_run_one_at_a_time_on_their_own_worker() -> None:
     """A kill waiting out its grace holds one worker: CRI calls still get answered on the pool, a
     second remediation waits its turn, and past the bound one is answered failed at once."""
@@ -546,17 +564,8 @@ def test_remediations_run_one_at_a_time_on_their_own_worker() -> None:
         return stream_pb2.RemediateResult(incident=c.incident, outcome=DONE, reason="gone")
 
     runner.remediate_handler = act
-    results: dict[int, stream_pb2.CommandResult] = {}
-    answered = threading.Condition()
-
-    def reply(result: stream_pb2.CommandResult) -> None:
-        with answered:
-            results[result.id] = result
-            answered.notify_all()
-
-    def wait_for(ids: set[int]) -> None:
-        with answered:
-            assert answered.wait_for(lambda: ids <= results.keys(), timeout=10), sorted(results)
+    answers = Answers()
+    results, reply, wait_for = answers.results, answers.reply, answers.wait_for
 
     try:
         for i in (1, 2, 3):
@@ -595,17 +604,8 @@ def test_an_act_past_its_deadline_is_not_started_and_dry_runs_do_not_wait_behind
         return stream_pb2.RemediateResult(incident=c.incident, outcome=DONE, reason="gone", exited=True)
 
     runner.remediate_handler = act
-    results: dict[int, stream_pb2.CommandResult] = {}
-    answered = threading.Condition()
-
-    def reply(result: stream_pb2.CommandResult) -> None:
-        with answered:
-            results[result.id] = result
-            answered.notify_all()
-
-    def wait_for(ids: set[int]) -> None:
-        with answered:
-            assert answered.wait_for(lambda: ids <= results.keys(), timeout=10), sorted(results)
+    answers = Answers()
+    results, reply, wait_for = answers.results, answers.reply, answers.wait_for
 
     try:
         runner.submit(stream_pb2.Command(id=1, remediate=stream_pb2.RemediateCommand(incident="f1/x")), reply)
