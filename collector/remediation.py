@@ -72,7 +72,7 @@ from ghostgpu.collector.remediation_guards import (
     eligible,
     node_opt_out,
 )
-from ghostgpu.collector.remediation_policy import MAX_GRACE_S, RemediationPolicy, changes
+from ghostgpu.collector.remediation_policy import RemediationPolicy, changes
 from ghostgpu.collector.remediation_store import (
     MODE_OVERRIDE,
     PAUSED,
@@ -97,11 +97,15 @@ from ghostgpu.common.model.consumers import ClusterConsumer, Consumer, ConsumerC
 from ghostgpu.common.model.remediation import (
     ACTED,
     CAPABILITY,
+    CRI_CALLS,
+    CRI_TIMEOUT_S,
     DECIDED,
     DONE,
     ENDED,
     FAILED,
     KILL_ORPHAN,
+    KILL_WAIT_S,
+    MAX_GRACE_S,
     MODE_DRY_RUN,
     MODE_MANUAL,
     MODE_OFF,
@@ -121,10 +125,6 @@ from ghostgpu.v1 import node_pb2, query_pb2, stream_pb2
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ONLY_ORPHANED = "only orphaned holders are killed"
-# The tracer's waits around the grace (tracer/remediate.py): SIGKILL's wait for the exit, and its two CRI
-# calls (Version, ContainerStatus), each up to the relay's timeout; an act's answer is waited for, and an
-# act without one settled, only once they are past (plus the act's start deadline and act_margin_s).
-KILL_WAIT_S, CRI_TIMEOUT_S, CRI_CALLS = 5.0, 5.0, 2
 LABELS_TIMEOUT_S = 5.0  # a node's labels not read by then: not read (before the act: held back)
 LABELS_RETRY_S = 30.0  # an act held back because the labels could not be read is tried again after this
 COLLECTOR = "collector"  # the audit subject of what the engine does by itself

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from ghostgpu.collector.config import REMEDIATION_SECTION as SECTION  # top level, or in [collector]
 
 from ghostgpu.common.model.durations import FLAG_DURATION, format_s, parse_duration_s
-from ghostgpu.common.model.remediation import MODE_OFF, MODES
+from ghostgpu.common.model.remediation import MAX_GRACE_S, MODE_OFF, MODES
 from ghostgpu.common.system.configfile import ConfigError
 
 ISOLATE_TAINT, ISOLATE_CORDON = "taint", "cordon"
@@ -348,7 +348,6 @@ def _isolation(s: _Section) -> IsolationSettings:
                              kubeconfig=iso.text("kubeconfig", d.kubeconfig))
 
 
-MAX_GRACE_S = 60.0  # the tracer's own cap on SIGTERM .. SIGKILL (tracer/remediate.py)
 
 
 def _grace_s(top: _Section, default: float) -> float:

@@ -46,15 +46,22 @@ from ghostgpu.tracer.cri_relay import CriRelay
 from ghostgpu.tracer.devices import DeviceCatalog
 from ghostgpu.tracer.procfs import ProcScanner, parse_stat, read_bytes, ticks_to_boot_ns
 
-from ghostgpu.common.model.remediation import DONE, FAILED, PROPOSED, SKIPPED, UNKILLABLE
+from ghostgpu.common.model.remediation import (
+    CRI_TIMEOUT_S,
+    DONE,
+    FAILED,
+    KILL_WAIT_S,
+    MAX_GRACE_S,
+    PROPOSED,
+    SKIPPED,
+    UNKILLABLE,
+)
 from ghostgpu.k8s import cri_runtime_v1_pb2 as cri
 from ghostgpu.v1 import stream_pb2
 
 log = logging.getLogger("ghostgpu.remediate")
 
-MAX_GRACE_S = 60.0  # a longer grace_ms is cut to this: the command's worker must come back
-KILL_WAIT_S = 5.0  # after SIGKILL, how long exit may take before the holder counts as unkillable
-CRI_TIMEOUT_MS = 5000
+CRI_TIMEOUT_MS = int(CRI_TIMEOUT_S * 1000)
 _DELETED = " (deleted)"
 _GONE_STATES = ("Z", "X")  # a task in one of these runs nothing and holds nothing
 STACK_MAX_BYTES = 4096  # the kernel stack goes back in the result: enough for any real one

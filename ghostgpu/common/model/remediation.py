@@ -33,6 +33,15 @@ ISOLATION_TRIGGERS = (TRIGGER_XID, TRIGGER_UNKILLABLE, TRIGGER_UNACCOUNTED_MEMOR
 DECIDED, RECHECKED, ACTED, OUTCOME = "decided", "re-checked", "acted", "outcome"
 STEPS = (DECIDED, RECHECKED, ACTED, OUTCOME)
 
+# An act's time bounds on the node (tracer/remediate.py), which the collector's waits are built from
+# (collector/remediation.py's RemediationTiming) and the config's grace is checked against: the grace
+# is cut to MAX_GRACE_S; SIGKILL's exit is waited for KILL_WAIT_S; each of its CRI_CALLS CRI calls
+# (Version, ContainerStatus) takes CRI_TIMEOUT_S at most.
+MAX_GRACE_S = 60.0
+KILL_WAIT_S = 5.0
+CRI_TIMEOUT_S = 5.0
+CRI_CALLS = 2
+
 # The tracer's Hello offers this while its node takes part (tracer --remediation on, the default).
 CAPABILITY = "remediation"
 # A node's label that keeps ghostgpu's hands off it: ghostgpu.io/remediation=off.
