@@ -126,6 +126,7 @@ class ClusterTable:
     def __init__(self, nodes: dict[str, NodeView], resolve: Resolve | None, store: Store | None,
                  next_finding_id: int = 1, open_findings: Iterable[FindingRow] = (), *,
                  forget: Callable[[str, str], None] | None = None,
+                 keep: Callable[[str, str], None] | None = None,
                  unused_keep_s: float = UNUSED_CONTAINER_KEEP_S, unused_max: int = UNUSED_CONTAINERS_MAX,
                  ) -> None:
         self.nodes = nodes
@@ -134,6 +135,10 @@ class ClusterTable:
         # The resolver's forget(node, container_id); (node, container ID) -> monotonic time its last
         # consumer went, oldest first. Kept only with a forget to hand them to, else nothing drains it.
         self.forget = forget
+        # The resolver's keep(node, container_id), for a container's first consumer: its answer is
+        # then refreshed every ttl by the resolver itself, so a container that stops under a holder
+        # that outlives it is seen (orphaned) though nothing on the node changes (on_cri_change).
+        self.keep = keep
         self.unused_keep_s, self.unused_max = unused_keep_s, unused_max
         self._unused: dict[tuple[str, str], float] = {}
         self.rows: dict[str, dict[ConsumerKey, ClusterConsumer]] = {}
@@ -245,6 +250,8 @@ class ClusterTable:
                 if self.forget is not None:
                     self._unused_from_now(node, old_cid, self.forget)
         if new_cid:
+            if new_cid not in by_cid and self.keep is not None:
+                self.keep(node, new_cid)
             by_cid.setdefault(new_cid, set()).add(key)
             if self._unused:
                 self._unused.pop((node, new_cid), None)  # in use again: its answer stays
@@ -259,21 +266,6 @@ class ClusterTable:
             oldest = next(iter(unused))
             del unused[oldest]
             forget(*oldest)
-
-    def revalidate(self) -> int:
-        """Ask the resolver again for every container that has a consumer now; how many. The collector
-        calls it every second: an answer past its ttl is refreshed even while nothing on the node
-        changes, so a container stopped under a holder that outlived it is seen (orphaned) within
-        --cri-ttl-s; a refresh that changes the answer comes back through on_cri_change. Between
-        refreshes each ask is a cache hit."""
-        if self.resolve is None:
-            return 0
-        asked = 0
-        for node, containers in self.by_cid.items():
-            for cid in containers:
-                self.resolve(node, cid)
-                asked += 1
-        return asked
 
     def release_unused(self, now_mono: float | None = None) -> int:
         """Hand forget() the containers with no consumer on their node for unused_keep_s; how many.

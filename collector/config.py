@@ -161,8 +161,8 @@ class CollectorConfig:
         help="resolve containers of tracers without a CRI relay through this local socket")
     cri_ttl_s: float = setting(
         30.0, flag="--cri-ttl-s", check=_above_0("--cri-ttl-s"), type=float,
-        help="seconds a CRI answer is cached (default {default}; unknown containers 5); every answer "
-             "for a container with a GPU holder is asked again this often, so a container that stops "
+        help="seconds a CRI answer is cached (default {default}; unknown containers 5); the answer "
+             "for a container with a GPU holder is fetched again this often, so a container that stops "
              "under a holder that outlives it is seen orphaned within it")
     # The node the collector itself runs on (`up`): its containers are resolved through cri_endpoint.
     node_name: str | None = setting(in_file=False)

@@ -7,10 +7,13 @@ when a fetch changes the answer, so the collector re-enriches that node's consum
 `ttl_s` (30 s), unknown containers `negative_ttl_s` (5 s); an expired answer is still served while
 its refresh runs, so names do not flicker. CRI unreachable: the answer is `unresolved` with the
 error (keeping the names last seen), retried with backoff (0.5 s doubling to 10 s) until CRI
-answers. `forget(node, container_id)` drops a container's answer: the cluster table calls it a
-while after the container's last consumer is gone (collector/cluster.py), as a node that runs
-short-lived jobs brings a new container ID with every one. The fetch procedure itself is
-collector/cri_fetch.py.
+answers. `keep(node, container_id)` keeps a container's answer fresh by itself: the cluster table
+calls it when the container's first consumer comes, and the answer is fetched again every ttl_s
+from then on (a container stopped under a holder that outlives it turns it orphaned within ttl_s,
+though nothing on its node changes); `forget(node, container_id)` drops the answer, and the keeping
+with it: the cluster table calls it a while after the container's last consumer is gone
+(collector/cluster.py), as a node that runs short-lived jobs brings a new container ID with every
+one. The fetch procedure itself is collector/cri_fetch.py.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class CriStats:
     call_seconds_total: float = 0.0  # summed latency of every call (mean = this / calls_total)
     fetch_seconds_total: float = 0.0  # summed latency of every lookup (mean = this / fetches_total)
     cached: int = 0  # entries in the cache now
-    pending: int = 0  # lookups queued or running now
+    pending: int = 0  # lookups due (queued or running) now
     failures_by_node: dict[str, int] = field(default_factory=dict)
     # Cumulative counts of calls that took at most CALL_LATENCY_BUCKETS_S[i] seconds (a Prometheus
     # histogram's buckets; +Inf is calls_total and the sum is call_seconds_total).
@@ -80,6 +83,7 @@ class _Entry:
     ticket: int = 0  # which heap item is this entry's live one
     failures: int = 0  # consecutive transport failures, for the retry backoff
     last_read: float = 0.0
+    kept: bool = False  # keep(): fetched again every ttl by itself, never dropped as idle
 
 
 class CriResolver:
@@ -150,6 +154,25 @@ class CriResolver:
             entry.last_read = now
             return entry.info
 
+    def keep(self, node: str, container_id: str) -> None:
+        """Keep the container's answer fresh without anyone asking (a GPU holder is in it): fetched
+        now if it has none, then again as each answer expires, until forget()."""
+        cid = normalize_container_id(container_id)
+        if not cid:
+            return
+        key = (node, cid)
+        now = time.monotonic()
+        with self._cond:
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._cache[key] = _Entry(_PENDING)
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+            entry.kept = True
+            entry.last_read = now
+            if not entry.queued:
+                self._schedule(key, entry, max(now, entry.expires_at))
+
     def forget(self, node: str, container_id: str) -> None:
         """Drop the answer for a container nobody holds a GPU in any more (a lookup in flight for it
         is discarded when it ends, a queued one skipped); the next get() looks it up afresh."""
@@ -162,13 +185,16 @@ class CriResolver:
             return self._runtime.get(node, "")
 
     def stats(self) -> CriStats:
+        now = time.monotonic()
         with self._cond:
             return CriStats(
                 calls_total=self._calls, failures_total=self._failures, cache_hits_total=self._hits,
                 cache_misses_total=self._misses, fetches_total=self._fetches,
                 last_call_latency_s=self._last_call_s, last_fetch_latency_s=self._last_fetch_s,
                 call_seconds_total=self._call_total_s, fetch_seconds_total=self._fetch_total_s,
-                cached=len(self._cache), pending=sum(1 for e in self._cache.values() if e.queued),
+                cached=len(self._cache),
+                # a kept answer's next refresh, queued while the answer is fresh, is not due yet
+                pending=sum(1 for e in self._cache.values() if e.queued and e.expires_at <= now),
                 failures_by_node=dict(self._node_failures),
                 call_latency_bucket_counts=tuple(itertools.accumulate(self._call_buckets[:-1])),
             )
@@ -212,7 +238,7 @@ class CriResolver:
                     entry = self._cache.get(key)
                     if entry is None or entry.ticket != ticket:
                         continue  # evicted or forgotten since it was queued
-                    if now - entry.last_read > self.idle_drop_s:
+                    if not entry.kept and now - entry.last_read > self.idle_drop_s:
                         del self._cache[key]  # nobody asked for it in a long while: stop retrying
                         continue
                     return key, entry
@@ -316,6 +342,8 @@ class CriResolver:
                 entry.queued = False
                 ttl_s = self.negative_ttl_s if result.resolution == "not_found" else self.ttl_s
                 entry.expires_at = now + ttl_s
+                if entry.kept:  # its next fetch is due as this answer expires
+                    self._schedule(key, entry, entry.expires_at)
             changed = entry.info != old
         if changed:
             try:

@@ -198,7 +198,8 @@ class Collector:
         shared = self.store.engine != "sqlite"
         self.cluster = ClusterTable(self.nodes, self.resolver.get, self.store, 1,
                                     () if shared else self.store.load_open_findings(),
-                                    forget=getattr(self.resolver, "forget", None))
+                                    forget=getattr(self.resolver, "forget", None),
+                                    keep=getattr(self.resolver, "keep", None))
         self.cluster.id_source = self.store.next_finding_id
         self.cluster.fence_for = self.leases.fence
         # Replicas: the findings other replicas write, to this replica's WatchFindings watchers
@@ -388,7 +389,6 @@ class Collector:
                     self._prune_fault_counts()
                 self.cluster.flush_changed()
                 self.cluster.release_unused()
-                self.cluster.revalidate()  # CRI answers past their ttl asked again: a stopped container
                 security.tick()  # a changed policy file is reloaded (a bad one keeps the old)
                 self.remediation_config.maybe_reload()  # and so is a changed remediation section
                 try:

@@ -363,3 +363,23 @@ def test_direct_transport_survives_a_runtime_restart(fake: FakeCri) -> None:
 def test_bad_endpoint_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unix:///absolute/path"):
         direct_transport("localhost:1234")
+
+
+def test_a_kept_container_is_fetched_again_by_itself_and_its_stop_is_heard(
+        fake: FakeCri, make, changes: Changes) -> None:
+    """keep(): nobody asks again, yet the answer is refreshed every ttl, so a container that stops
+    under a holder that outlives it reaches on_change (the cluster table turns the holder orphaned);
+    forget() ends the keeping."""
+    cid = new_id()
+    fake.add_container(cid, "sb1", "worker")
+    r = make(ttl_s=0.2)
+    r.keep(NODE, cid)
+    wait_until(lambda: r.get(NODE, cid).container_state == "CONTAINER_RUNNING", "the kept container resolved")
+    heard = changes.count(cid)
+    with fake.lock:
+        fake.containers[cid].state = cri.CONTAINER_EXITED
+    wait_until(lambda: changes.count(cid) > heard, "the kept container's stop heard with nobody asking")
+    assert r.get(NODE, cid).container_state == "CONTAINER_EXITED"
+    r.forget(NODE, cid)
+    assert r.stats().cached == 0  # forgotten: no longer kept, nor fetched
+
