@@ -54,18 +54,20 @@ class OpenStream:
     task: asyncio.Task[Any] | None
     not_after_s: float | None  # the client certificate's notAfter (Unix seconds); None: no certificate
     ended: tuple[grpc.StatusCode, str] | None = field(default=None)  # set when revoked
-    writing: asyncio.Future[Any] | None = field(default=None)  # the message send in flight, if any
+    writing: bool = field(default=False)  # a message send is in flight
+    cancel_due: bool = field(default=False)  # revoked during that send: the handler ends once it is done
 
 
-# How long a revoked stream's message send in flight may take before its status goes out anyway.
+# How long a revoked stream's message send in flight may take before its handler is cancelled anyway.
 _WRITE_DRAIN_S = 5.0
 
 
 class _TrackedWrites:
-    """The handler's context, its context.write run beside the handler task so that a revocation
-    (which cancels that task) can wait for the send in flight: gRPC core refuses a status while a
-    message send is still in flight (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, grpcio 1.85), and the
-    stream would then stay open with no status at all."""
+    """The handler's context, its context.write marked in flight, so that a revocation does not cancel
+    the handler in the middle of one: gRPC core refuses a status while a message send is still in
+    flight (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, grpcio 1.85), and the stream would then stay open
+    with no status at all. A revocation during a send lets it finish, and the handler ends after it
+    (OpenStreams._end)."""
 
     def __init__(self, context: Context, stream: OpenStream) -> None:
         self._context = context
@@ -75,11 +77,22 @@ class _TrackedWrites:
         return getattr(self._context, name)
 
     async def write(self, message: object) -> None:
-        sending = asyncio.ensure_future(self._context.write(message))
-        # Its error is the handler's to see; one that comes after the handler was cancelled is not news.
-        sending.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._stream.writing = sending
-        await asyncio.shield(sending)
+        stream = self._stream
+        stream.writing = True
+        try:
+            await self._context.write(message)
+        finally:
+            stream.writing = False
+        if stream.cancel_due:
+            stream.cancel_due = False
+            raise asyncio.CancelledError  # the revocation that came during the send
+
+
+def _cancel_if_due(stream: OpenStream) -> None:
+    """A send that did not finish within _WRITE_DRAIN_S (a client that stopped reading): cancel the
+    handler anyway."""
+    if stream.cancel_due and stream.task is not None and not stream.task.done():
+        stream.task.cancel()
 
 
 @lru_cache(maxsize=1024)  # one parse per certificate, not per stream
@@ -141,8 +154,6 @@ class OpenStreams:
             self._remove(stream)
         if stream.ended is not None:
             code, details = stream.ended
-            if stream.writing is not None and not stream.writing.done():
-                await asyncio.wait([stream.writing], timeout=_WRITE_DRAIN_S)
             await context.abort(code, details)  # raises AbortError, which gRPC expects
         return result
 
@@ -232,7 +243,11 @@ class OpenStreams:
         for stream, details in streams:
             stream.ended = (code, details)
             if stream.task is not None and not stream.task.done():
-                stream.task.cancel()
+                if stream.writing:  # cancelled once the send in flight is done (_TrackedWrites.write)
+                    stream.cancel_due = True
+                    asyncio.get_running_loop().call_later(_WRITE_DRAIN_S, _cancel_if_due, stream)
+                else:
+                    stream.task.cancel()
             groups.setdefault((stream.principal.subject, stream.method), []).append(stream)
         self.revoked_total += len(streams)
         log.warning("%s: ended %d open stream(s) with %s", reason, len(streams), code.name)
