@@ -198,7 +198,8 @@ kubectl_for_tests() {
 }
 
 npm_for_tests() {
-  # tests/integration/test_speedscope.py installs the offline trace viewer from npm.
+  # tests/integration/test_speedscope.py installs the offline trace viewer from npm, and
+  # tests/integration/test_helm_crds.py the cert-manager and Prometheus Operator schemas.
   if command -v npm >/dev/null; then step_note="already installed"; return 0; fi
   apt_install npm
 }

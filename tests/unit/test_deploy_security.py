@@ -18,11 +18,10 @@ from ghostgpu.tracer.capabilities import NEEDED_NAMES
 from ghostgpu.common.model.durations import parse_duration_s
 from ghostgpu.common.transport.principal import Principal
 from ghostgpu.common.web.webconfig import WebConfigError, parse_web_config
+from tests.helpers.kube_schemas import K8S_VERSIONS, is_core, validate_core
 from tests.helpers.manifests import DEPLOY, MANIFESTS, Manifest, flag
 
-K8S_VERSION = "1.30.0"  # the oldest with securityContext.appArmorProfile, which the tracer sets
-# Kinds of the Kubernetes API itself: kubernetes-validate has their schemas.
-CORE_GROUPS = {"v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
+# Kinds of the Kubernetes API itself are validated against its schemas (tests/helpers/kube_schemas.py).
 # The others, each checked field by field where it is used: cert-manager's below, the Prometheus
 # Operator's monitors in test_deploy.py and here, CloudNativePG's Cluster in test_deploy_replicated.py.
 CUSTOM_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
@@ -43,15 +42,14 @@ def m(request: pytest.FixtureRequest) -> Manifest:
     return Manifest(path)
 
 
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
 @pytest.mark.parametrize("path", EVERY_FILE, ids=lambda p: str(p.relative_to(DEPLOY)))
-def test_every_body_validates_against_the_kubernetes_schemas(path: Path) -> None:
-    kubernetes_validate = pytest.importorskip(
-        "kubernetes_validate", reason="pip install kubernetes-validate (the dev extra; .ci/run installs it)")
+def test_every_body_validates_against_the_kubernetes_schemas(path: Path, k8s_version: str) -> None:
     documents = Manifest(path).documents
     assert documents
     for doc in documents:
-        if doc["apiVersion"] in CORE_GROUPS:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # ValidationError names the field
+        if is_core(doc["apiVersion"]):
+            validate_core(doc, k8s_version)  # one line naming the object and the field
         else:  # a custom resource: one of those checked field by field
             custom = (doc["apiVersion"], doc["kind"])
             assert custom in CUSTOM_KINDS, f"{path.name}: {doc['kind']} is checked nowhere"
