@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
+from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags, add_tls_server_name_flag
 
 from ghostgpu.common.audit.chain import (
     AuditRecord,
@@ -72,6 +72,7 @@ def add_parser(sub: Any) -> None:
                    "record's seq and why, and exit 1")
     add_tls_flags(p)
     add_collector_uid_flag(p)
+    add_tls_server_name_flag(p)
 
 
 def _since_ns(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from ghostgpu.cli.tls_flags import (
     add_collector_uid_flag,
     add_server_security_flags,
     add_tls_flags,
+    add_tls_server_name_flag,
 )
 
 from ghostgpu import __version__
@@ -125,6 +126,7 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", help="only this node")
     add_tls_flags(p)
     add_collector_uid_flag(p)
+    add_tls_server_name_flag(p)
 
 
 def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], verb: bool = False) -> None:
@@ -137,6 +139,7 @@ def _add_trace_outputs(p: argparse.ArgumentParser, outputs: tuple[str, ...], ver
                    f"(default $GHOSTGPU_COLLECTOR or {DEFAULT_COLLECTOR})")
     add_tls_flags(p, verb=verb)
     add_collector_uid_flag(p, verb=verb)
+    add_tls_server_name_flag(p, verb=verb)
     p.add_argument("-o", "--output", choices=outputs, default=default("table"),
                    help="table (default), json (one document at the end) or jsonl (one record a line)")
     if "jsonl" in outputs:
@@ -184,10 +187,12 @@ def _add_trace_parser(sub: Any) -> None:
                       help=f"collector address: {COLLECTOR_FORMS}")
     add_tls_flags(stop, verb=True)
     add_collector_uid_flag(stop, verb=True)
+    add_tls_server_name_flag(stop, verb=True)
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ghostgpu", description="Find every GPU consumer on this node, "
+def _build_parser(prog: str = "ghostgpu") -> argparse.ArgumentParser:
+    """prog: the name usage lines show (`kubectl ghostgpu` for cli/kubectl_plugin.py)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Find every GPU consumer on this node, "
                                      "including the ones nvidia-smi and NVML miss.")
     parser.add_argument("--version", action="version", version=f"ghostgpu {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -270,6 +275,7 @@ def _add_ps_and_findings_parsers(sub: Any) -> None:
     faults.add_argument("--limit", type=int, default=1000, help="the newest N at most (default 1000)")
     add_tls_flags(faults)
     add_collector_uid_flag(faults)
+    add_tls_server_name_flag(faults)
 
 
 def _add_up_parser(sub: Any) -> None:
@@ -374,7 +380,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    return run(_build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command `args` names (parsed by _build_parser): one line and a status for known failures."""
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="ghostgpu: %(name)s: %(message)s")
     from ghostgpu.common.system.configfile import ConfigError

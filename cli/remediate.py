@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ghostgpu.cli.client import ClientError, Query, TraceRefused
-from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags
+from ghostgpu.cli.tls_flags import add_collector_uid_flag, add_tls_flags, add_tls_server_name_flag
 
 from ghostgpu.common.model.remediation import MODES
 from ghostgpu.common.transport.collector_target import FORMS as COLLECTOR_FORMS
@@ -48,6 +48,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--collector", help=f"collector address: {COLLECTOR_FORMS} (default: the local socket)")
     add_tls_flags(p)
     add_collector_uid_flag(p)
+    add_tls_server_name_flag(p)
 
 
 def check_args(args: argparse.Namespace) -> None:

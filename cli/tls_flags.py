@@ -3,6 +3,7 @@
 --tls-cert, --tls-key, --tls-ca and --tls-trust-domain mean the same on `tracer`, `collector`,
 `up`, `ps`, `findings`, `trace` and `audit`; each falls back to GHOSTGPU_TLS_CERT, _KEY, _CA and
 _TRUST_DOMAIN (the tracer also reads them as config keys tls_cert, tls_key, tls_ca, tls_trust_domain).
+The client commands also take --tls-server-name (no variable).
 """
 
 from __future__ import annotations
@@ -71,7 +72,19 @@ def add_server_security_flags(p: argparse.ArgumentParser) -> None:
                    help="append-only audit log, JSON lines (default: beside --db, NAME.audit.jsonl)")
 
 
+def add_tls_server_name_flag(p: argparse.ArgumentParser, *, verb: bool = False) -> None:
+    """--tls-server-name: a client command's (ps, findings, faults, trace, audit, remediate) name to
+    check the collector's certificate against, when the address dialled is not one it names: a
+    `kubectl port-forward` (cli/kubectl_plugin.py sets it), an SSH tunnel, an IP."""
+    p.add_argument("--tls-server-name", dest="tls_server_name", metavar="NAME",
+                   default=argparse.SUPPRESS if verb else None,
+                   help="over TLS, the name the collector's certificate must carry, instead of the host "
+                   "dialled (e.g. ghostgpu-collector.ghostgpu.svc through a port-forward); no variable")
+
+
 def tls_from_args(args: Any) -> TlsFiles:
-    """The TLS files of a client command's flags, else GHOSTGPU_TLS_* (TlsFiles.resolve)."""
+    """The TLS files of a client command's flags, else GHOSTGPU_TLS_* (TlsFiles.resolve), and
+    --tls-server-name where the command has it."""
     return TlsFiles.resolve(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                            getattr(args, "tls_ca", None), getattr(args, "tls_trust_domain", None))
+                            getattr(args, "tls_ca", None), getattr(args, "tls_trust_domain", None),
+                            server_name=getattr(args, "tls_server_name", None))

@@ -81,7 +81,8 @@ def open_channel(target: str | CollectorTarget, tls: TlsFiles | None,
     literals = resolve_list(spec) if spec.needs_resolving else []
     grpc_target = spec.grpc_target(literals)
     secure = tls is not None and tls.enabled and spec.kind != "unix"
-    channel_options = [*options, *collector_channel_options(spec, secure=secure)]
+    server_name = tls.server_name if secure and tls is not None else None
+    channel_options = [*options, *collector_channel_options(spec, secure=secure, server_name=server_name)]
     if not secure:
         for address in plaintext_checked(spec, literals):
             check_plaintext_collector(address, collector_uid)
@@ -90,8 +91,10 @@ def open_channel(target: str | CollectorTarget, tls: TlsFiles | None,
     return grpc.secure_channel(grpc_target, channel_credentials(tls), options=channel_options)
 
 
-def collector_channel_options(spec: CollectorTarget, *, secure: bool) -> list[tuple[str, Any]]:
-    """The replicas' policy, and for a list the name gRPC would otherwise take from the IPs."""
+def collector_channel_options(spec: CollectorTarget, *, secure: bool,
+                              server_name: str | None = None) -> list[tuple[str, Any]]:
+    """The replicas' policy, and for a list the name gRPC would otherwise take from the IPs.
+    `server_name` (--tls-server-name): over TLS, the name checked instead of the host written."""
     if spec.kind == "unix":
         return []
     options: list[tuple[str, Any]] = [
@@ -107,8 +110,9 @@ def collector_channel_options(spec: CollectorTarget, *, secure: bool) -> list[tu
         # gRPC's authority for ipv4:/ipv6: targets is made of the literals; the :authority and the
         # TLS check (grpcio 1.85.3 checks the default authority's host) are the name written.
         options.append(("grpc.default_authority", spec.authority))
-        if secure:
-            options.append(("grpc.ssl_target_name_override", spec.server_name))
+    if secure and (server_name or spec.kind == "list"):
+        # The name the certificate is checked against (and the TLS SNI), grpcio 1.85.3.
+        options.append(("grpc.ssl_target_name_override", server_name or spec.server_name))
     return options
 
 

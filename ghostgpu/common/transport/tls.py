@@ -49,6 +49,9 @@ _TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
 _NAMES = {"node": re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$"),
           "user": re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._@-]{0,251}[A-Za-z0-9])?$"),
           "group": re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._@:/-]{0,251}[A-Za-z0-9])?$")}
+# RFC 1123 labels, dot-separated, at most 253 characters (a wildcard is a certificate's, not a dial's).
+_SERVER_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.+?-----END CERTIFICATE-----", re.S)
 _MAKE_ONE = "ghostgpu certs issue makes one (docs/SECURITY.md)"
 
@@ -61,6 +64,14 @@ def check_trust_domain(value: str, what: str = "--tls-trust-domain") -> str:
     if not _TRUST_DOMAIN.match(value):
         raise TlsError(f"{what} {value!r}: a trust domain is lowercase letters, digits, '.', '-' and '_' "
                        f"(e.g. {DEFAULT_TRUST_DOMAIN} or prod.example.com)")
+    return value
+
+
+def check_server_name(value: str, what: str = "--tls-server-name") -> str:
+    """A DNS name a certificate can carry (its SAN dNSName), else one line."""
+    if not _SERVER_NAME.match(value):
+        raise TlsError(f"{what} {value!r}: not a DNS name; give the name the collector's certificate "
+                       "carries, e.g. ghostgpu-collector.ghostgpu.svc")
     return value
 
 
@@ -88,6 +99,9 @@ class TlsFiles:
     # Which GHOSTGPU_TLS_* variable supplied a value (key -> variable), so errors name it rather
     # than a flag that was never given.
     origin: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # A client's --tls-server-name: the name the collector's certificate must carry when it is not
+    # the host dialled (a `kubectl port-forward` dials 127.0.0.1). None: the host dialled.
+    server_name: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -95,8 +109,11 @@ class TlsFiles:
 
     @classmethod
     def resolve(cls, cert: str | None = None, key: str | None = None, ca: str | None = None,
-                trust_domain: str | None = None, env: Mapping[str, str] = os.environ) -> TlsFiles:
-        """The flags' (or config keys') values, each missing one filled from its GHOSTGPU_TLS_* variable."""
+                trust_domain: str | None = None, env: Mapping[str, str] = os.environ,
+                server_name: str | None = None) -> TlsFiles:
+        """The flags' (or config keys') values, each missing one filled from its GHOSTGPU_TLS_* variable.
+        `server_name` (--tls-server-name, a client's) has no variable: the tracer and the collector
+        resolve their files here too, and a name meant for one command must not reach them."""
         given = {"cert": cert, "key": key, "ca": ca, "trust_domain": trust_domain}
         values: dict[str, str | None] = {}
         origin: dict[str, str] = {}
@@ -107,7 +124,9 @@ class TlsFiles:
             values[name] = value or None
         td = values.pop("trust_domain") or DEFAULT_TRUST_DOMAIN
         check_trust_domain(td, origin.get("trust_domain", FLAGS["trust_domain"]))
-        return cls(trust_domain=td, origin=origin, **values)
+        if server_name is not None:
+            check_server_name(server_name)
+        return cls(trust_domain=td, origin=origin, server_name=server_name or None, **values)
 
     def label(self, name: str) -> str:
         """How the user gave `name` (cert, key, ca): its flag, or the variable it came from."""

@@ -96,6 +96,9 @@ def explain_connect_failure(address: str, files: TlsFiles, details: str,
         return (f"collector {address}: its certificate is not trusted ({why}); pass as "
                 f"{files.label('ca')} the CA that signed the collector's certificate (now {files.ca})")
     if "Hostname Verification" in details or "Peer name" in details:
+        if files.server_name:
+            return (f"collector {address}: its certificate does not name {files.server_name!r} "
+                    "(--tls-server-name); pass a name the certificate lists")
         host = target[0] if target else address
         return (f"collector {address}: its certificate does not name {host!r}; dial a name or address it "
                 "lists, or issue it for this one (ghostgpu certs issue --collector HOST[,HOST...])")
