@@ -27,6 +27,7 @@ import yaml
 
 from tests.helpers.helm import Render, ci_values_files, render_values_file
 from tests.helpers.kube_schemas import CRD_KINDS, is_core
+from tests.helpers.npm_cache import npm_install_once
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS_VERSION = "6.0.0"  # pinned: both packages' validators are what this test trusts
@@ -49,8 +50,7 @@ def models() -> Path:
     """The folder whose node_modules holds both packages, installed from the npm registry on first use."""
     installed = [CACHE / "node_modules" / "@kubernetes-models" / name / "package.json"
                  for name in ("cert-manager", "prometheus-operator")]
-    if all(p.exists() for p in installed):
-        return CACHE
+    return npm_install_once(CACHE, PACKAGES, installed)
     npm = shutil.which("npm")
     if not npm:
         pytest.skip("npm is not installed (apt-get install npm; scripts/bootstrap.sh install)")

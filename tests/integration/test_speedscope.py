@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 from ghostgpu.cli.chrome_trace import chrome_trace
 
+from tests.helpers.npm_cache import npm_install_once
 from tests.unit.test_chrome_trace import SESSION, sample_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,23 +59,7 @@ def _chromium() -> str:
 @pytest.fixture(scope="module")
 def speedscope() -> Path:
     """The viewer's release folder, installed from the npm registry on first use."""
-    if (RELEASE / "index.html").exists():
-        return RELEASE
-    npm = shutil.which("npm")
-    if not npm:
-        pytest.skip("npm is not installed (apt-get install npm; scripts/bootstrap.sh install)")
-    staging = CACHE.with_name(f"{CACHE.name}.tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    done = subprocess.run([npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-                           "--no-update-notifier", f"speedscope@{SPEEDSCOPE_VERSION}"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"npm install speedscope failed:\n{done.stdout}\n{done.stderr}"
-    try:
-        staging.rename(CACHE)  # whole or not at all: a broken install is never taken for the cache
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)  # another run installed it meanwhile
-    assert (RELEASE / "index.html").exists(), f"no dist/release/index.html under {CACHE}"
+    npm_install_once(CACHE, [f"speedscope@{SPEEDSCOPE_VERSION}"], [RELEASE / "index.html"])
     return RELEASE
 
 
