@@ -4,9 +4,10 @@ collector inside a cluster when no --collector is given (cli/kubectl_plugin.py).
 The pieces are apart so each can be tested without an API server:
 - `port_forward_command` builds the command line (pure);
 - `parse_forwarding` reads kubectl's ready line, "Forwarding from 127.0.0.1:PORT -> 7450" (pure);
-- `PortForward` runs the child: a free local port (bound, read and closed, then named to kubectl, which
-  binds it again: another process could take it in between, and kubectl then fails to listen, which is
-  the one line below), waits for the ready line with a deadline, and stops the child on exit.
+- `PortForward` runs the child, waits for the ready line with a deadline, and stops the child on exit.
+  The local port is kubectl's choice (`:REMOTE`, kubectl 1.32's "listen on a random port locally"), read
+  from its ready line: kubectl binds port 0 itself and keeps it, so no other process can take the port
+  between its choice and the listen, as it could if this process picked one and closed it first.
 
 The child runs in its own process group, so that a Ctrl-C in the terminal reaches this process only,
 which stops the group itself (SIGTERM, SIGKILL after STOP_TIMEOUT_S): kubectl's credential helpers
@@ -25,7 +26,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,15 +65,16 @@ class ForwardTarget:
         return f"service/{self.service} in namespace {self.namespace}"
 
 
-def port_forward_command(kubectl: str, target: ForwardTarget, local_port: int) -> list[str]:
-    """kubectl port-forward on 127.0.0.1:LOCAL_PORT to the Service's port (kubectl picks one of its pods)."""
+def port_forward_command(kubectl: str, target: ForwardTarget, local_port: int | None = None) -> list[str]:
+    """kubectl port-forward on 127.0.0.1:LOCAL_PORT to the Service's port (kubectl picks one of its pods);
+    without local_port, kubectl picks a free local port and says which on its ready line."""
     cmd = [kubectl, "port-forward"]
     if target.kubeconfig:
         cmd += ["--kubeconfig", target.kubeconfig]
     if target.context:
         cmd += ["--context", target.context]
     return [*cmd, "--namespace", target.namespace, "--address", LISTEN_HOST,
-            f"service/{target.service}", f"{local_port}:{target.remote_port}"]
+            f"service/{target.service}", f"{local_port or ''}:{target.remote_port}"]
 
 
 def parse_forwarding(line: str) -> tuple[str, int, int] | None:
@@ -85,14 +86,6 @@ def parse_forwarding(line: str) -> tuple[str, int, int] | None:
     if not (0 < local < 65536 and 0 < remote < 65536):
         return None
     return m.group(1).strip("[]"), local, remote
-
-
-def free_port(host: str = LISTEN_HOST) -> int:
-    """A port nobody listens on now: bound with port 0, read, closed (kubectl binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _die_with_parent() -> None:
@@ -115,7 +108,7 @@ class PortForward:
                  stop_timeout_s: float = STOP_TIMEOUT_S, local_port: int | None = None) -> None:
         self.kubectl, self.target = kubectl, target
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
-        self.local_port = local_port or free_port()
+        self.local_port = local_port  # None: kubectl's choice, known from the ready line
         self.command = port_forward_command(kubectl, target, self.local_port)
         self.proc: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
@@ -181,8 +174,9 @@ class PortForward:
             for raw in stdout:  # to the end: the child's later lines must not fill the pipe
                 if self._forwarded is None:
                     found = parse_forwarding(raw.decode(errors="replace"))
-                    if found is not None and found[1] == self.local_port:
+                    if found is not None and self.local_port in (None, found[1]):
                         self._forwarded = found
+                        self.local_port = found[1]
                         self._ready.set()
         self._ready.set()
 

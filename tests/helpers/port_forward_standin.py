@@ -4,15 +4,16 @@ This is not a fake kubectl that a test of kubectl's behaviour relies on: what ku
 command line is kubectl's (tests/integration/test_kubectl_plugin.py runs the real one). It plays the
 child's side of the contract PortForward depends on, in the way the test asks ($STANDIN_MODE):
 
-- ready: print "Forwarding from 127.0.0.1:PORT -> REMOTE" (from the last argument, LOCAL:REMOTE),
-  then N=$STANDIN_FLOOD "Handling connection for PORT" lines, then wait for a signal;
+- ready: print "Forwarding from 127.0.0.1:PORT -> REMOTE" (from the last argument, LOCAL:REMOTE; an
+  empty LOCAL, as kubectl does, is a port it binds on 127.0.0.1 and holds), then N=$STANDIN_FLOOD
+  "Handling connection for PORT" lines, then wait for a signal;
 - fail: "error: services "x" not found" on stderr, exit 1 (kubectl's way to fail);
 - silent: never say anything, wait for a signal;
 - stubborn: ready, but ignore SIGTERM (so only SIGKILL ends it);
 - grandchild: ready, with a child process of its own in its process group.
 
-It appends a JSON line to $STANDIN_LOG: its argv, its pid, the grandchild's pid, and "flooded" once
-the flood lines are written (the reader kept draining them).
+It appends a JSON line to $STANDIN_LOG: its argv, its pid, the grandchild's pid and its local port;
+and "flooded" once the flood lines are written (the reader kept draining them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -33,10 +35,14 @@ def main() -> int:
     mode = os.environ.get("STANDIN_MODE", "ready")
     argv = sys.argv[1:]
     local, _, remote = argv[-1].partition(":")
+    listener = None
+    if not local:  # kubectl's random local port: bound now, held while it runs
+        listener = socket.create_server(("127.0.0.1", 0))
+        local = str(listener.getsockname()[1])
     grandchild = None
     if mode == "grandchild":
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-    log(argv=argv, pid=os.getpid(), grandchild=grandchild.pid if grandchild else None)
+    log(argv=argv, pid=os.getpid(), grandchild=grandchild.pid if grandchild else None, local=int(local))
     if mode == "fail":
         print("E1202 memcache.go:265] couldn't get current server API group list", file=sys.stderr)
         print('error: services "x" not found', file=sys.stderr)

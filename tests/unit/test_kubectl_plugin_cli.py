@@ -40,6 +40,10 @@ DEADLINE_S = 20.0
 # ---- the command line ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("target", "port", "want"), [
+    # No local port: kubectl picks a free one and binds it at once (no window for another process).
+    (ForwardTarget(), None,
+     ["kubectl", "port-forward", "--namespace", "ghostgpu", "--address", "127.0.0.1",
+      "service/ghostgpu-collector", ":7450"]),
     (ForwardTarget(), 40001,
      ["kubectl", "port-forward", "--namespace", "ghostgpu", "--address", "127.0.0.1",
       "service/ghostgpu-collector", "40001:7450"]),
@@ -54,7 +58,7 @@ DEADLINE_S = 20.0
      ["kubectl", "port-forward", "--kubeconfig", "/k", "--context", "c", "--namespace", "gpu-obs",
       "--address", "127.0.0.1", "service/gg-collector", "40004:8450"]),
 ])
-def test_port_forward_command(target: ForwardTarget, port: int, want: list[str]) -> None:
+def test_port_forward_command(target: ForwardTarget, port: int | None, want: list[str]) -> None:
     assert port_forward_command("kubectl", target, port) == want
 
 
@@ -238,10 +242,10 @@ def gone(pid: int) -> bool:
 def test_ready_then_stopped_on_leaving(standin: Path) -> None:
     target = ForwardTarget(namespace="obs", context="prod")
     with PortForward(str(standin), target) as forward:
-        assert forward.address == f"127.0.0.1:{forward.local_port}"
-        assert forward.proc is not None and forward.proc.poll() is None
         first = standin_log(standin)[0]
-        assert first["argv"] == port_forward_command(str(standin), target, forward.local_port)[1:]
+        assert forward.address == f"127.0.0.1:{first['local']}" and forward.local_port == first["local"]
+        assert forward.proc is not None and forward.proc.poll() is None
+        assert first["argv"] == port_forward_command(str(standin), target)[1:]  # the port kubectl's choice
     assert forward.proc.returncode == -signal.SIGTERM
 
 
@@ -330,7 +334,7 @@ def test_the_plugin_dials_the_forward_and_checks_the_charts_name(
     def run(args: argparse.Namespace) -> int:
         first = standin_log(standin)[0]
         alive.append(not gone(first["pid"]))
-        assert args.collector.startswith("127.0.0.1:") and first["argv"][-1] == f"{args.collector[10:]}:7450"
+        assert first["argv"][-1] == ":7450" and args.collector == f"127.0.0.1:{first['local']}"
         assert args.tls_server_name == want_name
         return 7
 
