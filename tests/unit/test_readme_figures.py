@@ -720,6 +720,17 @@ ROWS: dict[str, list[Figure]] = {
             "tick.off.wall.p50_ms", "tick.off.wall.p99_ms", "tick.off.loop_cpu.p50_ms"),
         fig("| {:.2f}x off |", "remediate", "tick.dry_run_vs_off_wall_p50"),
     ],
+    "`kubectl ghostgpu ps -o json`": [
+        fig("holding {:,} GPU holders of {} nodes", "kubectl_plugin", "holders", "nodes"),
+        fig("{} trials", "kubectl_plugin", "trials"),
+        fig("| p50 {:.1f} ms (min {:.1f} ms) |", "kubectl_plugin", "kubectl ghostgpu ps.p50_ms",
+            "kubectl ghostgpu ps.min_ms"),
+        fig("`ghostgpu ps` p50 {:.1f} ms (min {:.1f} ms)", "kubectl_plugin", "ghostgpu ps.p50_ms",
+            "ghostgpu ps.min_ms"),
+        fig("(`kubectl version --client`) p50 {:.1f} ms", "kubectl_plugin",
+            "kubectl version --client.p50_ms"),
+        fig("| {:.2f}x (+{:.1f} ms) |", "kubectl_plugin", "ratio_p50", "added_p50_ms"),
+    ],
 }
 
 # Sentences outside the table that quote measured figures: (first words, last words) -> figures.
