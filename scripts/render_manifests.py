@@ -99,10 +99,11 @@ REPLICATED_HEADER = """\
 """
 
 ISOLATION_HEADER = """\
-# Only for remediation.actions.isolate_node: true (the chart makes these itself with
-# remediation.enabled and remediation.config.actions.isolate_node). Apply it, then run the collector as
-# this ServiceAccount with its token mounted (the manifests keep the collector's pod off the API
-# otherwise):
+# For remediation (the chart makes these itself with remediation.enabled; with actions.isolate_node
+# off it grants nodes get only): the kill engine reads each node's opt-out label before an act and
+# holds every act back while it cannot, and node isolation taints or cordons. Apply it, then run the
+# collector as this ServiceAccount with its token mounted (the manifests keep the collector's pod off
+# the API otherwise):
 #   kubectl apply -f deploy/kubernetes/isolation-rbac.yaml
 #   kubectl -n ghostgpu patch deployment ghostgpu-collector -p \\
 #     '{"spec":{"template":{"spec":{"serviceAccountName":"ghostgpu-collector",

@@ -1,8 +1,9 @@
 """The real helm binary, run on the chart (deploy/helm/ghostgpu) for the tests that check it.
 
-    docs = render([CI / "certmanager-values.yaml"]).documents   # helm template, parsed
+    docs = render([CI / "cert-manager-values.yaml"]).documents   # helm template, parsed
     failed = template(set_values={"collector.retentionDays": "-1"})   # the raw run: rc, stderr
-    linted = lint(CI / "postgres-values.yaml")                         # helm lint --strict
+    linted = lint(CI / "postgresql-values.yaml")                       # helm lint --strict
+    text = notes(tmp_path, release="prod", namespace="obs")            # NOTES.txt as rendered
 
 The binary is the pinned v3.17.3 that scripts/install_helm.py puts beside the venv's python
 (.venv/bin/helm; `bash scripts/bootstrap.sh install` runs it), else a `helm` on PATH; any other
@@ -89,6 +90,33 @@ def _values_args(values_files: Sequence[Path], set_values: Mapping[str, str]) ->
     for key, value in set_values.items():  # --set-string would hide a wrong type from the schema
         args += ["--set", f"{key}={value}"]
     return args
+
+
+NOTES_PROBE = """\
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: notes-probe}
+data:
+  notes: |
+{{- tpl (.Files.Get "notes-probe/NOTES.txt") . | nindent 4 }}
+"""
+
+
+def notes(workdir: Path, set_values: Mapping[str, str] | None = None, release: str = RELEASE,
+          namespace: str = NAMESPACE) -> str:
+    """templates/NOTES.txt as `helm install` prints it. `helm template` never renders NOTES.txt, and
+    `helm install --dry-run` asks a cluster (helm 3.17), so a copy of the chart renders it through
+    `tpl` into a ConfigMap of its own."""
+    chart = workdir / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "notes-probe").mkdir()
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes-probe" / "NOTES.txt")
+    (chart / "templates" / "notes-probe.yaml").write_text(NOTES_PROBE)
+    done = run_helm(["template", release, str(chart), "--namespace", namespace,
+                     *_values_args((), set_values or {}), "--show-only", "templates/notes-probe.yaml"])
+    if done.returncode != 0:
+        raise HelmError(f"helm template (NOTES.txt) failed (exit {done.returncode}):\n{done.stderr}")
+    return str(yaml.safe_load(done.stdout)["data"]["notes"])
 
 
 def template(values_files: Sequence[Path] = (), set_values: Mapping[str, str] | None = None,

@@ -16,7 +16,6 @@ checks the same objects' field names without it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,21 +50,6 @@ def models() -> Path:
     installed = [CACHE / "node_modules" / "@kubernetes-models" / name / "package.json"
                  for name in ("cert-manager", "prometheus-operator")]
     return npm_install_once(CACHE, PACKAGES, installed)
-    npm = shutil.which("npm")
-    if not npm:
-        pytest.skip("npm is not installed (apt-get install npm; scripts/bootstrap.sh install)")
-    staging = CACHE.with_name(f"{CACHE.name}.tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    done = subprocess.run([npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-                           "--no-update-notifier", *PACKAGES], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"npm install {' '.join(PACKAGES)} failed:\n{done.stdout}\n{done.stderr}"
-    try:
-        staging.rename(CACHE)  # whole or not at all: a broken install is never taken for the cache
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)  # another run installed it meanwhile
-    assert all(p.exists() for p in installed), f"npm install left no {installed} under {CACHE}"
-    return CACHE
 
 
 def crd_check(models: Path, docs: list[dict[str, Any]]) -> tuple[int, list[str]]:

@@ -18,17 +18,30 @@ No root, no network, no API server: helm lint and template are offline.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
+import bcrypt
 import pytest
 import yaml
+from ghostgpu.cli import kubectl_plugin
 from ghostgpu.cli import main as cli
 from ghostgpu.collector.config import collector_config
 from ghostgpu.tracer.config import TracerConfig, load_config
 
 from ghostgpu.common.system.settings import flag_values
-from tests.helpers.helm import CI, Render, ci_values_files, lint, render, render_values_file, template
+from ghostgpu.common.web.webconfig import WebConfigError, parse_web_config
+from tests.helpers.helm import (
+    CI,
+    Render,
+    ci_values_files,
+    lint,
+    notes,
+    render,
+    render_values_file,
+    template,
+)
 from tests.helpers.kube_schemas import CRD_KINDS, K8S_VERSIONS, is_core, unknown_crd_fields, validate_core
 
 VALUES_FILES = ci_values_files()
@@ -288,3 +301,51 @@ def test_extra_args_reach_the_command_line_verbatim(tmp_path: Path) -> None:
     rendered = render([values])
     for owner, c in ghostgpu_containers(rendered):
         assert c["args"][-len(EXTRA_ARGS):] == EXTRA_ARGS, f"{owner}: {c['args'][-len(EXTRA_ARGS):]}"
+
+
+# ---- defaults a user's value replaces whole --------------------------------------------------------
+# Helm merges a map default of values.yaml with the user's map, so the chart keeps these two empty and
+# applies its default in the template: a selector or a user given is the whole of it.
+
+def test_a_given_node_selector_replaces_the_nvidia_default(tmp_path: Path) -> None:
+    def selector(rendered: Render) -> dict[str, str]:
+        spec = rendered.by_kind("DaemonSet")["ghostgpu-tracer"]["spec"]["template"]["spec"]
+        return dict(spec["nodeSelector"])
+
+    assert selector(render()) == {"nvidia.com/gpu.present": "true"}
+    amd = tmp_path / "amd-values.yaml"
+    amd.write_text(yaml.safe_dump({"tracer": {"nodeSelector": {"amd.com/gpu.present": "true"}}}))
+    assert selector(render([amd])) == {"amd.com/gpu.present": "true"}
+
+
+def test_a_named_scrape_user_replaces_the_placeholder() -> None:
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
+    for users, want in (({}, None), ({"webConfig.basicAuthUsers.scraper": hashed}, {"scraper"})):
+        web = render(set_values=users).by_kind("Secret")["ghostgpu-web-config"]["stringData"]["web.yml"]
+        if want is None:  # the placeholder: the pods refuse to start, naming the key to fill
+            with pytest.raises(WebConfigError, match=r"basic_auth_users\.prometheus: not a bcrypt hash"):
+                parse_web_config(web, "/etc/ghostgpu/web/web.yml")
+        else:
+            assert set(parse_web_config(web, "/etc/ghostgpu/web/web.yml").users) == want
+
+
+# ---- NOTES.txt --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("release", "namespace", "grpc_port"), [
+    ("ghostgpu", "ghostgpu", 7450), ("prod", "obs", 7451)])
+def test_the_notes_kubectl_line_reaches_this_releases_collector(tmp_path: Path, release: str, namespace: str,
+                                                               grpc_port: int) -> None:
+    values = {"collector.ports.grpc": str(grpc_port)}
+    text = notes(tmp_path, values, release=release, namespace=namespace)
+    (line,) = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("kubectl ghostgpu ")]
+    argv = shlex.split(line.partition("#")[0])[2:]
+    plugin, rest = kubectl_plugin.split_args(argv)
+    assert rest == ["ps"], line
+    target = kubectl_plugin.forward_target(plugin)
+    rendered = render(set_values=values, release=release, namespace=namespace)
+    service = rendered.by_kind("Service")[target.service]
+    assert service["metadata"]["namespace"] == target.namespace == namespace
+    assert target.remote_port in [p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    if (release, namespace, grpc_port) == ("ghostgpu", "ghostgpu", 7450):
+        # The plugin's defaults are the chart's defaults: no flag to add.
+        assert line.split("#")[0].split() == ["kubectl", "ghostgpu", "ps"]

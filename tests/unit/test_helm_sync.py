@@ -74,6 +74,22 @@ def test_remediation_renders_a_config_the_collector_loads(tmp_path: Path) -> Non
     assert collector["automountServiceAccountToken"] is True
 
 
+def test_remediation_without_isolation_still_reads_the_opt_out_label() -> None:
+    # The kill engine reads each node's ghostgpu.io/remediation label before an act and holds every act
+    # back while it cannot (collector/kube_api.py NodeLabels.labels_now): in a pod without a token that
+    # is every act. So: the token, and nodes get, nothing more.
+    docs = render(set_values={"remediation.enabled": "true", "remediation.config.mode": "on"})
+    collector = docs.by_kind("Deployment")["ghostgpu-collector"]["spec"]["template"]["spec"]
+    assert collector["automountServiceAccountToken"] is True
+    (role,) = docs.by_kind("ClusterRole").values()
+    rules = [(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]
+    assert rules == [([""], ["nodes"], ["get"])]
+    (binding,) = docs.by_kind("ClusterRoleBinding").values()
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": collector["serviceAccountName"],
+                                    "namespace": "ghostgpu"}]
+
+
 def test_without_remediation_no_kill_no_token_no_rbac() -> None:
     docs = render([CI / "default-values.yaml"])
     (tracer,) = docs.by_kind("DaemonSet")["ghostgpu-tracer"]["spec"]["template"]["spec"]["containers"]

@@ -120,13 +120,27 @@ by every template that depends on them, so that `helm template --show-only` chec
 {{- if and .Values.collector.store.sqlite.existingClaim (eq .Values.collector.store.scheme "postgresql") -}}
 {{- fail "collector.store.sqlite.existingClaim: only with collector.store.scheme sqlite" -}}
 {{- end -}}
-{{- if and (not .Values.webConfig.existingSecret) (not .Values.webConfig.basicAuthUsers) -}}
-{{- fail "webConfig: set basicAuthUsers (user: bcrypt hash) or existingSecret; /metrics must ask for credentials" -}}
-{{- end -}}
 {{- if and .Values.policy.existingConfigMap .Values.policy.inline -}}
 {{- fail "policy: set inline or existingConfigMap, not both (existingConfigMap needs inline: \"\")" -}}
 {{- end -}}
 {{- if and (not .Values.policy.existingConfigMap) (not .Values.policy.inline) -}}
 {{- fail "policy: set inline (the authorization policy) or existingConfigMap; without one no one may connect" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The tracer's nodeSelector: the one given, else GPU feature discovery's NVIDIA label. A default
+written in values.yaml would be merged by helm with the user's selector, not replaced. */}}
+{{- define "ghostgpu.tracerNodeSelector" -}}
+{{- toYaml (default (dict "nvidia.com/gpu.present" "true") .Values.tracer.nodeSelector) -}}
+{{- end -}}
+
+{{/* The flags `kubectl ghostgpu` needs to find this release's collector Service, beyond its defaults
+(cli/kubectl_plugin.py: namespace ghostgpu, Service ghostgpu-collector, port 7450). */}}
+{{- define "ghostgpu.pluginFlags" -}}
+{{- $flags := list -}}
+{{- if ne .Release.Namespace "ghostgpu" }}{{ $flags = append $flags (printf "--ghostgpu-namespace %s" .Release.Namespace) }}{{ end -}}
+{{- $service := include "ghostgpu.collectorName" . -}}
+{{- if ne $service "ghostgpu-collector" }}{{ $flags = append $flags (printf "--collector-service %s" $service) }}{{ end -}}
+{{- if ne (int .Values.collector.ports.grpc) 7450 }}{{ $flags = append $flags (printf "--collector-port %d" (int .Values.collector.ports.grpc)) }}{{ end -}}
+{{- join " " $flags -}}
 {{- end -}}
