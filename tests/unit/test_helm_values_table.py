@@ -4,9 +4,7 @@ document, and README.md's table is current."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,18 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "helm_values_table.py"
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def hvt() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("helm_values_table", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["helm_values_table"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("helm_values_table")
 
 
 def obj(properties: dict[str, Any], description: str = "", closed: bool = True) -> dict[str, Any]:

@@ -8,9 +8,7 @@ holding helm/helm), to check each refusal says what it refused and that nothing 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -19,17 +17,12 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_helm.py"
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def ih() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("install_helm", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["install_helm"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("install_helm")
 
 
 def package(helm_bytes: bytes | None) -> bytes:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import re
 import subprocess
@@ -26,8 +25,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "krew_archive.py"
 MANIFEST = REPO / "deploy" / "krew" / "ghostgpu.yaml"
 VENV_BIN = Path(sys.executable).parent
 
@@ -50,12 +50,7 @@ SEMVER = re.compile(r"^v\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$"
 
 @pytest.fixture(scope="module")
 def ka() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("krew_archive", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["krew_archive"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("krew_archive")
 
 
 @pytest.fixture(scope="module")
