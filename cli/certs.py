@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import ipaddress
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, Unpack
@@ -32,6 +31,7 @@ from ghostgpu.common.transport.tls import (
     TRUST_DOMAIN_ENV,
     check_name,
     check_trust_domain,
+    is_dns_name,
     spiffe_id,
     trust_domain_of_ca,
 )
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 CA_DAYS = 3650
 LEAF_DAYS = 365
 BACKDATE = dt.timedelta(minutes=5)
-# A DNS name in a collector certificate: labels of letters, digits and '-', a leading '*.' allowed.
-_DNS_NAME = re.compile(r"^(\*\.)?([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*"
-                       r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
 
 class Pair(NamedTuple):
@@ -191,7 +188,7 @@ def collector_cert(ca: Pair, hosts: Sequence[str], trust_domain: str = DEFAULT_T
         try:
             ips.append(str(ipaddress.ip_address(host.strip("[]"))))
         except ValueError:
-            if not _DNS_NAME.match(host) or len(host) > 253:
+            if not is_dns_name(host, wildcard=True):
                 raise ValueError(f"--collector {host!r}: not a DNS name or IP address; give the names "
                                  "clients dial, e.g. --collector collector.ghostgpu.svc,10.0.0.5") from None
             dns_names.append(host)

@@ -49,9 +49,10 @@ _TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
 _NAMES = {"node": re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$"),
           "user": re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._@-]{0,251}[A-Za-z0-9])?$"),
           "group": re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._@:/-]{0,251}[A-Za-z0-9])?$")}
-# RFC 1123 labels, dot-separated, at most 253 characters (a wildcard is a certificate's, not a dial's).
-_SERVER_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+# A DNS name as a certificate's SAN carries it: RFC 1123 labels, dot-separated, at most 253 characters;
+# a leading '*.' only where a certificate is issued (a wildcard is a certificate's, not a dial's).
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"(?=.{{1,253}}$)(\*\.)?{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.+?-----END CERTIFICATE-----", re.S)
 _MAKE_ONE = "ghostgpu certs issue makes one (docs/SECURITY.md)"
 
@@ -67,9 +68,15 @@ def check_trust_domain(value: str, what: str = "--tls-trust-domain") -> str:
     return value
 
 
+def is_dns_name(value: str, *, wildcard: bool = False) -> bool:
+    """A name a certificate's SAN dNSName can hold; `wildcard`: a leading '*.' too (issuing one)."""
+    m = _DNS_NAME.fullmatch(value)
+    return m is not None and (wildcard or m.group(1) is None)
+
+
 def check_server_name(value: str, what: str = "--tls-server-name") -> str:
     """A DNS name a certificate can carry (its SAN dNSName), else one line."""
-    if not _SERVER_NAME.match(value):
+    if not is_dns_name(value):
         raise TlsError(f"{what} {value!r}: not a DNS name; give the name the collector's certificate "
                        "carries, e.g. ghostgpu-collector.ghostgpu.svc")
     return value
