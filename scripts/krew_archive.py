@@ -26,20 +26,18 @@ import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCHER = REPO / "deploy" / "krew" / "kubectl-ghostgpu"
 MANIFEST = REPO / "deploy" / "krew" / "ghostgpu.yaml"
-LICENSE = REPO / "LICENSE"
 ARCHIVE_NAME = "kubectl-ghostgpu.tar.gz"
 DEFAULT_OUT = REPO / "build" / "krew" / ARCHIVE_NAME
 _SHA256_LINE = re.compile(r"^(\s*sha256:\s*)\S+\s*$", re.M)
 
 
 def members(repo: Path = REPO) -> list[tuple[str, bytes, int]]:
-    """(name in the archive, content, mode), sorted by name."""
+    """(name in the archive, content, mode) of each file; archive_bytes orders them."""
     out = [("kubectl-ghostgpu", (repo / "deploy" / "krew" / "kubectl-ghostgpu").read_bytes(), 0o755)]
     if (repo / "LICENSE").is_file():
         out.append(("LICENSE", (repo / "LICENSE").read_bytes(), 0o644))
-    return sorted(out)
+    return out
 
 
 def archive_bytes(entries: list[tuple[str, bytes, int]]) -> bytes:
