@@ -21,12 +21,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml  # Debian's python3-yaml (scripts/bootstrap.sh installs it)
+
+from tests.helpers.manifests import Documents
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "ghostgpu"
@@ -130,18 +130,14 @@ def template(values_files: Sequence[Path] = (), set_values: Mapping[str, str] | 
     return run_helm(args)
 
 
-@dataclass(frozen=True)
-class Render:
+@dataclass(frozen=True, repr=False)
+class Render(Documents):
     """What `helm template` printed, and its documents (empty ones dropped)."""
 
     text: str
 
-    @cached_property
-    def documents(self) -> list[dict[str, Any]]:
-        return [d for d in yaml.safe_load_all(self.text) if d]
-
-    def by_kind(self, kind: str) -> dict[str, dict[str, Any]]:
-        return {d["metadata"]["name"]: d for d in self.documents if d["kind"] == kind}
+    def __repr__(self) -> str:  # failure messages name it; the whole text would drown them
+        return "the chart's render"
 
 
 def render(values_files: Sequence[Path] = (), set_values: Mapping[str, str] | None = None,
@@ -171,3 +167,8 @@ def lint(values_file: Path | None = None) -> subprocess.CompletedProcess[str]:
 def ci_values_files() -> list[Path]:
     """deploy/helm/ghostgpu/ci/*-values.yaml (helm's chart-testing convention), sorted."""
     return sorted(CI.glob("*-values.yaml"))
+
+
+def values_id(path: Path) -> str:
+    """A values file's test id: ci/postgresql-values.yaml is `postgresql`."""
+    return path.name.removesuffix("-values.yaml")

@@ -37,18 +37,11 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-class Manifest:
-    """One manifest file's documents, looked up by kind and name."""
+class Documents:
+    """Kubernetes objects of a YAML text (`text`, a subclass's), looked up by kind and name: a manifest
+    file here, a chart's render in tests/helpers/helm.py."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __repr__(self) -> str:
-        return str(self.path.relative_to(DEPLOY))
-
-    @cached_property
-    def text(self) -> str:
-        return self.path.read_text()
+    text: str
 
     @cached_property
     def documents(self) -> list[dict[str, Any]]:
@@ -105,3 +98,17 @@ class Manifest:
                 if item["path"] == relative:
                     return secret["name"], item["key"]
         raise AssertionError(f"{self}: {name}: no Secret projects {path}")
+
+
+class Manifest(Documents):
+    """One manifest file's documents."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __repr__(self) -> str:
+        return str(self.path.relative_to(DEPLOY))
+
+    @cached_property
+    def text(self) -> str:  # type: ignore[override]  # a read-only property over the base attribute
+        return self.path.read_text()

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers.helm import Render, ci_values_files, render_values_file
+from tests.helpers.helm import Render, ci_values_files, render_values_file, values_id
 from tests.helpers.kube_schemas import CRD_KINDS, is_core
 from tests.helpers.npm_cache import npm_install_once
 
@@ -63,7 +63,7 @@ def crd_check(models: Path, docs: list[dict[str, Any]]) -> tuple[int, list[str]]
     return done.returncode, done.stdout.splitlines()
 
 
-@pytest.fixture(params=ci_values_files(), ids=lambda p: p.name.removesuffix("-values.yaml"))
+@pytest.fixture(params=ci_values_files(), ids=values_id)
 def rendered(request: pytest.FixtureRequest) -> Render:
     path: Path = request.param
     return render_values_file(path)

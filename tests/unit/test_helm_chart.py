@@ -41,14 +41,11 @@ from tests.helpers.helm import (
     render,
     render_values_file,
     template,
+    values_id,
 )
 from tests.helpers.kube_schemas import CRD_KINDS, K8S_VERSIONS, is_core, unknown_crd_fields, validate_core
 
 VALUES_FILES = ci_values_files()
-
-
-def values_id(path: Path) -> str:
-    return path.name.removesuffix("-values.yaml")
 
 
 @pytest.fixture(params=VALUES_FILES, ids=values_id)
