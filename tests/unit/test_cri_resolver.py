@@ -29,15 +29,26 @@ def new_id() -> str:
 
 
 class Changes:
-    """on_change calls, thread-safe."""
+    """on_change calls, thread-safe. With `answers_of` set to a resolver, each call also records the
+    container state that resolver answers at that moment: what the change was to (a count taken
+    after get() shows an answer can still be short of that answer's own on_change, which fires
+    after the answer is stored)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seen: list[tuple[str, str]] = []
+        self.answers_of: CriResolver | None = None
+        self.states: list[tuple[str, str]] = []  # (container ID, its container_state at the call)
 
     def __call__(self, node: str, cid: str) -> None:
+        state = self.answers_of.get(node, cid).container_state if self.answers_of is not None else ""
         with self.lock:
             self.seen.append((node, cid))
+            self.states.append((cid, state))
+
+    def states_of(self, cid: str) -> list[str]:
+        with self.lock:
+            return [s for c, s in self.states if c == cid]
 
     def count(self, cid: str) -> int:
         with self.lock:
@@ -373,12 +384,13 @@ def test_a_kept_container_is_fetched_again_by_itself_and_its_stop_is_heard(
     cid = new_id()
     fake.add_container(cid, "sb1", "worker")
     r = make(ttl_s=0.2)
+    changes.answers_of = r
     r.keep(NODE, cid)
-    wait_until(lambda: r.get(NODE, cid).container_state == "CONTAINER_RUNNING", "the kept container resolved")
-    heard = changes.count(cid)
+    wait_until(lambda: "CONTAINER_RUNNING" in changes.states_of(cid), "the kept container resolved")
     with fake.lock:
         fake.containers[cid].state = cri.CONTAINER_EXITED
-    wait_until(lambda: changes.count(cid) > heard, "the kept container's stop heard with nobody asking")
+    wait_until(lambda: "CONTAINER_EXITED" in changes.states_of(cid),
+               "the kept container's stop heard with nobody asking")
     assert r.get(NODE, cid).container_state == "CONTAINER_EXITED"
     r.forget(NODE, cid)
     assert r.stats().cached == 0  # forgotten: no longer kept, nor fetched
