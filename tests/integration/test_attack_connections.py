@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ghostgpu.collector.tcpgate import default_max_connections
 
 from tests.helpers.certs import Pki
 from tests.helpers.collector_proc import CollectorProcess, ghostgpu_cli, tls_flags
@@ -76,6 +77,25 @@ def pki(tmp_path: Path) -> Pki:
     return Pki(tmp_path / "pki")
 
 
+def _connections(pid: int, port: int) -> int:
+    """The process's open descriptors that are connections accepted on `port` (sockets whose
+    /proc/net/tcp or tcp6 row has that local port and is not the listener), as the gate counts them."""
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] != "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") in inodes
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return count
+
+
 def _accept_queue(port: int) -> int:
     """Connections waiting in the accept queue of the listener on `port` (a LISTEN row's rx_queue in
     /proc/net/tcp, or tcp6: gRPC may listen on 127.0.0.1 through an IPv6 socket); -1 while no such
@@ -119,10 +139,13 @@ def test_idle_flood_on_the_mtls_port_locks_out_neither_admins_nor_tracers(
         # The collector has taken them all off its accept queue (an attacker would keep them open).
         wait_until(lambda: _accept_queue(port) == 0, "the flood accepted by the collector", 30.0)
         assert col.running, col.stderr()
-        # ... and its gate has closed the flood's surplus: until then gRPC's connection quota refuses
-        # every newcomer at accept (collector/tcpgate.py). The gate looks every 0.1 s, slower on a
-        # loaded machine; an admin arriving in that moment retries as any client does.
-        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) < FD_LIMIT - 64, "the gate to trim the flood",
+        # ... and its gate has closed the flood's surplus down to its cap: until then gRPC's connection
+        # quota (the cap plus a slack) may be full and refuses every newcomer at accept
+        # (collector/tcpgate.py). The gate looks every 0.1 s, slower on a loaded machine; an admin
+        # arriving in that moment retries as any client does. (The process's descriptor count is no
+        # measure of it: the quota keeps that under any bound the fds would show from the start.)
+        cap = default_max_connections(FD_LIMIT)
+        wait_until(lambda: _connections(pid, port) <= cap, f"the gate to trim the flood to {cap} connections",
                    30.0)
         # The flood is still open (the last ones are younger than gRPC's handshake deadline), and:
         out = ghostgpu_cli("ps", "--collector", col.address, "-o", "json", *admin, timeout_s=60.0)
